@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up of everything Trellis needs on a fresh Debian machine:
+# system packages, a project-local venv with LibTorch 2.11.0, then CMake configure.
+# Re-running when everything is present takes seconds.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+debs=(cmake ninja-build ccache g++ libboost-program-options-dev libhdf5-dev libgtest-dev python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+venv="$root/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating venv $venv"
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.11.0") else 1)' 2>/dev/null; then
+  echo "[setup] installing torch==2.11.0 into $venv (large download, once)"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q torch==2.11.0 numpy
+fi
