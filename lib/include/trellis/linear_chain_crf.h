@@ -1,0 +1,68 @@
+// Linear-chain CRF over log potentials: partition function, gold score, log-likelihood, marginals, Viterbi.
+//
+// Every quantity is one dynamic program over trellis::semiring_matmul: LogSemiring gives the log-partition, whose
+// gradient gives the marginals; MaxSemiring gives the Viterbi score, whose gradient is the indicator of the best path.
+// Works on CPU and CUDA tensors (float32/float64) with autograd through everything except marginals/viterbi outputs.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+namespace trellis {
+
+// Scores of a batch of label sequences. Positions t >= lengths[b] are padding and never read as scores.
+struct ChainPotentials {
+  at::Tensor emissions;    // [B,T,K]: score of label k at position t
+  at::Tensor transitions;  // [K,K]:   transitions[i][j] scores label i followed by label j
+  at::Tensor start;        // [K] or undefined (zeros): score of the first label
+  at::Tensor end;          // [K] or undefined (zeros): score of the last label
+  at::Tensor lengths;      // [B] int64 (any device) or undefined (all T); each in [1, T]
+};
+
+// log Z [B]: ⊕ over all label sequences of their total score (LogSemiring).
+at::Tensor log_partition(const ChainPotentials& p);
+
+// Total score [B] of the given labels tags [B,T] (int64; padding positions are ignored).
+at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags);
+
+// log p(tags | x) = gold_score - log_partition, [B].
+at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
+
+// Forward and backward log-messages [B,T,K]: alpha[b,t,k] scores every prefix ending in label k at t (emission at t
+// included), beta[b,t,k] every suffix after t given label k at t (end score included). Zero-filled at padding.
+at::Tensor forward_log_alphas(const ChainPotentials& p);
+at::Tensor backward_log_betas(const ChainPotentials& p);
+
+struct Marginals {
+  at::Tensor log_partition;  // [B]
+  at::Tensor nodes;          // [B,T,K]: P(y_t = k); zero at padding
+  at::Tensor edges;          // [B,T-1,K,K]: P(y_t = i, y_{t+1} = j); undefined unless requested
+};
+// Marginals as the gradient of the log-partition with respect to the potentials (not themselves differentiable).
+Marginals marginals(const ChainPotentials& p, bool with_edges = false);
+
+struct ViterbiResult {
+  at::Tensor path;   // [B,T] int64 best labels; -1 at padding
+  at::Tensor score;  // [B] score of that path; -inf when no label sequence is allowed
+};
+ViterbiResult viterbi(const ChainPotentials& p);
+
+// Which label transitions are allowed (true) or forbidden (false).
+struct TransitionConstraints {
+  at::Tensor transitions;  // [K,K] bool
+  at::Tensor start;        // [K] bool
+  at::Tensor end;          // [K] bool
+};
+
+enum class TagScheme { BIO, BIOES };
+
+// Constraints of a chunk tagging scheme for labels named "O", "B-X", "I-X" (and "E-X", "S-X" for BIOES).
+// A label that does not fit the scheme is an error naming it.
+TransitionConstraints tag_scheme_constraints(const std::vector<std::string>& labels, TagScheme scheme);
+
+// The same potentials with forbidden transitions, starts and ends set to -inf: Viterbi on the result is constrained
+// decoding, and log_partition sums over allowed sequences only.
+ChainPotentials constrain(const ChainPotentials& p, const TransitionConstraints& c);
+
+}  // namespace trellis

@@ -1,0 +1,129 @@
+// Semiring policy types shared by the CPU loops (lib/) and the CUDA kernels (cuda/).
+//
+// A semiring here is (⊕, ⊗, zero, one) over log-space scores; every dynamic program in Trellis is written once
+// against this interface and instantiated with LogSemiring (sums: partition functions, marginals) or MaxSemiring
+// (Viterbi). ⊕ over many terms is accumulated online in an Accumulator, which can also merge with another partial
+// accumulator: this is how reductions are split across tiles, blocks and devices.
+//
+// This header must stay free of LibTorch so that nvcc device code can include it.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__CUDACC__)
+#define TRELLIS_HD __host__ __device__ __forceinline__
+#else
+#define TRELLIS_HD inline
+#endif
+
+namespace trellis {
+
+template <class T>
+TRELLIS_HD T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// exp/log overloaded for float and double on host and device alike.
+template <class T>
+TRELLIS_HD T exp_(T x) {
+#if defined(__CUDA_ARCH__)
+  return ::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+template <class T>
+TRELLIS_HD T log_(T x) {
+#if defined(__CUDA_ARCH__)
+  return ::log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+// ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
+//   (m1,s1) ⊕ (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
+// so no term is ever exponentiated above 1 and -inf terms contribute exactly zero (never NaN).
+struct LogSemiring {
+  static constexpr bool kIsMax = false;
+
+  template <class T>
+  TRELLIS_HD static T zero() { return neg_inf<T>(); }
+  template <class T>
+  TRELLIS_HD static T one() { return T(0); }
+  template <class T>
+  TRELLIS_HD static T times(T a, T b) { return a + b; }
+
+  template <class T>
+  struct Accumulator {
+    T max = neg_inf<T>();
+    T sum = T(0);
+
+    TRELLIS_HD void add(T x, int64_t /*index*/) {
+      if (x > max) {
+        sum = sum * exp_(max - x) + T(1);  // exp(-inf) = 0 while still empty
+        max = x;
+      } else if (x > neg_inf<T>()) {
+        sum += exp_(x - max);
+      }
+    }
+    TRELLIS_HD void merge(const Accumulator& o) {
+      if (o.max > max) {
+        sum = sum * exp_(max - o.max) + o.sum;
+        max = o.max;
+      } else if (o.max > neg_inf<T>()) {
+        sum += o.sum * exp_(o.max - max);
+      }
+    }
+    TRELLIS_HD T value() const { return max > neg_inf<T>() ? max + log_(sum) : neg_inf<T>(); }
+    TRELLIS_HD int64_t arg() const { return -1; }
+  };
+
+  // ∂(⊕_k x_k)/∂x_k: the softmax weight of the term; zero when the whole sum is -inf.
+  template <class T>
+  TRELLIS_HD static T weight(T term, T result, int64_t /*k*/, int64_t /*arg*/) {
+    return result > neg_inf<T>() ? exp_(term - result) : T(0);
+  }
+};
+
+// ⊕ = max (remembering the first index that reached it), ⊗ = +. The gradient is routed to that one argmax, so
+// differentiating a Viterbi score gives the indicator of one best path even when several tie.
+struct MaxSemiring {
+  static constexpr bool kIsMax = true;
+
+  template <class T>
+  TRELLIS_HD static T zero() { return neg_inf<T>(); }
+  template <class T>
+  TRELLIS_HD static T one() { return T(0); }
+  template <class T>
+  TRELLIS_HD static T times(T a, T b) { return a + b; }
+
+  template <class T>
+  struct Accumulator {
+    T max = neg_inf<T>();
+    int64_t index = -1;
+
+    TRELLIS_HD void add(T x, int64_t k) {
+      if (x > max || index < 0) {
+        max = x;
+        index = k;
+      }
+    }
+    TRELLIS_HD void merge(const Accumulator& o) {
+      if (o.index >= 0 && (o.max > max || index < 0 || (o.max == max && o.index < index))) {
+        max = o.max;
+        index = o.index;
+      }
+    }
+    TRELLIS_HD T value() const { return max; }
+    TRELLIS_HD int64_t arg() const { return index; }
+  };
+
+  template <class T>
+  TRELLIS_HD static T weight(T /*term*/, T /*result*/, int64_t k, int64_t arg) {
+    return k == arg ? T(1) : T(0);
+  }
+};
+
+}  // namespace trellis

@@ -1,0 +1,201 @@
+#include "trellis/linear_chain_crf.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <limits>
+
+#include "trellis/error.h"
+#include "trellis/semiring_ops.h"
+
+namespace trellis {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct Shape {
+  int64_t B, T, K;
+};
+
+Shape check(const ChainPotentials& p) {
+  const at::Tensor& e = p.emissions;
+  if (!e.defined() || e.dim() != 3) throw Error("CRF: emissions must be a [B,T,K] tensor");
+  if (e.scalar_type() != at::kFloat && e.scalar_type() != at::kDouble)
+    throw Error("CRF: emissions must be float32 or float64");
+  const Shape s{e.size(0), e.size(1), e.size(2)};
+  if (s.T < 1 || s.K < 1) throw Error("CRF: emissions need T >= 1 and K >= 1");
+  auto same = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
+    if (!t.defined()) return;
+    if (t.sizes().vec() != shape)
+      throw Error(std::string("CRF: ") + name + " has shape " + c10::str(t.sizes()) + ", expected " + c10::str(shape));
+    if (t.scalar_type() != e.scalar_type() || t.device() != e.device())
+      throw Error(std::string("CRF: ") + name + " must have the emissions' dtype and device");
+  };
+  if (!p.transitions.defined()) throw Error("CRF: transitions are required");
+  same(p.transitions, "transitions", {s.K, s.K});
+  same(p.start, "start", {s.K});
+  same(p.end, "end", {s.K});
+  if (p.lengths.defined()) {
+    if (p.lengths.dim() != 1 || p.lengths.size(0) != s.B) throw Error("CRF: lengths must be a [B] tensor");
+    const at::Tensor l = p.lengths.to(at::kCPU, at::kLong);
+    const int64_t* lp = l.data_ptr<int64_t>();
+    for (int64_t b = 0; b < s.B; ++b)
+      if (lp[b] < 1 || lp[b] > s.T)
+        throw Error("CRF: lengths[" + std::to_string(b) + "] = " + std::to_string(lp[b]) + " is outside [1, " +
+                    std::to_string(s.T) + "]");
+  }
+  return s;
+}
+
+at::Tensor lengths_or_full(const ChainPotentials& p, const Shape& s) {
+  const auto opts = p.emissions.options().dtype(at::kLong);
+  return p.lengths.defined() ? p.lengths.to(opts) : at::full({s.B}, s.T, opts);
+}
+
+// [B,T] true where t < length.
+at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
+  return at::arange(T, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
+}
+
+at::Tensor or_zeros(const at::Tensor& t, const ChainPotentials& p, int64_t K) {
+  return t.defined() ? t : at::zeros({K}, p.emissions.options());
+}
+
+// The forward recursion alpha_t = (alpha_{t-1} ⊗ W_t) ⊗ e_t, finished with ⊕_k alpha_last(k) ⊗ end(k).
+// W_t is transitions, or edge[:, t-1] when per-position edge potentials [B,T-1,K,K] are given (to read edge marginals
+// off their gradient). Sequences past their length carry their alpha unchanged. Optionally records every alpha_t.
+template <class S>
+at::Tensor chain_forward(const ChainPotentials& p, const Shape& s, const at::Tensor& edge,
+                         std::vector<at::Tensor>* alphas = nullptr) {
+  const at::Tensor lengths = lengths_or_full(p, s);
+  const bool ragged = p.lengths.defined();
+  const at::Tensor trans = p.transitions.unsqueeze(0);
+  at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
+  if (alphas) alphas->push_back(alpha);
+  for (int64_t t = 1; t < s.T; ++t) {
+    const at::Tensor w = edge.defined() ? edge.select(1, t - 1) : trans;
+    at::Tensor next = semiring_matmul<S>(alpha.unsqueeze(1), w).squeeze(1) + p.emissions.select(1, t);
+    alpha = ragged ? at::where((lengths > t).unsqueeze(1), next, alpha) : next;
+    if (alphas) alphas->push_back(next);
+  }
+  return semiring_sum<S>(alpha + or_zeros(p.end, p, s.K), -1);
+}
+
+}  // namespace
+
+at::Tensor log_partition(const ChainPotentials& p) {
+  const Shape s = check(p);
+  return chain_forward<LogSemiring>(p, s, at::Tensor());
+}
+
+at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
+  const Shape s = check(p);
+  if (!tags.defined() || tags.sizes() != at::IntArrayRef{s.B, s.T})
+    throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
+  const at::Tensor lengths = lengths_or_full(p, s);
+  const at::Tensor mask = position_mask(lengths, s.T);
+  const at::Tensor y = tags.to(lengths.options()).masked_fill(~mask, 0);
+  const at::Tensor bad = mask & ((y < 0) | (y >= s.K));
+  if (bad.any().item<bool>()) {
+    const at::Tensor where = bad.nonzero()[0].cpu();
+    const int64_t b = where[0].item<int64_t>(), t = where[1].item<int64_t>();
+    throw Error("CRF: tags[" + std::to_string(b) + "][" + std::to_string(t) + "] = " +
+                std::to_string(tags[b][t].item<int64_t>()) + " is outside [0, " + std::to_string(s.K) + ")");
+  }
+  const at::Tensor zero = at::zeros({}, p.emissions.options());
+  at::Tensor score = at::where(mask, p.emissions.gather(2, y.unsqueeze(2)).squeeze(2), zero).sum(1);
+  if (s.T > 1) {
+    const at::Tensor trans = p.transitions.index({y.slice(1, 0, -1), y.slice(1, 1)});
+    score = score + at::where(mask.slice(1, 1), trans, zero).sum(1);
+  }
+  if (p.start.defined()) score = score + p.start.index_select(0, y.select(1, 0));
+  if (p.end.defined()) score = score + p.end.index_select(0, y.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1));
+  return score;
+}
+
+at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
+  return gold_score(p, tags) - log_partition(p);
+}
+
+at::Tensor forward_log_alphas(const ChainPotentials& p) {
+  const Shape s = check(p);
+  std::vector<at::Tensor> alphas;
+  chain_forward<LogSemiring>(p, s, at::Tensor(), &alphas);
+  const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T).unsqueeze(2);
+  return at::where(mask, at::stack(alphas, 1), at::zeros({}, p.emissions.options()));
+}
+
+at::Tensor backward_log_betas(const ChainPotentials& p) {
+  const Shape s = check(p);
+  const at::Tensor lengths = lengths_or_full(p, s);
+  // beta_t = W ⊗ (e_{t+1} ⊗ beta_{t+1}), starting from the end scores at each sequence's last position.
+  const at::Tensor end = or_zeros(p.end, p, s.K).expand({s.B, s.K});
+  const at::Tensor trans = p.transitions.unsqueeze(0);
+  std::vector<at::Tensor> betas(s.T);
+  at::Tensor beta = end;
+  betas[s.T - 1] = beta;
+  for (int64_t t = s.T - 2; t >= 0; --t) {
+    const at::Tensor next =
+        semiring_matmul<LogSemiring>(trans, (p.emissions.select(1, t + 1) + beta).unsqueeze(2)).squeeze(2);
+    beta = at::where((lengths > t + 1).unsqueeze(1), next, end);
+    betas[t] = beta;
+  }
+  const at::Tensor mask = position_mask(lengths, s.T).unsqueeze(2);
+  return at::where(mask, at::stack(betas, 1), at::zeros({}, p.emissions.options()));
+}
+
+Marginals marginals(const ChainPotentials& p, bool with_edges) {
+  const Shape s = check(p);
+  c10::AutoGradMode grad_on(true);
+  ChainPotentials q = p;
+  q.emissions = p.emissions.detach().requires_grad_();
+  q.transitions = p.transitions.detach();
+  if (p.start.defined()) q.start = p.start.detach();
+  if (p.end.defined()) q.end = p.end.detach();
+  at::Tensor edge;
+  if (with_edges) edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
+  const at::Tensor log_z = chain_forward<LogSemiring>(q, s, edge);
+  torch::autograd::variable_list inputs{q.emissions};
+  if (with_edges) inputs.push_back(edge);
+  const auto grads = torch::autograd::grad({log_z.sum()}, inputs, {}, /*retain_graph=*/false, /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+  Marginals m;
+  m.log_partition = log_z.detach();
+  m.nodes = grads[0];
+  if (with_edges) m.edges = grads[1].defined() ? grads[1] : at::zeros_like(edge);
+  return m;
+}
+
+ViterbiResult viterbi(const ChainPotentials& p) {
+  const Shape s = check(p);
+  c10::AutoGradMode grad_on(true);
+  ChainPotentials q = p;
+  q.emissions = p.emissions.detach().requires_grad_();
+  q.transitions = p.transitions.detach();
+  if (p.start.defined()) q.start = p.start.detach();
+  if (p.end.defined()) q.end = p.end.detach();
+  const at::Tensor score = chain_forward<MaxSemiring>(q, s, at::Tensor());
+  // The max semiring routes the gradient to one argmax at every step: it is the indicator of the best path.
+  const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
+  const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);
+  return {onehot.argmax(2).masked_fill(~mask, -1), score.detach()};
+}
+
+ChainPotentials constrain(const ChainPotentials& p, const TransitionConstraints& c) {
+  const Shape s = check(p);
+  auto mask_out = [&](const at::Tensor& scores, const at::Tensor& allowed, const char* name, std::vector<int64_t> shape) {
+    if (!allowed.defined()) return scores;
+    if (allowed.sizes().vec() != shape || allowed.scalar_type() != at::kBool)
+      throw Error(std::string("constrain: ") + name + " must be a bool tensor of shape " + c10::str(shape));
+    const at::Tensor base = scores.defined() ? scores : at::zeros(shape, p.emissions.options());
+    return base.masked_fill(~allowed.to(base.device()), kNegInf);
+  };
+  ChainPotentials q = p;
+  q.transitions = mask_out(p.transitions, c.transitions, "transitions", {s.K, s.K});
+  q.start = mask_out(p.start, c.start, "start", {s.K});
+  q.end = mask_out(p.end, c.end, "end", {s.K});
+  return q;
+}
+
+}  // namespace trellis

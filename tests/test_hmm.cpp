@@ -1,0 +1,166 @@
+#include "trellis/hmm.h"
+
+#include "test_util.h"
+
+using namespace trellis;
+using namespace trellis::testing;
+
+namespace {
+
+// log P(observations[b]) by enumerating every state sequence in probability space (float64).
+double brute_log_likelihood(const CategoricalHMM& m, const at::Tensor& obs, int64_t b, int64_t T, double* best = nullptr,
+                            std::vector<int64_t>* best_path = nullptr) {
+  const at::Tensor pi = m.log_start.exp(), A = m.log_transitions.exp(), E = m.log_emissions.exp();
+  const int64_t K = m.num_states();
+  std::vector<int64_t> s(T, 0);
+  double total = 0, top = -1;
+  while (true) {
+    double p = pi[s[0]].item<double>() * E[s[0]][obs[b][0].item<int64_t>()].item<double>();
+    for (int64_t t = 1; t < T; ++t)
+      p *= A[s[t - 1]][s[t]].item<double>() * E[s[t]][obs[b][t].item<int64_t>()].item<double>();
+    total += p;
+    if (p > top) top = p, best_path ? (void)(*best_path = s) : void();
+    int64_t t = T - 1;
+    while (t >= 0 && ++s[t] == K) s[t--] = 0;
+    if (t < 0) break;
+  }
+  if (best) *best = std::log(top);
+  return std::log(total);
+}
+
+struct Data {
+  at::Tensor obs, lengths;
+};
+
+Data random_observations(int64_t B, int64_t T, int64_t V) {
+  Data d{at::randint(0, V, {B, T}, at::kLong), at::randint(1, T + 1, {B}, at::kLong)};
+  d.lengths[0] = T;
+  d.lengths[1] = 1;
+  return d;
+}
+
+}  // namespace
+
+TEST(HMM, LogLikelihoodMatchesEnumerationAndCrfPartition) {
+  const CategoricalHMM m = CategoricalHMM::random(3, 5, 1);
+  const Data d = random_observations(5, 5, 5);
+  const at::Tensor ll = log_likelihood(m, d.obs, d.lengths);
+  for (int64_t b = 0; b < 5; ++b)
+    EXPECT_NEAR(ll[b].item<double>(), brute_log_likelihood(m, d.obs, b, d.lengths[b].item<int64_t>()), 1e-10);
+  // The same numbers through a CRF built from the HMM's potentials.
+  ChainPotentials p;
+  p.emissions = m.log_emissions.t().index_select(0, d.obs.flatten()).view({5, 5, 3});
+  p.transitions = m.log_transitions;
+  p.start = m.log_start;
+  p.lengths = d.lengths;
+  expect_close(log_partition(p), ll);
+}
+
+TEST(HMM, ForwardBackwardAndPosteriorsAreConsistent) {
+  const CategoricalHMM m = CategoricalHMM::random(4, 6, 2);
+  const Data d = random_observations(6, 7, 6);
+  const ForwardBackward fb = forward_backward(m, d.obs, d.lengths);
+  const at::Tensor post = posteriors(m, d.obs, d.lengths);
+  const at::Tensor mask = (at::arange(7).unsqueeze(0) < d.lengths.unsqueeze(1)).unsqueeze(2);
+  const at::Tensor from_fb = at::where(mask, (fb.log_alpha + fb.log_beta - fb.log_likelihood.view({6, 1, 1})).exp(),
+                                       at::zeros({}, at::kDouble));
+  expect_close(post, from_fb, 1e-9, 1e-12);
+  expect_close(post.sum(2), mask.squeeze(2).to(at::kDouble));
+  // alpha at the last position sums to the likelihood.
+  for (int64_t b = 0; b < 6; ++b)
+    EXPECT_NEAR(at::logsumexp(fb.log_alpha[b][d.lengths[b].item<int64_t>() - 1], 0).item<double>(),
+                fb.log_likelihood[b].item<double>(), 1e-10);
+}
+
+TEST(HMM, ViterbiMatchesEnumeration) {
+  const CategoricalHMM m = CategoricalHMM::random(3, 4, 3);
+  const Data d = random_observations(6, 5, 4);
+  const ViterbiResult v = viterbi(m, d.obs, d.lengths);
+  for (int64_t b = 0; b < 6; ++b) {
+    const int64_t T = d.lengths[b].item<int64_t>();
+    double best;
+    std::vector<int64_t> path;
+    brute_log_likelihood(m, d.obs, b, T, &best, &path);
+    EXPECT_NEAR(v.score[b].item<double>(), best, 1e-10);
+    for (int64_t t = 0; t < T; ++t) EXPECT_EQ(v.path[b][t].item<int64_t>(), path[t]);
+  }
+}
+
+TEST(HMM, SamplingIsSeededAndFollowsTheModel) {
+  const CategoricalHMM m = CategoricalHMM::random(3, 4, 4);
+  const HMMSample a = sample(m, 4000, 6, 11), b = sample(m, 4000, 6, 11), c = sample(m, 4000, 6, 12);
+  EXPECT_TRUE(at::equal(a.observations, b.observations));
+  EXPECT_FALSE(at::equal(a.observations, c.observations));
+  const at::Tensor first = at::bincount(a.states.select(1, 0), {}, 3).to(at::kDouble) / 4000;
+  expect_close(first, m.log_start.exp(), 0, 0.03);
+  // Supervised MLE on a large sample recovers the model.
+  const CategoricalHMM fit = fit_supervised(a.observations, a.states, {}, 3, 4, 0.0);
+  expect_close(fit.log_transitions.exp(), m.log_transitions.exp(), 0, 0.03);
+  expect_close(fit.log_emissions.exp(), m.log_emissions.exp(), 0, 0.03);
+}
+
+TEST(HMM, SupervisedCountsWithSmoothingAreExact) {
+  // One sequence 0 1 1 over states a b b, padding ignored, Laplace smoothing 1.
+  const at::Tensor obs = at::tensor({0, 1, 1, 9}, at::kLong).view({1, 4});
+  const at::Tensor st = at::tensor({0, 1, 1, 7}, at::kLong).view({1, 4});
+  const CategoricalHMM m = fit_supervised(obs, st, at::tensor({3}, at::kLong), 2, 2, 1.0);
+  expect_close(m.log_start.exp(), at::tensor({2. / 3, 1. / 3}, at::kDouble));
+  expect_close(m.log_transitions.exp(), at::tensor({1. / 3, 2. / 3, 1. / 3, 2. / 3}, at::kDouble).view({2, 2}));
+  expect_close(m.log_emissions.exp(), at::tensor({2. / 3, 1. / 3, 1. / 4, 3. / 4}, at::kDouble).view({2, 2}));
+  EXPECT_THROW(fit_supervised(obs, st, {}, 2, 2, 1.0), Error);  // padding read as a real state 7
+}
+
+TEST(HMM, BaumWelchStepEqualsEnumeratedExpectedCountsAndNeverDecreases) {
+  const CategoricalHMM m = CategoricalHMM::random(2, 3, 5);
+  const Data d = random_observations(4, 4, 3);
+  // Expected counts by enumeration.
+  at::Tensor start = at::zeros({2}, at::kDouble), trans = at::zeros({2, 2}, at::kDouble),
+             emit = at::zeros({2, 3}, at::kDouble);
+  const ChainPotentials p = m.potentials(d.obs, d.lengths);
+  for (int64_t b = 0; b < 4; ++b) {
+    const Enumeration e = enumerate(p, b);
+    const double z = e.log_partition();
+    for (std::size_t n = 0; n < e.paths.size(); ++n) {
+      const double w = std::exp(e.scores[n] - z);
+      const auto& s = e.paths[n];
+      start[s[0]] += w;
+      for (std::size_t t = 0; t < s.size(); ++t) {
+        emit[s[t]][d.obs[b][t].item<int64_t>()] += w;
+        if (t > 0) trans[s[t - 1]][s[t]] += w;
+      }
+    }
+  }
+  const BaumWelchResult one = baum_welch(m, d.obs, d.lengths, {1, 0.0, 0.0});
+  expect_close(one.model.log_start.exp(), start / start.sum());
+  expect_close(one.model.log_transitions.exp(), trans / trans.sum(1, true));
+  expect_close(one.model.log_emissions.exp(), emit / emit.sum(1, true));
+
+  const HMMSample data = sample(CategoricalHMM::random(3, 5, 6), 50, 20, 7);
+  const BaumWelchResult r = baum_welch(CategoricalHMM::random(3, 5, 8), data.observations, {}, {50, 1e-8, 0.0});
+  ASSERT_GT(r.log_likelihood.size(), 3u);
+  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-9);
+}
+
+TEST(HMM, ObservationOutsideVocabularyIsAnErrorNamingItsPosition) {
+  const CategoricalHMM m = CategoricalHMM::random(2, 3, 9);
+  at::Tensor obs = at::zeros({2, 3}, at::kLong);
+  obs[1][2] = 3;
+  try {
+    log_likelihood(m, obs);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[1][2] = 3"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(log_likelihood(m, obs, at::tensor({3, 2}, at::kLong)));  // position 2 of sequence 1 is padding
+}
+
+TEST(HMMCuda, MatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  const CategoricalHMM m = CategoricalHMM::random(5, 7, 10);
+  const Data d = random_observations(8, 12, 7);
+  const at::Device cuda(at::kCUDA);
+  const CategoricalHMM g{m.log_start.to(cuda), m.log_transitions.to(cuda), m.log_emissions.to(cuda)};
+  expect_close(log_likelihood(g, d.obs.to(cuda), d.lengths.to(cuda)), log_likelihood(m, d.obs, d.lengths), 1e-10, 1e-10);
+  expect_close(posteriors(g, d.obs.to(cuda), d.lengths), posteriors(m, d.obs, d.lengths), 1e-10, 1e-10);
+  EXPECT_TRUE(at::equal(viterbi(g, d.obs.to(cuda), d.lengths).path.cpu(), viterbi(m, d.obs, d.lengths).path));
+}

@@ -1,0 +1,276 @@
+#include "trellis/linear_chain_crf.h"
+
+#include "test_util.h"
+#include "trellis/error.h"
+
+using namespace trellis;
+using namespace trellis::testing;
+
+namespace {
+
+int64_t length_of(const ChainPotentials& p, int64_t b) {
+  return p.lengths.defined() ? p.lengths[b].item<int64_t>() : p.emissions.size(1);
+}
+
+at::Tensor brute_log_partition(const ChainPotentials& p) {
+  std::vector<double> z;
+  for (int64_t b = 0; b < p.emissions.size(0); ++b) z.push_back(enumerate(p, b).log_partition());
+  return at::tensor(z, at::kDouble);
+}
+
+// Node [B,T,K] and edge [B,T-1,K,K] marginals by enumeration.
+std::pair<at::Tensor, at::Tensor> brute_marginals(const ChainPotentials& p) {
+  const int64_t B = p.emissions.size(0), T = p.emissions.size(1), K = p.emissions.size(2);
+  at::Tensor nodes = at::zeros({B, T, K}, at::kDouble), edges = at::zeros({B, std::max<int64_t>(T - 1, 0), K, K}, at::kDouble);
+  for (int64_t b = 0; b < B; ++b) {
+    const Enumeration e = enumerate(p, b);
+    const double z = e.log_partition();
+    for (std::size_t n = 0; n < e.paths.size(); ++n) {
+      const double pr = std::exp(e.scores[n] - z);
+      const auto& y = e.paths[n];
+      for (std::size_t t = 0; t < y.size(); ++t) {
+        nodes[b][t][y[t]] += pr;
+        if (t > 0) edges[b][t - 1][y[t - 1]][y[t]] += pr;
+      }
+    }
+  }
+  return {nodes, edges};
+}
+
+at::Tensor random_tags(const ChainPotentials& p) {
+  return at::randint(0, p.emissions.size(2), {p.emissions.size(0), p.emissions.size(1)}, at::kLong);
+}
+
+}  // namespace
+
+TEST(LinearChainCRF, LogPartitionMatchesEnumeration) {
+  for (auto [T, K] : {std::pair{1, 3}, std::pair{4, 3}, std::pair{5, 2}, std::pair{3, 4}, std::pair{6, 1}})
+    for (bool ends : {false, true}) {
+      const ChainPotentials p = random_chain(4, T, K, ends);
+      expect_close(log_partition(p), brute_log_partition(p));
+    }
+}
+
+TEST(LinearChainCRF, LogLikelihoodMatchesEnumeration) {
+  const ChainPotentials p = random_chain(5, 4, 3);
+  const at::Tensor tags = random_tags(p);
+  const at::Tensor ll = log_likelihood(p, tags);
+  for (int64_t b = 0; b < 5; ++b) {
+    const Enumeration e = enumerate(p, b);
+    std::vector<int64_t> y(tags[b].data_ptr<int64_t>(), tags[b].data_ptr<int64_t>() + length_of(p, b));
+    const auto it = std::find(e.paths.begin(), e.paths.end(), y);
+    ASSERT_NE(it, e.paths.end());
+    EXPECT_NEAR(ll[b].item<double>(), e.scores[it - e.paths.begin()] - e.log_partition(), 1e-10);
+  }
+}
+
+TEST(LinearChainCRF, MarginalsMatchEnumerationAndSumToOne) {
+  const ChainPotentials p = random_chain(4, 5, 3);
+  const Marginals m = marginals(p, /*with_edges=*/true);
+  const auto [nodes, edges] = brute_marginals(p);
+  expect_close(m.nodes, nodes, 1e-9, 1e-12);
+  expect_close(m.edges, edges, 1e-9, 1e-12);
+  expect_close(m.log_partition, brute_log_partition(p));
+  const at::Tensor mask = at::arange(5).unsqueeze(0) < p.lengths.unsqueeze(1);
+  expect_close(m.nodes.sum(2), mask.to(at::kDouble));
+}
+
+TEST(LinearChainCRF, AlphasAndBetasCombineToThePartitionAtEveryPosition) {
+  const ChainPotentials p = random_chain(4, 6, 3);
+  const at::Tensor a = forward_log_alphas(p), b = backward_log_betas(p), z = log_partition(p);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t t = 0; t < length_of(p, i); ++t)
+      EXPECT_NEAR(at::logsumexp(a[i][t] + b[i][t], 0).item<double>(), z[i].item<double>(), 1e-10);
+}
+
+TEST(LinearChainCRF, GradientsMatchFiniteDifferences) {
+  ChainPotentials p = random_chain(3, 4, 3);
+  const at::Tensor tags = random_tags(p);
+  std::vector<at::Tensor*> params{&p.emissions, &p.transitions, &p.start, &p.end};
+  for (at::Tensor* x : params) x->requires_grad_();
+  log_likelihood(p, tags).sum().backward();
+  for (at::Tensor* x : params) {
+    auto f = [&](const at::Tensor& v) {
+      ChainPotentials q = p;
+      q.emissions = p.emissions.detach();
+      q.transitions = p.transitions.detach();
+      q.start = p.start.detach();
+      q.end = p.end.detach();
+      (x == &p.emissions ? q.emissions : x == &p.transitions ? q.transitions : x == &p.start ? q.start : q.end) = v;
+      return log_likelihood(q, tags).sum().item<double>();
+    };
+    expect_close(x->grad(), numeric_gradient(f, *x), 1e-6, 1e-7);
+  }
+}
+
+TEST(LinearChainCRF, ViterbiMatchesBestEnumeratedPath) {
+  for (bool ends : {false, true}) {
+    const ChainPotentials p = random_chain(6, 5, 3, ends);
+    const ViterbiResult v = viterbi(p);
+    expect_close(v.score, gold_score(p, v.path.clamp_min(0)));
+    for (int64_t b = 0; b < 6; ++b) {
+      const Enumeration e = enumerate(p, b);
+      const std::size_t best = e.best();
+      EXPECT_NEAR(v.score[b].item<double>(), e.scores[best], 1e-10);
+      for (int64_t t = 0; t < 5; ++t)
+        EXPECT_EQ(v.path[b][t].item<int64_t>(), t < length_of(p, b) ? e.paths[best][t] : -1);
+    }
+  }
+}
+
+TEST(LinearChainCRF, SingleLegalPathGivesExactAnswerWithoutNaN) {
+  // Only 0 -> 1 -> 2 -> 0 -> ... is allowed, and the path must start in 0.
+  const int64_t K = 3, T = 5;
+  ChainPotentials p = random_chain(2, T, K, true, false);
+  p.transitions = at::full({K, K}, -kInf, at::kDouble);
+  for (int64_t i = 0; i < K; ++i) p.transitions[i][(i + 1) % K] = randn({}).item<double>();
+  p.start = at::full({K}, -kInf, at::kDouble);
+  p.start[0] = 0.5;
+  p.emissions.requires_grad_();
+  p.transitions.requires_grad_();
+  const at::Tensor only = at::tensor({0, 1, 2, 0, 1}, at::kLong).expand({2, T}).contiguous();
+  const at::Tensor ll = log_likelihood(p, only);
+  expect_close(ll, at::zeros({2}, at::kDouble), 0, 1e-12);
+  ll.sum().backward();
+  EXPECT_FALSE(p.emissions.grad().isnan().any().item<bool>());
+  EXPECT_FALSE(p.transitions.grad().isnan().any().item<bool>());
+  const Marginals m = marginals(p, true);
+  expect_close(m.nodes, at::one_hot(only, K).to(at::kDouble), 0, 1e-12);
+  EXPECT_FALSE(m.edges.isnan().any().item<bool>());
+  const ViterbiResult v = viterbi(p);
+  EXPECT_TRUE(at::equal(v.path, only));
+  expect_close(v.score, gold_score(p, only));
+}
+
+TEST(LinearChainCRF, LargeScoresDoNotOverflow) {
+  ChainPotentials p = random_chain(3, 4, 3);
+  p.emissions = p.emissions * 1e4;
+  p.transitions = p.transitions * 1e4;
+  const at::Tensor z = log_partition(p);
+  EXPECT_TRUE(z.isfinite().all().item<bool>());
+  expect_close(z, brute_log_partition(p), 1e-12, 1e-8);
+  const Marginals m = marginals(p);
+  EXPECT_FALSE(m.nodes.isnan().any().item<bool>());
+  ChainPotentials f = p;  // float32
+  f.emissions = p.emissions.to(at::kFloat);
+  f.transitions = p.transitions.to(at::kFloat);
+  f.start = p.start.to(at::kFloat);
+  f.end = p.end.to(at::kFloat);
+  expect_close(log_partition(f), z, 1e-6, 1e-2);
+}
+
+TEST(LinearChainCRF, Float32AgreesWithFloat64) {
+  const ChainPotentials p = random_chain(4, 7, 5);
+  ChainPotentials f = p;
+  f.emissions = p.emissions.to(at::kFloat);
+  f.transitions = p.transitions.to(at::kFloat);
+  f.start = p.start.to(at::kFloat);
+  f.end = p.end.to(at::kFloat);
+  expect_close(log_partition(f), log_partition(p), 1e-5, 1e-5);
+  expect_close(marginals(f).nodes, marginals(p).nodes, 1e-4, 1e-5);
+  EXPECT_TRUE(at::equal(viterbi(f).path, viterbi(p).path));
+}
+
+TEST(LinearChainCRF, RejectsBadInputWithIndex) {
+  ChainPotentials p = random_chain(3, 4, 2);
+  p.lengths = at::tensor({4, 0, 2}, at::kLong);
+  try {
+    log_partition(p);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lengths[1] = 0"), std::string::npos) << e.what();
+  }
+  p.lengths = at::tensor({4, 1, 2}, at::kLong);
+  at::Tensor tags = at::zeros({3, 4}, at::kLong);
+  tags[2][1] = 7;
+  try {
+    gold_score(p, tags);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tags[2][1] = 7"), std::string::npos) << e.what();
+  }
+  tags[2][1] = 0;
+  tags[1][3] = 99;  // padding is never read
+  EXPECT_NO_THROW(gold_score(p, tags));
+  p.transitions = randn({3, 2});
+  EXPECT_THROW(log_partition(p), Error);
+}
+
+TEST(Constraints, BioAndBioesRules) {
+  const std::vector<std::string> bio{"O", "B-NP", "I-NP", "B-VP", "I-VP"};
+  const TransitionConstraints c = tag_scheme_constraints(bio, TagScheme::BIO);
+  EXPECT_TRUE(c.transitions[1][2].item<bool>());   // B-NP -> I-NP
+  EXPECT_TRUE(c.transitions[2][2].item<bool>());   // I-NP -> I-NP
+  EXPECT_FALSE(c.transitions[0][2].item<bool>());  // O -> I-NP
+  EXPECT_FALSE(c.transitions[3][2].item<bool>());  // B-VP -> I-NP
+  EXPECT_TRUE(c.transitions[2][3].item<bool>());   // I-NP -> B-VP
+  EXPECT_FALSE(c.start[2].item<bool>());
+  EXPECT_TRUE(c.start[1].item<bool>());
+  EXPECT_TRUE(c.end.all().item<bool>());
+
+  const std::vector<std::string> bioes{"O", "B-X", "I-X", "E-X", "S-X"};
+  const TransitionConstraints d = tag_scheme_constraints(bioes, TagScheme::BIOES);
+  const bool expected[5][5] = {{1, 1, 0, 0, 1}, {0, 0, 1, 1, 0}, {0, 0, 1, 1, 0}, {1, 1, 0, 0, 1}, {1, 1, 0, 0, 1}};
+  for (int i = 0; i < 5; ++i)
+    for (int j = 0; j < 5; ++j) EXPECT_EQ(d.transitions[i][j].item<bool>(), expected[i][j]) << i << "->" << j;
+  EXPECT_TRUE(at::equal(d.start, at::tensor({1, 1, 0, 0, 1}).to(at::kBool)));
+  EXPECT_TRUE(at::equal(d.end, at::tensor({1, 0, 0, 1, 1}).to(at::kBool)));
+
+  EXPECT_THROW(tag_scheme_constraints({"O", "E-X"}, TagScheme::BIO), Error);
+  EXPECT_THROW(tag_scheme_constraints({"O", "NP"}, TagScheme::BIOES), Error);
+}
+
+TEST(Constraints, ConstrainedViterbiIsTheBestAllowedPath) {
+  const std::vector<std::string> labels{"O", "B-A", "I-A", "B-B", "I-B"};
+  const TransitionConstraints c = tag_scheme_constraints(labels, TagScheme::BIO);
+  const ChainPotentials p = random_chain(8, 4, 5);
+  const ChainPotentials q = constrain(p, c);
+  const ViterbiResult v = viterbi(q);
+  for (int64_t b = 0; b < 8; ++b) {
+    const Enumeration e = enumerate(p, b);
+    double best = -kInf;
+    std::vector<int64_t> best_path;
+    for (std::size_t n = 0; n < e.paths.size(); ++n) {
+      const auto& y = e.paths[n];
+      bool ok = c.start[y[0]].item<bool>() && c.end[y.back()].item<bool>();
+      for (std::size_t t = 1; t < y.size(); ++t) ok = ok && c.transitions[y[t - 1]][y[t]].item<bool>();
+      if (ok && e.scores[n] > best) best = e.scores[n], best_path = y;
+    }
+    EXPECT_NEAR(v.score[b].item<double>(), best, 1e-10);
+    for (std::size_t t = 0; t < best_path.size(); ++t) EXPECT_EQ(v.path[b][t].item<int64_t>(), best_path[t]);
+  }
+  // The constrained partition sums over allowed paths only, and its marginals have no NaN.
+  EXPECT_LT((log_partition(q) - log_partition(p)).max().item<double>(), 0);
+  EXPECT_FALSE(marginals(q, true).edges.isnan().any().item<bool>());
+}
+
+// ---- CUDA against CPU ----
+
+TEST(LinearChainCRFCuda, MatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    ChainPotentials p = random_chain(7, 9, 6);
+    p.transitions[0][1] = -kInf;
+    p.emissions = p.emissions.to(dtype);
+    p.transitions = p.transitions.to(dtype);
+    p.start = p.start.to(dtype);
+    p.end = p.end.to(dtype);
+    ChainPotentials g = p;
+    const at::Device cuda(at::kCUDA);
+    g.emissions = p.emissions.to(cuda);
+    g.transitions = p.transitions.to(cuda);
+    g.start = p.start.to(cuda);
+    g.end = p.end.to(cuda);
+    g.lengths = p.lengths.to(cuda);
+    const double tol = dtype == at::kFloat ? 1e-4 : 1e-10;
+    expect_close(log_partition(g), log_partition(p), tol, tol);
+    expect_close(marginals(g, true).edges, marginals(p, true).edges, tol, tol);
+    EXPECT_TRUE(at::equal(viterbi(g).path.cpu(), viterbi(p).path));
+    const at::Tensor tags = random_tags(p);
+    g.emissions.requires_grad_();
+    p.emissions.requires_grad_();
+    log_likelihood(g, tags.to(cuda)).sum().backward();
+    log_likelihood(p, tags).sum().backward();
+    expect_close(g.emissions.grad(), p.emissions.grad(), tol, tol);
+  }
+}
