@@ -3,13 +3,15 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <filesystem>
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
-namespace fs = std::filesystem;
 using trellis::ConllCorpus;
 using trellis::ConllReadOptions;
 using trellis::ConllSentence;
@@ -38,22 +40,36 @@ std::pair<std::string, std::size_t> parse_error(const std::string& text, const C
 }
 
 // A fresh, empty directory for one test, removed when the test ends.
+// A fresh directory per test. POSIX calls rather than std::filesystem: libtorch.so exports its own copies of some
+// std::filesystem functions (remove_all among them) that crash when they interpose on the test's.
 struct TempDir {
   TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path = fs::path(::testing::TempDir()) / ("trellis_conll_" + std::string(info->name()) + "_" +
-                                             std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
+    std::string pattern = ::testing::TempDir() + "trellis_conll_XXXXXX";
+    if (!::mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
+    path = pattern;
   }
-  ~TempDir() { fs::remove_all(path); }
-  fs::path path;
+  ~TempDir() {
+    for (const auto& name : list_dir(path)) std::remove((path + "/" + name).c_str());
+    ::rmdir(path.c_str());
+  }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string path;
+
+  static std::vector<std::string> list_dir(const std::string& dir) {
+    std::vector<std::string> names;
+    if (DIR* d = ::opendir(dir.c_str())) {
+      while (const dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") names.push_back(e->d_name);
+      ::closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
 };
 
-std::vector<std::string> list_dir(const fs::path& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
-  return names;
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
 }
 
 }  // namespace
@@ -199,7 +215,7 @@ TEST(Conll, WriteRejectsWhatCannotBeReadBack) {
 
 TEST(Conll, WriteThenReadRoundTripsThroughAFile) {
   TempDir dir;
-  const std::string path = (dir.path / "out.txt").string();
+  const std::string path = dir / "out.txt";
   const std::vector<ConllSentence> sentences = {
       ConllSentence{{{"Confidence", "NN", "B-NP"}, {"#", "#", "O"}}, 1},
       ConllSentence{{{"caf\xC3\xA9", "NN", "I-NP"}}, 4},
@@ -217,26 +233,26 @@ TEST(Conll, WriteThenReadRoundTripsThroughAFile) {
   // Overwriting replaces the file and leaves no temporary behind.
   write_conll(path, {sentences[1]});
   EXPECT_EQ(read_conll(path).sentences.size(), 1u);
-  EXPECT_EQ(list_dir(dir.path), std::vector<std::string>{"out.txt"});
+  EXPECT_EQ(TempDir::list_dir(dir.path), std::vector<std::string>{"out.txt"});
 }
 
 TEST(Conll, FailedWriteLeavesNothingBehind) {
   TempDir dir;
-  const fs::path missing = dir.path / "missing";
+  const std::string missing = dir / "missing";
   const std::vector<ConllSentence> sentences = {ConllSentence{{{"a", "A"}}, 1}};
-  EXPECT_THROW(write_conll((missing / "out.txt").string(), sentences), trellis::Error);
-  EXPECT_FALSE(fs::exists(missing));
-  EXPECT_TRUE(list_dir(dir.path).empty());
+  EXPECT_THROW(write_conll(missing + "/out.txt", sentences), trellis::Error);
+  EXPECT_FALSE(exists(missing));
+  EXPECT_TRUE(TempDir::list_dir(dir.path).empty());
 
   // Invalid content: no temporary and no target either.
-  const std::string path = (dir.path / "out.txt").string();
+  const std::string path = dir / "out.txt";
   EXPECT_THROW(write_conll(path, {ConllSentence{{{"a b", "A"}}, 1}}), trellis::Error);
-  EXPECT_TRUE(list_dir(dir.path).empty());
+  EXPECT_TRUE(TempDir::list_dir(dir.path).empty());
 }
 
 TEST(Conll, CannotOpenErrorNamesThePath) {
   TempDir dir;
-  const std::string path = (dir.path / "no_such_file.txt").string();
+  const std::string path = dir / "no_such_file.txt";
   try {
     read_conll(path);
     FAIL() << "no error";
@@ -250,9 +266,9 @@ TEST(Conll, CannotOpenErrorNamesThePath) {
 TEST(Conll, ReadingADirectoryIsAnError) {
   TempDir dir;
   try {
-    read_conll(dir.path.string());
+    read_conll(dir.path);
     FAIL() << "no error";
   } catch (const trellis::Error& e) {
-    EXPECT_EQ(std::string(e.what()), "error reading '" + dir.path.string() + "'");
+    EXPECT_EQ(std::string(e.what()), "error reading '" + dir.path + "'");
   }
 }
