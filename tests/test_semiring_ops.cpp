@@ -107,7 +107,7 @@ TEST(SemiringMatmulCuda, MatchesCpuValuesAndGradients) {
       const at::Tensor w = randn({std::max(ba, bb), M, N}, dtype);
       for (bool is_max : {false, true}) {
         auto run = [&](const at::Device& dev) {
-          const at::Tensor x = a.to(dev).requires_grad_(), y = b.to(dev).requires_grad_();
+          const at::Tensor x = a.detach().to(dev).requires_grad_(), y = b.detach().to(dev).requires_grad_();
           const at::Tensor c = is_max ? max_matmul(x, y) : log_matmul(x, y);
           (c * w.to(dev)).sum().backward();
           return std::tuple{c.cpu(), x.grad().cpu(), y.grad().cpu()};
@@ -129,7 +129,7 @@ TEST(SemiringSumCuda, MatchesCpuOnLongRows) {
       const at::Tensor x = randn({3, n}, dtype, 100);
       for (bool is_max : {false, true}) {
         auto run = [&](const at::Device& dev) {
-          const at::Tensor xd = x.to(dev).requires_grad_();
+          const at::Tensor xd = x.detach().to(dev).requires_grad_();
           const at::Tensor y = is_max ? semiring_sum<MaxSemiring>(xd, 1) : logsumexp(xd, 1);
           (y * at::arange(1, 4, y.options())).sum().backward();
           return std::pair{y.cpu(), xd.grad().cpu()};
