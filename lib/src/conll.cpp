@@ -1,13 +1,13 @@
 #include "trellis/conll.h"
 
-#include <unistd.h>  // getpid, for the temporary file's name
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <string_view>
+
+#include "trellis/atomic_file.h"
 
 namespace trellis {
 
@@ -162,20 +162,7 @@ void write_conll(std::ostream& out, const std::vector<ConllSentence>& sentences)
 }
 
 void write_conll(const std::string& path, const std::vector<ConllSentence>& sentences) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error("cannot open '" + tmp + "' for writing: " + std::strerror(errno));
-  try {
-    write_conll(out, sentences);
-    out.close();  // flushes; a full disk shows up here
-    if (!out) throw Error("error writing '" + tmp + "'");
-    if (std::rename(tmp.c_str(), path.c_str()) != 0)
-      throw Error("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(errno));
-  } catch (...) {
-    out.close();
-    std::remove(tmp.c_str());
-    throw;
-  }
+  write_file_atomically(path, [&](std::ostream& out) { write_conll(out, sentences); });
 }
 
 }  // namespace trellis

@@ -1,0 +1,70 @@
+// A CRF sequence tagger: labels, an observation-feature dictionary and the weights of a linear-chain CRF.
+// Emission scores are sums of per-label feature weights; decoding and training use trellis/linear_chain_crf.h.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "trellis/crf_features.h"
+#include "trellis/linear_chain_crf.h"
+
+namespace trellis {
+
+// Sentences as feature ids, padded into one batch of B sentences of at most T tokens.
+struct EncodedBatch {
+  at::Tensor feature_ids;  // [nnz] int64, the features of every token, token after token
+  at::Tensor offsets;      // [tokens] int64: where each token's features start in feature_ids
+  at::Tensor positions;    // [tokens] int64: b*T + t of each token
+  at::Tensor lengths;      // [B] int64
+  at::Tensor tags;         // [B,T] int64 gold label ids (0 at padding); undefined when no labels were given
+  int64_t batch = 0, max_length = 0;
+};
+
+struct TaggedSentence {
+  std::vector<std::string> labels;   // best label sequence
+  std::vector<double> marginals;     // P(y_t = labels[t] | x) per token, when asked for
+  double probability = 0;            // P(labels | x), when marginals were asked for
+};
+
+class CrfTagger {
+ public:
+  // A model with zero weights over the given labels and features.
+  CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
+            std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns);
+
+  const std::vector<std::string>& labels() const { return labels_; }
+  const std::vector<std::string>& features() const { return features_; }
+  const FeatureExtractor& extractor() const { return *extractor_; }
+  std::size_t input_columns() const { return input_columns_; }
+  int64_t label_id(const std::string& label) const;  // -1 when unknown
+
+  // Parameters, float32 on CPU unless moved with to(): weights [F,K], transitions [K,K], start [K], end [K].
+  at::Tensor weights, transitions, start, end;
+  std::vector<at::Tensor> parameters() const { return {weights, transitions, start, end}; }
+  void to(const at::Device& device);
+
+  // Encodes sentences (input columns only). gold, if given, holds each sentence's label strings; an unknown label is
+  // an error naming the sentence and token.
+  EncodedBatch encode(const std::vector<const TokenRows*>& sentences,
+                      const std::vector<const std::vector<std::string>*>* gold = nullptr) const;
+  // Chain potentials of an encoded batch, differentiable in the parameters, on the parameters' device.
+  ChainPotentials potentials(const EncodedBatch& batch) const;
+
+  std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
+
+  // Model file: self-describing (magic, format version, labels, feature set, dictionary, weights, checksum),
+  // written to a temporary file and renamed. Loading a corrupt, truncated or foreign file is an Error naming it.
+  void save(const std::string& path) const;
+  static CrfTagger load(const std::string& path);
+
+ private:
+  std::vector<std::string> labels_, features_;
+  std::unordered_map<std::string, int64_t> label_ids_, feature_ids_;
+  std::unique_ptr<FeatureExtractor> extractor_;
+  std::size_t input_columns_;
+};
+
+}  // namespace trellis

@@ -1,0 +1,59 @@
+// Training CRF taggers: feature dictionary, L-BFGS on the L2-regularised conditional log-likelihood, progress.
+#pragma once
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trellis/conll.h"
+#include "trellis/crf_tagger.h"
+
+namespace trellis {
+
+// Sentences split into input columns and labels.
+struct LabeledSentences {
+  std::string source;                            // file name, for messages
+  std::vector<TokenRows> inputs;                 // [sentence][token][column]
+  std::vector<std::vector<std::string>> labels;  // [sentence][token]
+  std::vector<std::size_t> first_lines;          // line of each sentence's first token in `source`
+  std::size_t num_tokens() const;
+};
+
+// Takes column `label_column` (negative counts from the end: -1 is the last) as the label.
+LabeledSentences split_labels(const ConllCorpus& corpus, int label_column = -1);
+
+struct CrfTrainOptions {
+  int max_iterations = 100;
+  double c2 = 1.0;            // L2: the objective is -log-likelihood + c2·‖θ‖² (CRFsuite's convention)
+  double tolerance = 1e-5;    // stop when the objective improved by less than this fraction over `period` iterations
+  int period = 10;
+  int min_feature_count = 1;  // features seen fewer times in training are dropped
+  std::string device = "cpu";
+  int threads = 0;            // CPU threads; 0 keeps LibTorch's default
+  int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
+  uint64_t seed = 0;
+};
+
+struct CrfIteration {
+  int iteration;
+  double objective, gradient_norm, seconds;
+  std::optional<double> dev_accuracy, dev_f1;  // percentages
+};
+
+struct CrfTrainSummary {
+  std::size_t features = 0, parameters = 0;
+  int iterations = 0;
+  double seconds = 0;
+  bool converged = false;
+  std::optional<double> best_dev_accuracy, best_dev_f1;
+  int best_iteration = 0;
+};
+
+// Trains a tagger. With a dev set, the returned weights are those of the best dev score (F1 for chunk labels,
+// accuracy otherwise). A dev label unseen in training is an error naming its file and line.
+CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
+                    std::unique_ptr<FeatureExtractor> extractor, const CrfTrainOptions& options,
+                    const std::function<void(const CrfIteration&)>& on_iteration = {},
+                    CrfTrainSummary* summary = nullptr);
+
+}  // namespace trellis

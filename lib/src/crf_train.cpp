@@ -1,0 +1,220 @@
+#include "trellis/crf_train.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/lbfgs.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <unordered_map>
+
+#include "trellis/chunk_eval.h"
+#include "trellis/error.h"
+
+namespace trellis {
+namespace {
+
+constexpr int64_t kTokensPerBatch = 16384;  // the objective is summed over length-sorted batches of about this size
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::string> build_dictionary(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
+  std::unordered_map<std::string, int64_t> counts;
+  std::vector<std::string> order;  // first-seen order keeps models deterministic
+  std::vector<std::string> feats;
+  for (const TokenRows& rows : train.inputs)
+    for (std::size_t t = 0; t < rows.size(); ++t) {
+      feats.clear();
+      fx.extract(rows, t, feats);
+      for (auto& f : feats) {
+        auto [it, fresh] = counts.emplace(f, 0);
+        if (fresh) order.push_back(f);
+        ++it->second;
+      }
+    }
+  std::vector<std::string> kept;
+  for (auto& f : order)
+    if (counts[f] >= min_count) kept.push_back(std::move(f));
+  return kept;
+}
+
+// Labels in first-seen order.
+std::vector<std::string> collect_labels(const LabeledSentences& train) {
+  std::vector<std::string> labels;
+  std::unordered_map<std::string, int> seen;
+  for (const auto& s : train.labels)
+    for (const auto& l : s)
+      if (seen.emplace(l, 0).second) labels.push_back(l);
+  return labels;
+}
+
+bool chunk_labels(const std::vector<std::string>& labels) {
+  return std::any_of(labels.begin(), labels.end(),
+                     [](const std::string& l) { return l.size() > 2 && l[1] == '-' && std::string("BIES").find(l[0]) != std::string::npos; });
+}
+
+// Batches of sentences sorted by length, so padding stays small.
+std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data, const at::Device& device) {
+  std::vector<std::size_t> order(data.inputs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
+  std::vector<EncodedBatch> batches;
+  for (std::size_t i = 0; i < order.size();) {
+    std::vector<const TokenRows*> rows;
+    std::vector<const std::vector<std::string>*> gold;
+    int64_t tokens = 0;
+    for (; i < order.size() && tokens < kTokensPerBatch; ++i) {
+      rows.push_back(&data.inputs[order[i]]);
+      gold.push_back(&data.labels[order[i]]);
+      tokens += data.inputs[order[i]].size();
+    }
+    EncodedBatch e = m.encode(rows, &gold);
+    for (at::Tensor* t : {&e.feature_ids, &e.offsets, &e.positions, &e.lengths, &e.tags}) *t = t->to(device);
+    batches.push_back(std::move(e));
+  }
+  return batches;
+}
+
+void check_dev_labels(const CrfTagger& m, const LabeledSentences& dev) {
+  for (std::size_t s = 0; s < dev.labels.size(); ++s)
+    for (std::size_t t = 0; t < dev.labels[s].size(); ++t)
+      if (m.label_id(dev.labels[s][t]) < 0)
+        throw ParseError(dev.source, (s < dev.first_lines.size() ? dev.first_lines[s] : 0) + t,
+                         "label '" + dev.labels[s][t] + "' does not occur in the training data");
+}
+
+ChunkEvaluation evaluate(const CrfTagger& m, const LabeledSentences& data) {
+  std::vector<const TokenRows*> rows;
+  for (const auto& r : data.inputs) rows.push_back(&r);
+  const auto tagged = m.tag(rows);
+  ChunkEvaluation ev;
+  for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(data.labels[s], tagged[s].labels);
+  return ev;
+}
+
+}  // namespace
+
+std::size_t LabeledSentences::num_tokens() const {
+  std::size_t n = 0;
+  for (const auto& s : inputs) n += s.size();
+  return n;
+}
+
+LabeledSentences split_labels(const ConllCorpus& corpus, int label_column) {
+  const int cols = static_cast<int>(corpus.num_columns);
+  const int label = label_column < 0 ? cols + label_column : label_column;
+  if (label < 0 || label >= cols)
+    throw Error("'" + corpus.source + "': label column " + std::to_string(label_column) + " is outside its " +
+                std::to_string(cols) + " columns");
+  if (cols < 2) throw Error("'" + corpus.source + "': needs at least one input column besides the label");
+  LabeledSentences out;
+  out.source = corpus.source;
+  for (const ConllSentence& s : corpus.sentences) {
+    TokenRows rows;
+    std::vector<std::string> labels;
+    for (const auto& row : s.rows) {
+      labels.push_back(row[label]);
+      std::vector<std::string> in;
+      for (int c = 0; c < cols; ++c)
+        if (c != label) in.push_back(row[c]);
+      rows.push_back(std::move(in));
+    }
+    out.inputs.push_back(std::move(rows));
+    out.labels.push_back(std::move(labels));
+    out.first_lines.push_back(s.first_line);
+  }
+  return out;
+}
+
+CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
+                    std::unique_ptr<FeatureExtractor> extractor, const CrfTrainOptions& o,
+                    const std::function<void(const CrfIteration&)>& on_iteration, CrfTrainSummary* summary) {
+  const auto t0 = Clock::now();
+  const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  if (train.inputs.empty()) throw Error("'" + train.source + "': no training sentences");
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  at::manual_seed(o.seed);
+  const at::Device device(o.device);
+
+  const std::size_t columns = train.inputs.front().front().size();
+  std::vector<std::string> features = build_dictionary(train, *extractor, o.min_feature_count);
+  CrfTagger model(collect_labels(train), std::move(features), std::move(extractor), columns);
+  if (dev) check_dev_labels(model, *dev);
+  model.to(device);
+  const std::vector<EncodedBatch> batches = encode_batches(model, train, device);
+
+  std::vector<at::Tensor> params = model.parameters();
+  for (auto& p : params) p.requires_grad_();
+  model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
+
+  torch::optim::LBFGS lbfgs(params, torch::optim::LBFGSOptions(1.0)
+                                        .max_iter(1)
+                                        .max_eval(25)
+                                        .history_size(6)
+                                        .tolerance_grad(1e-12)
+                                        .tolerance_change(0)
+                                        .line_search_fn("strong_wolfe"));
+  auto objective = [&]() -> at::Tensor {
+    lbfgs.zero_grad();
+    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
+    for (const EncodedBatch& b : batches) {
+      const at::Tensor nll = -log_likelihood(model.potentials(b), b.tags).sum();
+      nll.backward();
+      total += nll.detach();
+    }
+    at::Tensor reg = at::zeros({}, params[0].options());
+    for (auto& p : params) reg = reg + p.pow(2).sum();
+    reg = reg * o.c2;
+    reg.backward();
+    return total + reg.detach();
+  };
+
+  const bool chunks = chunk_labels(model.labels());
+  CrfTrainSummary sum;
+  sum.features = model.features().size();
+  for (auto& p : params) sum.parameters += p.numel();
+  std::vector<double> history;
+  std::vector<at::Tensor> best;
+  double best_score = -1;
+  for (int it = 1; it <= o.max_iterations; ++it) {
+    const double f = lbfgs.step(objective).item<double>();
+    double gnorm = 0;
+    for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
+    CrfIteration rec{it, f, std::sqrt(gnorm), elapsed(), std::nullopt, std::nullopt};
+    history.push_back(f);
+    sum.iterations = it;
+    bool stop = false;
+    if (dev) {
+      const ChunkEvaluation ev = evaluate(model, *dev);
+      rec.dev_accuracy = ev.accuracy();
+      if (chunks) rec.dev_f1 = ev.overall.f1();
+      const double score = chunks ? *rec.dev_f1 : *rec.dev_accuracy;
+      if (score > best_score) {
+        best_score = score;
+        sum.best_iteration = it;
+        sum.best_dev_accuracy = rec.dev_accuracy;
+        sum.best_dev_f1 = rec.dev_f1;
+        best.clear();
+        for (auto& p : params) best.push_back(p.detach().clone());
+      }
+      stop = o.early_stopping > 0 && it - sum.best_iteration >= o.early_stopping;
+    }
+    if (on_iteration) on_iteration(rec);
+    if (static_cast<int>(history.size()) > o.period) {
+      const double before = history[history.size() - 1 - o.period];
+      if ((before - f) / std::max(std::abs(f), 1e-12) < o.tolerance) sum.converged = stop = true;
+    }
+    if (stop) break;
+  }
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params.size(); ++i) params[i] = (best.empty() ? params[i] : best[i]).detach();
+  model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
+  model.to(at::kCPU);
+  sum.seconds = elapsed();
+  if (summary) *summary = sum;
+  return model;
+}
+
+}  // namespace trellis

@@ -1,0 +1,150 @@
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <random>
+
+#include "trellis/crf_train.h"
+#include "trellis/error.h"
+
+using namespace trellis;
+
+namespace {
+
+// A toy chunking task whose labels follow from word and neighbour: determiners open NPs, nouns continue them.
+LabeledSentences toy_corpus(int sentences, uint64_t seed) {
+  const std::vector<std::string> dets{"the", "a", "this"}, nouns{"cat", "dog", "idea", "car"}, verbs{"runs", "sees", "is"};
+  std::mt19937_64 rng(seed);
+  LabeledSentences d;
+  d.source = "toy";
+  for (int s = 0; s < sentences; ++s) {
+    TokenRows rows;
+    std::vector<std::string> labels;
+    const int clauses = 1 + rng() % 3;
+    for (int c = 0; c < clauses; ++c) {
+      rows.push_back({dets[rng() % 3], "DT"});
+      labels.push_back("B-NP");
+      const int n = 1 + rng() % 2;
+      for (int k = 0; k < n; ++k) rows.push_back({nouns[rng() % 4], "NN"}), labels.push_back("I-NP");
+      rows.push_back({verbs[rng() % 3], "VB"});
+      labels.push_back("B-VP");
+    }
+    rows.push_back({".", "."});
+    labels.push_back("O");
+    d.inputs.push_back(rows);
+    d.labels.push_back(labels);
+    d.first_lines.push_back(1);
+  }
+  return d;
+}
+
+std::vector<const TokenRows*> pointers(const LabeledSentences& d) {
+  std::vector<const TokenRows*> p;
+  for (const auto& r : d.inputs) p.push_back(&r);
+  return p;
+}
+
+std::string temp_path(const std::string& name) { return ::testing::TempDir() + name + "." + std::to_string(::getpid()); }
+
+CrfTagger train_toy(CrfTrainSummary* summary = nullptr, int iterations = 30) {
+  CrfTrainOptions o;
+  o.max_iterations = iterations;
+  o.c2 = 0.01;
+  const LabeledSentences train = toy_corpus(60, 1), dev = toy_corpus(20, 2);
+  return train_crf(train, &dev, builtin_features(), o, {}, summary);
+}
+
+}  // namespace
+
+TEST(CrfTagger, LearnsAToyChunkingTaskAndReportsProgress) {
+  CrfTrainSummary summary;
+  std::vector<double> objective;
+  CrfTrainOptions o;
+  o.max_iterations = 30;
+  o.c2 = 0.01;
+  const LabeledSentences train = toy_corpus(60, 1), dev = toy_corpus(20, 2);
+  const CrfTagger m = train_crf(train, &dev, builtin_features(), o,
+                                [&](const CrfIteration& it) { objective.push_back(it.objective); }, &summary);
+  ASSERT_GE(objective.size(), 2u);
+  EXPECT_LT(objective.back(), objective.front());
+  EXPECT_EQ(summary.best_dev_f1.value_or(0), 100.0);
+  EXPECT_EQ(m.labels(), (std::vector<std::string>{"B-NP", "I-NP", "B-VP", "O"}));
+  const auto tagged = m.tag(pointers(dev), /*with_marginals=*/true);
+  for (std::size_t s = 0; s < tagged.size(); ++s) {
+    EXPECT_EQ(tagged[s].labels, dev.labels[s]);
+    double min_marginal = 1;
+    for (double p : tagged[s].marginals) {
+      EXPECT_GT(p, 0.25);  // better than uniform over the 4 labels
+      EXPECT_LE(p, 1.0 + 1e-6);
+      min_marginal = std::min(min_marginal, p);
+    }
+    EXPECT_LE(tagged[s].probability, min_marginal + 1e-6);
+  }
+}
+
+TEST(CrfTagger, SavedModelLoadsBackIdentically) {
+  const CrfTagger m = train_toy(nullptr, 5);
+  const std::string path = temp_path("model.crf");
+  m.save(path);
+  const CrfTagger l = CrfTagger::load(path);
+  EXPECT_EQ(l.labels(), m.labels());
+  EXPECT_EQ(l.features(), m.features());
+  EXPECT_EQ(l.input_columns(), 2u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(l.parameters()[i], m.parameters()[i]));
+  std::remove(path.c_str());
+}
+
+TEST(CrfTagger, CorruptTruncatedOrForeignModelFilesAreClearErrors) {
+  const CrfTagger m = train_toy(nullptr, 2);
+  const std::string path = temp_path("bad.crf");
+  m.save(path);
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto expect_error = [&](const std::string& content, const std::string& needle) {
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out << content;
+    }
+    try {
+      CrfTagger::load(path);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  };
+  std::string flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x20;
+  expect_error(flipped, "corrupt");
+  expect_error(bytes.substr(0, bytes.size() - 100), "corrupt");
+  expect_error(bytes.substr(0, 10), "corrupt");
+  expect_error("word POS label\n", "not a Trellis CRF model");
+  std::remove(path.c_str());
+  EXPECT_THROW(CrfTagger::load(path), Error);
+}
+
+TEST(CrfTagger, EncodingRejectsUnknownLabelsAndWrongColumnCounts) {
+  const CrfTagger m = train_toy(nullptr, 1);
+  const TokenRows rows{{"the", "DT"}, {"cat", "NN"}};
+  const std::vector<std::string> labels{"B-NP", "B-XX"};
+  const std::vector<const std::vector<std::string>*> gold{&labels};
+  EXPECT_THROW(m.encode({&rows}, &gold), Error);
+  const TokenRows narrow{{"the"}};
+  EXPECT_THROW(m.encode({&narrow}), Error);
+}
+
+TEST(CrfTagger, SplitLabelsTakesTheChosenColumn) {
+  ConllCorpus c;
+  c.source = "x";
+  c.num_columns = 3;
+  c.sentences.push_back({{{"a", "b", "c"}}, 7});
+  const LabeledSentences last = split_labels(c);
+  EXPECT_EQ(last.labels[0][0], "c");
+  EXPECT_EQ(last.inputs[0][0], (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(split_labels(c, 1).labels[0][0], "b");
+  EXPECT_THROW(split_labels(c, 3), Error);
+}
