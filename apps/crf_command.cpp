@@ -1,1 +1,269 @@
+// trellis crf train|tag|eval|dump: option parsing and output formatting only; the work is in the library.
+#include <ATen/ATen.h>
 
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <map>
+
+#include "commands.h"
+#include "trellis/atomic_file.h"
+#include "trellis/chunk_eval.h"
+#include "trellis/conll.h"
+#include "trellis/crf_train.h"
+#include "trellis/error.h"
+
+namespace po = boost::program_options;
+
+namespace trellis::cli {
+namespace {
+
+constexpr const char* kCrfUsage = R"(usage: trellis crf <command> [options]
+
+commands:
+  train   train a tagger on CoNLL column files (L-BFGS, L2)
+  tag     label sentences with a trained model
+  eval    token accuracy and conlleval chunk precision/recall/F1
+  dump    summarise a model: labels, strongest transitions and features
+
+'trellis crf <command> --help' describes each command's options.
+)";
+
+// Parses args into vm. Returns -1 to go on, 0 after printing help, 2 on a usage error.
+int parse(const std::vector<std::string>& args, const po::options_description& desc, po::variables_map& vm,
+          const std::string& usage, const po::positional_options_description* positional = nullptr) {
+  try {
+    po::command_line_parser parser(args);
+    parser.options(desc);
+    if (positional) parser.positional(*positional);
+    po::store(parser.run(), vm);
+    if (vm.count("help")) {
+      std::cout << usage << "\n" << desc;
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << "trellis crf: " << e.what() << "\n" << usage << "\n" << desc;
+    return 2;
+  }
+  return -1;
+}
+
+ConllCorpus read_input(const std::string& path) {
+  return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
+}
+
+// Input columns of a file for a model: exactly the model's input columns, or those plus a trailing label column.
+std::vector<TokenRows> model_inputs(const ConllCorpus& c, const CrfTagger& m, bool* has_labels = nullptr) {
+  const std::size_t want = m.input_columns();
+  if (c.num_columns != want && c.num_columns != want + 1)
+    throw Error("'" + c.source + "' has " + std::to_string(c.num_columns) + " columns; the model expects " +
+                std::to_string(want) + " input columns, optionally followed by a label column");
+  if (has_labels) *has_labels = c.num_columns == want + 1;
+  std::vector<TokenRows> rows;
+  for (const ConllSentence& s : c.sentences) {
+    TokenRows r = s.rows;
+    for (auto& row : r) row.resize(want);
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& v) {
+  std::vector<const TokenRows*> p;
+  for (const auto& r : v) p.push_back(&r);
+  return p;
+}
+
+void write_output(const std::string& path, const std::function<void(std::ostream&)>& write) {
+  if (path == "-") {
+    write(std::cout);
+    std::cout.flush();
+  } else {
+    write_file_atomically(path, write);
+  }
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+int train(const std::vector<std::string>& args) {
+  CrfTrainOptions o;
+  std::string train_path, dev_path, model_path;
+  int label_column = -1;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
+      ("dev", po::value(&dev_path), "development data, scored after every iteration")
+      ("model,m", po::value(&model_path)->required(), "where to write the model")
+      ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
+      ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
+      ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
+      ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations")
+      ("tolerance", po::value(&o.tolerance)->default_value(1e-5), "stop when the objective improves by less than this fraction over 10 iterations")
+      ("early-stopping", po::value(&o.early_stopping)->default_value(0), "stop after N iterations without a better dev score (0: off)")
+      ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
+      ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
+      ("seed", po::value(&o.seed)->default_value(0), "random seed");
+  po::variables_map vm;
+  if (int rc = parse(args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
+    return rc;
+
+  const LabeledSentences tr = split_labels(read_conll(train_path), label_column);
+  std::optional<LabeledSentences> dv;
+  if (!dev_path.empty()) dv = split_labels(read_conll(dev_path), label_column);
+  std::cerr << "train: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
+  if (dv) std::cerr << "; dev: " << dv->inputs.size() << " sentences, " << dv->num_tokens() << " tokens";
+  std::cerr << "\n";
+  CrfTrainSummary sum;
+  const CrfTagger model = train_crf(
+      tr, dv ? &*dv : nullptr, builtin_features(), o,
+      [](const CrfIteration& it) {
+        std::cerr << "iter " << it.iteration << "  objective " << fixed(it.objective, 3) << "  |g| "
+                  << fixed(it.gradient_norm, 3);
+        if (it.dev_accuracy) std::cerr << "  dev acc " << fixed(*it.dev_accuracy, 2) << "%";
+        if (it.dev_f1) std::cerr << "  dev F1 " << fixed(*it.dev_f1, 2);
+        std::cerr << "  " << fixed(it.seconds, 1) << " s\n";
+      },
+      &sum);
+  model.save(model_path);
+  std::cerr << "done: " << sum.iterations << " iterations" << (sum.converged ? " (converged)" : "") << ", "
+            << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
+            << " parameters, " << fixed(sum.seconds, 1) << " s";
+  if (sum.best_dev_accuracy) {
+    std::cerr << "; best dev (iteration " << sum.best_iteration << "): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
+    if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);
+  }
+  std::cerr << "\nmodel written to " << model_path << "\n";
+  return 0;
+}
+
+int tag(const std::vector<std::string>& args) {
+  std::string model_path, input, output;
+  bool with_marginals = false, with_probability = false;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path)->required(), "trained model")
+      ("input,i", po::value(&input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
+      ("output,o", po::value(&output)->default_value("-"), "output file (- for stdout), written atomically")
+      ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
+      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence");
+  po::positional_options_description pos;
+  pos.add("input", 1);
+  po::variables_map vm;
+  if (int rc = parse(args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
+
+  const CrfTagger model = CrfTagger::load(model_path);
+  const ConllCorpus corpus = read_input(input);
+  const std::vector<TokenRows> rows = model_inputs(corpus, model);
+  const auto tagged = model.tag(pointers(rows), with_marginals || with_probability);
+  write_output(output, [&](std::ostream& out) {
+    for (std::size_t s = 0; s < tagged.size(); ++s) {
+      if (with_probability) out << "@probability\t" << fixed(tagged[s].probability, 6) << "\n";
+      for (std::size_t t = 0; t < tagged[s].labels.size(); ++t) {
+        for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+        out << tagged[s].labels[t];
+        if (with_marginals) out << ':' << fixed(tagged[s].marginals[t], 6);
+        out << '\n';
+      }
+      out << '\n';
+    }
+  });
+  return 0;
+}
+
+int eval(const std::vector<std::string>& args) {
+  std::string model_path, gold_path, tagged_path;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path), "model to tag --gold with")
+      ("gold", po::value(&gold_path), "gold CoNLL file (label in the last column), tagged with --model")
+      ("tagged", po::value(&tagged_path), "already tagged file: ... gold predicted (conlleval's layout)");
+  po::variables_map vm;
+  const std::string usage = "usage: trellis crf eval (--model FILE --gold FILE | --tagged FILE)";
+  if (int rc = parse(args, desc, vm, usage); rc >= 0) return rc;
+  if (tagged_path.empty() == (model_path.empty() || gold_path.empty())) {
+    std::cerr << "trellis crf eval: give either --model and --gold, or --tagged\n" << usage << "\n";
+    return 2;
+  }
+  ChunkEvaluation ev;
+  if (!tagged_path.empty()) {
+    const ConllCorpus c = read_input(tagged_path);
+    if (c.num_columns < 2) throw Error("'" + c.source + "': needs gold and predicted label columns");
+    for (const auto& s : c.sentences) {
+      std::vector<std::string> gold, guess;
+      for (const auto& row : s.rows) gold.push_back(row[c.num_columns - 2]), guess.push_back(row[c.num_columns - 1]);
+      ev.add_sentence(gold, guess);
+    }
+  } else {
+    const CrfTagger model = CrfTagger::load(model_path);
+    const ConllCorpus c = read_input(gold_path);
+    bool has_labels = false;
+    const std::vector<TokenRows> rows = model_inputs(c, model, &has_labels);
+    if (!has_labels) throw Error("'" + c.source + "' has no label column to evaluate against");
+    const auto tagged = model.tag(pointers(rows));
+    for (std::size_t s = 0; s < tagged.size(); ++s) {
+      std::vector<std::string> gold;
+      for (const auto& row : c.sentences[s].rows) gold.push_back(row.back());
+      ev.add_sentence(gold, tagged[s].labels);
+    }
+  }
+  std::cout << ev.report();
+  return 0;
+}
+
+int dump(const std::vector<std::string>& args) {
+  std::string model_path;
+  int top = 20;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
+      ("top", po::value(&top)->default_value(20), "how many transitions and features to list");
+  po::positional_options_description pos;
+  pos.add("model", 1);
+  po::variables_map vm;
+  if (int rc = parse(args, desc, vm, "usage: trellis crf dump [--model] FILE [--top N]", &pos); rc >= 0) return rc;
+  const CrfTagger m = CrfTagger::load(model_path);
+  const auto& L = m.labels();
+  const int64_t K = L.size();
+  std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec() << "\ninput columns: "
+            << m.input_columns() << "\nlabels (" << K << "):";
+  for (const auto& l : L) std::cout << ' ' << l;
+  std::cout << "\nfeatures: " << m.features().size() << "\nparameters: " << m.weights.numel() + K * K + 2 * K << "\n";
+  const auto list = [&](const at::Tensor& w, const std::function<std::string(int64_t)>& name) {
+    const at::Tensor flat = w.flatten();
+    const int64_t n = std::min<int64_t>(top, flat.numel());
+    const at::Tensor idx = std::get<1>(flat.abs().topk(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = idx[i].item<int64_t>();
+      std::cout << "  " << fixed(flat[j].item<float>(), 4) << "  " << name(j) << "\n";
+    }
+  };
+  std::cout << "strongest transitions:\n";
+  list(m.transitions, [&](int64_t j) { return L[j / K] + " -> " + L[j % K]; });
+  std::cout << "strongest features:\n";
+  list(m.weights, [&](int64_t j) { return m.features()[j / K] + " => " + L[j % K]; });
+  return 0;
+}
+
+}  // namespace
+
+int crf_main(const std::vector<std::string>& args) {
+  static const std::map<std::string, std::function<int(const std::vector<std::string>&)>> commands{
+      {"train", train}, {"tag", tag}, {"eval", eval}, {"dump", dump}};
+  if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+    std::cout << kCrfUsage;
+    return args.empty() ? 2 : 0;
+  }
+  const auto it = commands.find(args[0]);
+  if (it == commands.end()) {
+    std::cerr << "trellis crf: unknown command '" << args[0] << "'\n" << kCrfUsage;
+    return 2;
+  }
+  return it->second({args.begin() + 1, args.end()});
+}
+
+}  // namespace trellis::cli

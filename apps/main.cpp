@@ -1,1 +1,42 @@
-int main(){return 0;}
+// trellis: structured prediction from the command line.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "trellis/error.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: trellis <command> [options]
+
+commands:
+  crf     train, tag, evaluate and inspect linear-chain CRF taggers (trellis crf --help)
+
+options:
+  -h, --help     this message
+  --version      print the version
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+    std::cout << kUsage;
+    return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version") {
+    std::cout << "trellis " << TRELLIS_VERSION << "\n";
+    return 0;
+  }
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  try {
+    if (args[0] == "crf") return trellis::cli::crf_main(rest);
+  } catch (const std::exception& e) {
+    std::cerr << "trellis: error: " << e.what() << "\n";
+    return 1;
+  }
+  std::cerr << "trellis: unknown command '" << args[0] << "'\n" << kUsage;
+  return 2;
+}

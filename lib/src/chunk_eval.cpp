@@ -33,7 +33,9 @@ bool start_of_chunk(const Tag& prev, const Tag& tag) {
          t == "]";
 }
 
-double percent(std::size_t part, std::size_t whole) { return whole == 0 ? 0.0 : 100.0 * part / whole; }
+double percent(std::size_t part, std::size_t whole) {
+  return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
+}
 
 std::string fixed2(double value) {
   std::ostringstream out;
