@@ -274,3 +274,24 @@ TEST(LinearChainCRFCuda, MatchesCpu) {
     expect_close(g.emissions.grad(), p.emissions.grad(), tol, tol);
   }
 }
+
+TEST(LinearChainCRF, FusedAndComposedRecursionsAgreeWithGradients) {
+  // marginals(with_edges) runs the composed semiring-matmul recursion, marginals() the fused one.
+  ChainPotentials p = random_chain(6, 7, 5);
+  p.transitions[1][2] = -kInf;
+  p.transitions[3].fill_(-kInf);
+  const Marginals fused = marginals(p), composed = marginals(p, true);
+  expect_close(fused.log_partition, composed.log_partition, 1e-12, 1e-12);
+  expect_close(fused.nodes, composed.nodes, 1e-10, 1e-12);
+  // Gradient of the fused log-partition w.r.t. the transitions = Σ of edge marginals.
+  ChainPotentials q = p;
+  q.transitions = p.transitions.clone().requires_grad_();
+  q.start = p.start.clone().requires_grad_();
+  q.end = p.end.clone().requires_grad_();
+  log_partition(q).sum().backward();
+  expect_close(q.transitions.grad(), composed.edges.sum(at::IntArrayRef{0, 1}), 1e-10, 1e-12);
+  expect_close(q.start.grad(), composed.nodes.select(1, 0).sum(0), 1e-10, 1e-12);
+  at::Tensor last = at::zeros({5}, at::kDouble);
+  for (int64_t b = 0; b < 6; ++b) last += composed.nodes[b][length_of(p, b) - 1];
+  expect_close(q.end.grad(), last, 1e-10, 1e-12);
+}

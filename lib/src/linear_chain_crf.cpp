@@ -6,6 +6,7 @@
 
 #include <limits>
 
+#include "chain_fused.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
 
@@ -82,11 +83,20 @@ at::Tensor chain_forward(const ChainPotentials& p, const Shape& s, const at::Ten
   return semiring_sum<S>(alpha + or_zeros(p.end, p, s.K), -1);
 }
 
+// The same recursion as chain_forward, fused into one autograd node: the fast path for whole-chain scores wherever
+// the fused kernels take the label count.
+template <class S>
+at::Tensor chain_score(const ChainPotentials& p, const Shape& s) {
+  if (!detail::fused_chain_supported(p.emissions)) return chain_forward<S>(p, s, at::Tensor());
+  return detail::fused_chain_score<S>(p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K),
+                                      lengths_or_full(p, s));
+}
+
 }  // namespace
 
 at::Tensor log_partition(const ChainPotentials& p) {
   const Shape s = check(p);
-  return chain_forward<LogSemiring>(p, s, at::Tensor());
+  return chain_score<LogSemiring>(p, s);
 }
 
 at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
@@ -153,9 +163,10 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
   q.transitions = p.transitions.detach();
   if (p.start.defined()) q.start = p.start.detach();
   if (p.end.defined()) q.end = p.end.detach();
+  // Edge marginals need per-position transitions, which only the composed recursion takes.
   at::Tensor edge;
   if (with_edges) edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
-  const at::Tensor log_z = chain_forward<LogSemiring>(q, s, edge);
+  const at::Tensor log_z = with_edges ? chain_forward<LogSemiring>(q, s, edge) : chain_score<LogSemiring>(q, s);
   torch::autograd::variable_list inputs{q.emissions};
   if (with_edges) inputs.push_back(edge);
   const auto grads = torch::autograd::grad({log_z.sum()}, inputs, {}, /*retain_graph=*/false, /*create_graph=*/false,
@@ -175,7 +186,7 @@ ViterbiResult viterbi(const ChainPotentials& p) {
   q.transitions = p.transitions.detach();
   if (p.start.defined()) q.start = p.start.detach();
   if (p.end.defined()) q.end = p.end.detach();
-  const at::Tensor score = chain_forward<MaxSemiring>(q, s, at::Tensor());
+  const at::Tensor score = chain_score<MaxSemiring>(q, s);
   // The max semiring routes the gradient to one argmax at every step: it is the indicator of the best path.
   const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
   const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);

@@ -1,0 +1,255 @@
+// Fused linear-chain kernels: the whole recursion over all positions of a batch in ONE launch (forward) and its exact
+// reverse mode in one more (backward). Generic over the semiring: LogSemiring gives log-partition and marginals,
+// MaxSemiring the Viterbi score and, through the backward pass, the backtrace.
+//
+// Layout: each sequence gets `tps` threads (K rounded up to a warp), one per label; a block holds `spb` sequences
+// (several short-K sequences share a block). The transitions live in shared memory for the whole launch (rows padded
+// to K+1 so column and row walks are both free of bank conflicts); so does each sequence's previous message. The
+// backward pass accumulates each sequence's transition gradient in shared memory (thread i owns row i, so no two
+// threads write the same word) and writes one partial per block; the partials are summed afterwards — no atomics.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+
+#include "cuda/chain_kernels.h"
+#include "cuda/cuda_check.h"
+#include "trellis/semiring.h"
+
+namespace trellis::cuda {
+namespace {
+
+struct Layout {
+  int tps, spb, blocks;
+};
+
+Layout layout(int64_t B, int64_t K) {
+  const int tps = static_cast<int>((K + 31) / 32 * 32);
+  const int spb = std::max(1, 128 / tps);
+  return {tps, spb, static_cast<int>((B + spb - 1) / spb)};
+}
+
+template <class T>
+std::size_t forward_smem(int64_t K, int spb) {
+  return sizeof(T) * (K * (K + 1) + spb * K);
+}
+
+template <class T>
+std::size_t backward_smem(int64_t K, int spb) {
+  return sizeof(T) * (K * (K + 1) + spb * K * (K + 1) + 2 * spb * K) + sizeof(int) * spb * K;
+}
+
+template <class T>
+__device__ void load_transitions(const T* __restrict__ W, T* w, int K) {
+  for (int e = threadIdx.x; e < K * K; e += blockDim.x) w[(e / K) * (K + 1) + e % K] = W[e];
+}
+
+template <class S, class T>
+__global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restrict__ W, const T* __restrict__ start,
+                                     const T* __restrict__ end, const int64_t* __restrict__ len, T* __restrict__ alpha,
+                                     T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
+                                     T* __restrict__ score, int B, int Tn, int K, int tps, int spb) {
+  extern __shared__ unsigned char smem_raw[];
+  T* w = reinterpret_cast<T*>(smem_raw);  // [K][K+1]
+  T* prev = w + K * (K + 1);              // [spb][K]
+  __shared__ int block_len;
+  const int s = threadIdx.x / tps, j = threadIdx.x % tps;
+  const int b = blockIdx.x * spb + s;
+  const bool lane = b < B && j < K;
+  const int L = b < B ? static_cast<int>(len[b]) : 0;
+  if (threadIdx.x == 0) block_len = 0;
+  load_transitions(W, w, K);
+  __syncthreads();
+  if (j == 0 && b < B) atomicMax(&block_len, L);
+  const int64_t off = static_cast<int64_t>(b) * Tn * K;
+  T* ps = prev + s * K;
+  if (lane) {
+    const T a = S::times(start[j], E[off + j]);
+    alpha[off + j] = a;
+    pre[off + j] = start[j];
+    ps[j] = a;
+  }
+  __syncthreads();
+  const int Lmax = block_len;
+  for (int t = 1; t < Lmax; ++t) {
+    T a = T(0);
+    const bool active = lane && t < L;
+    if (active) {
+      typename S::template Accumulator<T> acc;
+      for (int i = 0; i < K; ++i) acc.add(S::times(ps[i], w[i * (K + 1) + j]), i);
+      const int64_t o = off + static_cast<int64_t>(t) * K + j;
+      a = S::times(acc.value(), E[o]);
+      pre[o] = acc.value();
+      alpha[o] = a;
+      if constexpr (S::kIsMax) arg[o] = acc.arg();
+    }
+    __syncthreads();
+    if (active) ps[j] = a;
+    __syncthreads();
+  }
+  if (j == 0 && b < B) {
+    typename S::template Accumulator<T> acc;
+    for (int k = 0; k < K; ++k) acc.add(S::times(ps[k], end[k]), k);
+    score[b] = acc.value();
+    if constexpr (S::kIsMax) end_arg[b] = acc.arg();
+  }
+}
+
+template <class S, class T>
+__global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ end,
+                                      const int64_t* __restrict__ len, const T* __restrict__ alpha,
+                                      const T* __restrict__ pre, const int64_t* __restrict__ arg,
+                                      const int64_t* __restrict__ end_arg, const T* __restrict__ score,
+                                      T* __restrict__ g_em, T* __restrict__ part_w, T* __restrict__ part_s,
+                                      T* __restrict__ part_e, int B, int Tn, int K, int tps, int spb) {
+  extern __shared__ unsigned char smem_raw[];
+  T* w = reinterpret_cast<T*>(smem_raw);  // [K][K+1]
+  T* gw = w + K * (K + 1);                // [spb][K][K+1]
+  T* adj = gw + spb * K * (K + 1);        // [spb][K]
+  T* res = adj + spb * K;                 // [spb][K]: the ⊕ results at step t
+  int* best = reinterpret_cast<int*>(res + spb * K);  // [spb][K]: their argmax (MaxSemiring)
+  __shared__ int block_len;
+  const int s = threadIdx.x / tps, i = threadIdx.x % tps;  // this thread owns label i (row i of the gradient)
+  const int b = blockIdx.x * spb + s;
+  const bool lane = b < B && i < K;
+  const int L = b < B ? static_cast<int>(len[b]) : 0;
+  if (threadIdx.x == 0) block_len = 0;
+  load_transitions(W, w, K);
+  for (int e = threadIdx.x; e < spb * K * (K + 1); e += blockDim.x) gw[e] = T(0);
+  __syncthreads();
+  if (i == 0 && b < B) atomicMax(&block_len, L);
+  const int64_t off = static_cast<int64_t>(b) * Tn * K;
+  T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * (K + 1);
+  int* bs = best + s * K;
+  T g_end = T(0);
+  if (lane) {
+    const int64_t o = off + static_cast<int64_t>(L - 1) * K + i;
+    const T a = G[b] * S::weight(S::times(alpha[o], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
+    as[i] = a;
+    g_em[o] = a;
+    g_end = a;
+  }
+  __syncthreads();
+  const int Lmax = block_len;
+  for (int t = Lmax - 1; t >= 1; --t) {
+    const bool active = lane && t < L;
+    if (active) {
+      const int64_t o = off + static_cast<int64_t>(t) * K + i;
+      rs[i] = pre[o];
+      if constexpr (S::kIsMax) bs[i] = static_cast<int>(arg[o]);
+    }
+    __syncthreads();
+    T next = T(0);
+    if (active) {
+      const T ai = alpha[off + static_cast<int64_t>(t - 1) * K + i];
+      const T* wi = w + i * (K + 1);
+      T* gwi = gws + i * (K + 1);
+      for (int j = 0; j < K; ++j) {
+        const T aj = as[j];
+        if (aj == T(0)) continue;
+        const T c = aj * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
+        next += c;
+        gwi[j] += c;
+      }
+    }
+    __syncthreads();
+    if (active) {
+      as[i] = next;
+      g_em[off + static_cast<int64_t>(t - 1) * K + i] = next;
+    }
+    __syncthreads();
+  }
+  // Per-block partials: transitions summed over the block's sequences, start and end likewise.
+  for (int e = threadIdx.x; e < K * K; e += blockDim.x) {
+    T sum = T(0);
+    for (int q = 0; q < spb; ++q) sum += gw[q * K * (K + 1) + (e / K) * (K + 1) + e % K];
+    part_w[static_cast<int64_t>(blockIdx.x) * K * K + e] = sum;
+  }
+  __syncthreads();
+  // Reuse res/adj rows as staging for start/end sums across the block's sequences.
+  if (i < K) {
+    rs[i] = lane ? as[i] : T(0);  // adjoint at position 0 = gradient of start
+    as[i] = g_end;
+  }
+  __syncthreads();
+  if (threadIdx.x < K) {
+    T st = T(0), en = T(0);
+    for (int q = 0; q < spb; ++q) st += res[q * K + threadIdx.x], en += adj[q * K + threadIdx.x];
+    part_s[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = st;
+    part_e[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = en;
+  }
+}
+
+template <class Kernel>
+void allow_smem(Kernel kernel, std::size_t bytes) {
+  if (bytes > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                               "chain kernel shared memory");
+}
+
+}  // namespace
+
+bool chain_supported(int64_t K, at::ScalarType dtype) {
+  const int spb = layout(1, K).spb;
+  const std::size_t bytes = dtype == at::kDouble ? backward_smem<double>(K, spb) : backward_smem<float>(K, spb);
+  return K <= 1024 && bytes <= 200 * 1024;
+}
+
+template <class S>
+void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
+                   const at::Tensor& lengths, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
+                   at::Tensor& end_arg, at::Tensor& score) {
+  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
+  const Layout l = layout(B, K);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "chain_forward_cuda", [&] {
+    const std::size_t smem = forward_smem<scalar_t>(K, l.spb);
+    auto kernel = chain_forward_kernel<S, scalar_t>;
+    allow_smem(kernel, smem);
+    kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
+        em.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
+        lengths.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(),
+        S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
+        score.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.tps, l.spb);
+  });
+  check_launch("chain_forward");
+}
+
+template <class S>
+void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
+                    const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
+                    const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
+                    at::Tensor& g_end) {
+  const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
+  const Layout l = layout(B, K);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor part_w = at::empty({l.blocks, K, K}, alpha.options());
+  at::Tensor part_s = at::empty({l.blocks, K}, alpha.options()), part_e = at::empty({l.blocks, K}, alpha.options());
+  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_cuda", [&] {
+    const std::size_t smem = backward_smem<scalar_t>(K, l.spb);
+    auto kernel = chain_backward_kernel<S, scalar_t>;
+    allow_smem(kernel, smem);
+    kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
+        grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
+        alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
+        S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
+        part_w.data_ptr<scalar_t>(), part_s.data_ptr<scalar_t>(), part_e.data_ptr<scalar_t>(), int(B), int(Tn),
+        int(K), l.tps, l.spb);
+  });
+  check_launch("chain_backward");
+  at::sum_out(g_trans, part_w, 0);
+  at::sum_out(g_start, part_s, 0);
+  at::sum_out(g_end, part_e, 0);
+}
+
+template void chain_forward<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                                         at::Tensor&);
+template void chain_forward<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                                         at::Tensor&);
+template void chain_backward<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+template void chain_backward<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+
+}  // namespace trellis::cuda

@@ -1,0 +1,182 @@
+#include "chain_fused.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "trellis/error.h"
+#include "trellis/semiring.h"
+#if TRELLIS_WITH_CUDA
+#include "cuda/chain_kernels.h"
+#endif
+
+namespace trellis::detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// One sequence at a time, sequences in parallel. Messages are [T,K] rows; the transitions are read transposed so
+// the inner ⊕ over the previous label walks contiguous memory.
+template <class S, class T>
+void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
+                 const at::Tensor& lengths, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg,
+                 at::Tensor& score) {
+  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
+  const at::Tensor wt = trans.t().contiguous();
+  const T *E = em.data_ptr<T>(), *Wt = wt.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
+  int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t off = b * Tn * K, L = len[b];
+      const T* e = E + off;
+      T *a = A + off, *p = P + off;
+      for (int64_t j = 0; j < K; ++j) {
+        p[j] = St[j];
+        a[j] = S::times(St[j], e[j]);
+      }
+      for (int64_t t = 1; t < L; ++t) {
+        const T* ap = a + (t - 1) * K;
+        for (int64_t j = 0; j < K; ++j) {
+          typename S::template Accumulator<T> acc;
+          const T* w = Wt + j * K;
+          for (int64_t i = 0; i < K; ++i) acc.add(S::times(ap[i], w[i]), i);
+          p[t * K + j] = acc.value();
+          a[t * K + j] = S::times(acc.value(), e[t * K + j]);
+          if (I) I[off + t * K + j] = acc.arg();
+        }
+      }
+      typename S::template Accumulator<T> acc;
+      for (int64_t k = 0; k < K; ++k) acc.add(S::times(a[(L - 1) * K + k], En[k]), k);
+      Z[b] = acc.value();
+      if (IE) IE[b] = acc.arg();
+    }
+  });
+}
+
+// Reverse mode of forward_cpu. adj holds ∂score/∂alpha_t for one sequence; the transitions' gradient is summed in
+// one buffer per thread and reduced at the end, so no two threads write the same memory.
+template <class S, class T>
+void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
+                  const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
+                  const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
+                  at::Tensor& g_end) {
+  const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
+  const int64_t threads = at::get_num_threads();
+  at::Tensor part_w = at::zeros({threads, K, K}, alpha.options());
+  at::Tensor part_s = at::zeros({threads, K}, alpha.options()), part_e = at::zeros({threads, K}, alpha.options());
+  const T *G = grad.data_ptr<T>(), *W = trans.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(),
+          *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  const int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
+  T* GE = g_em.data_ptr<T>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t tid = at::get_thread_num();
+    T *gw = part_w.data_ptr<T>() + tid * K * K, *gs = part_s.data_ptr<T>() + tid * K,
+      *ge = part_e.data_ptr<T>() + tid * K;
+    std::vector<T> adj(K), next(K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t off = b * Tn * K, L = len[b];
+      const T *a = A + off, *p = P + off;
+      T* gem = GE + off;
+      for (int64_t k = 0; k < K; ++k) {
+        adj[k] = G[b] * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
+        ge[k] += adj[k];
+      }
+      for (int64_t t = L - 1; t >= 1; --t) {
+        std::fill(next.begin(), next.end(), T(0));
+        const T* ap = a + (t - 1) * K;
+        for (int64_t j = 0; j < K; ++j) {
+          gem[t * K + j] = adj[j];
+          if (adj[j] == T(0)) continue;
+          const T result = p[t * K + j];
+          const int64_t best = I ? I[off + t * K + j] : -1;
+          for (int64_t i = 0; i < K; ++i) {
+            const T c = adj[j] * S::weight(S::times(ap[i], W[i * K + j]), result, i, best);
+            next[i] += c;
+            gw[i * K + j] += c;
+          }
+        }
+        std::swap(adj, next);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        gem[k] = adj[k];
+        gs[k] += adj[k];
+      }
+    }
+  });
+  g_trans.copy_(part_w.sum(0));
+  g_start.copy_(part_s.sum(0));
+  g_end.copy_(part_e.sum(0));
+}
+
+template <class S>
+struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& em, const at::Tensor& trans,
+                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+    const int64_t B = em.size(0);
+    at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
+    const auto long_opts = em.options().dtype(at::kLong);
+    at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
+    at::Tensor end_arg = S::kIsMax ? at::empty({B}, long_opts) : at::Tensor();
+    if (em.is_cuda()) {
+#if TRELLIS_WITH_CUDA
+      cuda::chain_forward<S>(em, trans, start, end, lengths, alpha, pre, arg, end_arg, score);
+#else
+      throw Error("this Trellis build has no CUDA kernels");
+#endif
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
+        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, alpha, pre, arg, end_arg, score);
+      });
+    }
+    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score});
+    return score;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].contiguous();
+    const at::Tensor &trans = s[0], &end = s[1], &lengths = s[2], &alpha = s[3];
+    at::Tensor g_em = at::zeros_like(alpha), g_trans = at::empty_like(trans), g_start = at::empty_like(end),
+               g_end = at::empty_like(end);
+    if (alpha.is_cuda()) {
+#if TRELLIS_WITH_CUDA
+      cuda::chain_backward<S>(g, trans, end, lengths, alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start, g_end);
+#endif
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "fused_chain_backward", [&] {
+        backward_cpu<S, scalar_t>(g, trans, end, lengths, alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
+                                  g_end);
+      });
+    }
+    return {g_em, g_trans, g_start, g_end, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool fused_chain_supported(const at::Tensor& emissions) {
+#if TRELLIS_WITH_CUDA
+  if (emissions.is_cuda()) return cuda::chain_supported(emissions.size(2), emissions.scalar_type());
+#endif
+  return !emissions.is_cuda();
+}
+
+template <class S>
+at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                             const at::Tensor& end, const at::Tensor& lengths) {
+  return FusedChainFunction<S>::apply(emissions.contiguous(), transitions.contiguous(), start.contiguous(),
+                                      end.contiguous(), lengths.contiguous());
+}
+
+template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&);
+template at::Tensor fused_chain_score<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&);
+
+}  // namespace trellis::detail

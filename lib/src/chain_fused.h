@@ -1,0 +1,21 @@
+// The linear-chain dynamic program as ONE autograd node for the whole batch and every position: the forward pass
+// runs the semiring recursion per sequence and keeps its messages; the backward pass is its exact reverse-mode
+// derivative (an adjoint recursion weighted by S::weight), so the gradient of the LogSemiring score gives the node
+// marginals and the gradient of the MaxSemiring score the indicator of the Viterbi path. CPU loops here, CUDA kernels
+// in cuda/linear_chain_crf.cu; both are generic over the semiring.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace trellis::detail {
+
+// score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b].
+// All arguments defined: emissions [B,T,K], transitions [K,K], start [K], end [K] (same dtype/device), lengths [B]
+// int64 on the same device with values in [1, T].
+// Whether fused_chain_score takes these emissions (always on CPU; on CUDA while K is small enough for shared memory).
+bool fused_chain_supported(const at::Tensor& emissions);
+
+template <class S>
+at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                             const at::Tensor& end, const at::Tensor& lengths);
+
+}  // namespace trellis::detail
