@@ -212,7 +212,8 @@ int eval(const std::vector<std::string>& args) {
       ev.add_sentence(gold, tagged[s].labels);
     }
   }
-  std::cout << ev.report();
+  std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
+  if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();  // chunk labels: conlleval's report
   return 0;
 }
 

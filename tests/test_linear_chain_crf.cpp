@@ -248,31 +248,42 @@ TEST(Constraints, ConstrainedViterbiIsTheBestAllowedPath) {
 
 TEST(LinearChainCRFCuda, MatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
-  for (auto dtype : {at::kFloat, at::kDouble}) {
-    ChainPotentials p = random_chain(7, 9, 6);
-    p.transitions[0][1] = -kInf;
-    p.emissions = p.emissions.to(dtype);
-    p.transitions = p.transitions.to(dtype);
-    p.start = p.start.to(dtype);
-    p.end = p.end.to(dtype);
-    ChainPotentials g = p;
-    const at::Device cuda(at::kCUDA);
-    g.emissions = p.emissions.to(cuda);
-    g.transitions = p.transitions.to(cuda);
-    g.start = p.start.to(cuda);
-    g.end = p.end.to(cuda);
-    g.lengths = p.lengths.to(cuda);
-    const double tol = dtype == at::kFloat ? 1e-4 : 1e-10;
-    expect_close(log_partition(g), log_partition(p), tol, tol);
-    expect_close(marginals(g, true).edges, marginals(p, true).edges, tol, tol);
-    EXPECT_TRUE(at::equal(viterbi(g).path.cpu(), viterbi(p).path));
-    const at::Tensor tags = random_tags(p);
-    g.emissions.requires_grad_();
-    p.emissions.requires_grad_();
-    log_likelihood(g, tags.to(cuda)).sum().backward();
-    log_likelihood(p, tags).sum().backward();
-    expect_close(g.emissions.grad(), p.emissions.grad(), tol, tol);
-  }
+  // K from one warp-shared block to one sequence per block, and past the fused kernels' shared-memory limit (the
+  // composed recursion takes over there).
+  for (auto dtype : {at::kFloat, at::kDouble})
+    for (int64_t K : {1, 6, 33, 70, 150}) {
+      ChainPotentials p = random_chain(9, 11, K);
+      p.transitions[0][K - 1] = -kInf;
+      const at::Tensor tags = random_tags(p);
+      ChainPotentials c = p, g = p;
+      const at::Device cuda(at::kCUDA);
+      for (auto [dst, dev] : {std::pair{&c, at::Device(at::kCPU)}, std::pair{&g, cuda}}) {
+        dst->emissions = p.emissions.detach().to(dev, dtype).requires_grad_();
+        dst->transitions = p.transitions.detach().to(dev, dtype).requires_grad_();
+        dst->start = p.start.detach().to(dev, dtype).requires_grad_();
+        dst->end = p.end.detach().to(dev, dtype).requires_grad_();
+        dst->lengths = p.lengths.to(dev);
+        log_likelihood(*dst, tags.to(dev)).sum().backward();
+      }
+      const double tol = dtype == at::kFloat ? 2e-4 : 1e-10;
+      SCOPED_TRACE("K=" + std::to_string(K) + (dtype == at::kFloat ? " float" : " double"));
+      expect_close(log_partition(g), log_partition(c), tol, tol);
+      for (auto [x, y] : {std::pair{&g.emissions, &c.emissions}, std::pair{&g.transitions, &c.transitions},
+                          std::pair{&g.start, &c.start}, std::pair{&g.end, &c.end}})
+        expect_close(x->grad(), y->grad(), tol, tol);
+      expect_close(marginals(g).nodes, marginals(c).nodes, tol, tol);
+      const ViterbiResult vg = viterbi(g), vc = viterbi(c);
+      expect_close(vg.score, vc.score, tol, tol);
+      EXPECT_TRUE(at::equal(vg.path.cpu(), vc.path));
+    }
+  // Edge marginals (composed recursion on the GPU) once.
+  const ChainPotentials p = random_chain(4, 6, 5);
+  ChainPotentials g = p;
+  g.emissions = p.emissions.cuda();
+  g.transitions = p.transitions.cuda();
+  g.start = p.start.cuda();
+  g.end = p.end.cuda();
+  expect_close(marginals(g, true).edges, marginals(p, true).edges, 1e-10, 1e-10);
 }
 
 TEST(LinearChainCRF, FusedAndComposedRecursionsAgreeWithGradients) {

@@ -49,11 +49,6 @@ std::vector<std::string> collect_labels(const LabeledSentences& train) {
   return labels;
 }
 
-bool chunk_labels(const std::vector<std::string>& labels) {
-  return std::any_of(labels.begin(), labels.end(),
-                     [](const std::string& l) { return l.size() > 2 && l[1] == '-' && std::string("BIES").find(l[0]) != std::string::npos; });
-}
-
 // Batches of sentences sorted by length, so padding stays small.
 std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data, const at::Device& device) {
   std::vector<std::size_t> order(data.inputs.size());
@@ -171,7 +166,6 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     return total + reg.detach();
   };
 
-  const bool chunks = chunk_labels(model.labels());
   CrfTrainSummary sum;
   sum.features = model.features().size();
   for (auto& p : params) sum.parameters += p.numel();
@@ -189,6 +183,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     if (dev) {
       const ChunkEvaluation ev = evaluate(model, *dev);
       rec.dev_accuracy = ev.accuracy();
+      const bool chunks = ev.overall.gold > 0;  // chunk labels (B-X, I-X, ...) rather than plain tags
       if (chunks) rec.dev_f1 = ev.overall.f1();
       const double score = chunks ? *rec.dev_f1 : *rec.dev_accuracy;
       if (score > best_score) {
