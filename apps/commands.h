@@ -7,5 +7,6 @@
 namespace trellis::cli {
 
 int crf_main(const std::vector<std::string>& args);
+int bench_main(const std::vector<std::string>& args);
 
 }  // namespace trellis::cli

@@ -12,6 +12,7 @@ constexpr const char* kUsage = R"(usage: trellis <command> [options]
 
 commands:
   crf     train, tag, evaluate and inspect linear-chain CRF taggers (trellis crf --help)
+  bench   time Trellis beside plain LibTorch and cuBLAS on the same work (trellis bench --help)
 
 options:
   -h, --help     this message
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   try {
     if (args[0] == "crf") return trellis::cli::crf_main(rest);
+    if (args[0] == "bench") return trellis::cli::bench_main(rest);
   } catch (const std::exception& e) {
     std::cerr << "trellis: error: " << e.what() << "\n";
     return 1;

@@ -24,4 +24,8 @@ template <class S>
 void semiring_reduce_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& out,
                               const at::Tensor& arg, at::Tensor& grad_x);
 
+// c[b,i,j] = ⊕_k a[b,i,k] + b[b,k,j] exactly, for every entry whose scaled sum s[b,i,j] is below threshold; a [Ba,M,K],
+// b [Bb,K,N] (batches broadcast), s and c [batch,M,N]. Other entries are left as they are.
+void log_matmul_fixup(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at::Tensor& c, double threshold);
+
 }  // namespace trellis::cuda

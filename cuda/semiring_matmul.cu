@@ -78,6 +78,21 @@ __global__ void matmul_grad_left_kernel(const T* __restrict__ G, const T* __rest
   }
 }
 
+// One thread per output; threads of a warp take neighbouring columns, so the reads of B are coalesced.
+template <class T>
+__global__ void log_matmul_fixup_kernel(const T* __restrict__ A, const T* __restrict__ B, const T* __restrict__ S,
+                                        T* __restrict__ C, int64_t total, int M, int K, int N, int64_t sa, int64_t sb,
+                                        T threshold) {
+  const int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (e >= total || !(S[e] < threshold)) return;
+  const int64_t row = e / N, j = e % N, b = row / M;
+  const T* Ar = A + b * sa + (row % M) * K;
+  const T* Bb = B + b * sb;
+  LogSemiring::Accumulator<T> acc;
+  for (int k = 0; k < K; ++k) acc.add(Ar[k] + Bb[int64_t(k) * N + j], k);
+  C[e] = acc.value();
+}
+
 dim3 batch_grid(int64_t cols, int64_t rows, int64_t batch) {
   return dim3(grid_dim(cols, kTile), grid_dim(rows, kTile), static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 }
@@ -112,6 +127,19 @@ void semiring_matmul_grad_left(const at::Tensor& grad_c, const at::Tensor& a, co
         sb);
   });
   check_launch("semiring_matmul_grad_left");
+}
+
+void log_matmul_fixup(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at::Tensor& c, double threshold) {
+  const int64_t total = c.numel(), M = c.size(1), N = c.size(2), K = a.size(2);
+  if (total == 0) return;
+  const int64_t sa = a.size(0) == 1 ? 0 : M * K, sb = b.size(0) == 1 ? 0 : K * N;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "log_matmul_fixup_cuda", [&] {
+    log_matmul_fixup_kernel<scalar_t><<<grid_dim(total, 256), 256, 0, stream>>>(
+        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), total, int(M),
+        int(K), int(N), sa, sb, static_cast<scalar_t>(threshold));
+  });
+  check_launch("log_matmul_fixup");
 }
 
 template void semiring_matmul_forward<LogSemiring>(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);

@@ -1,5 +1,7 @@
 #include "trellis/linear_chain_crf.h"
 
+#include <c10/core/GradMode.h>
+
 #include "test_util.h"
 #include "trellis/error.h"
 
@@ -305,4 +307,25 @@ TEST(LinearChainCRF, FusedAndComposedRecursionsAgreeWithGradients) {
   at::Tensor last = at::zeros({5}, at::kDouble);
   for (int64_t b = 0; b < 6; ++b) last += composed.nodes[b][length_of(p, b) - 1];
   expect_close(q.end.grad(), last, 1e-10, 1e-12);
+}
+
+TEST(LinearChainCRF, ManyLabelsScaledPathIsExactForAnyRange) {
+  // Without gradients, K >= 128 runs one scaled GEMM per step; outputs that underflow are recomputed exactly.
+  for (double scale : {1.0, 1e3}) {
+    ChainPotentials p = random_chain(3, 5, 150);
+    p.emissions = p.emissions * scale;
+    p.transitions = p.transitions * scale;
+    p.transitions[2].fill_(-kInf);
+    const at::Tensor reference = marginals(p, /*with_edges=*/true).log_partition;  // composed recursion, float64
+    c10::NoGradGuard no_grad;
+    expect_close(log_partition(p), reference, 1e-12, 1e-9);
+    ChainPotentials f = p;
+    f.emissions = p.emissions.to(at::kFloat);
+    f.transitions = p.transitions.to(at::kFloat);
+    f.start = p.start.to(at::kFloat);
+    f.end = p.end.to(at::kFloat);
+    const at::Tensor z = log_partition(f);
+    EXPECT_TRUE(z.isfinite().all().item<bool>());
+    expect_close(z, reference, 1e-5, 1e-4 * scale);
+  }
 }

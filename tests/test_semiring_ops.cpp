@@ -67,6 +67,19 @@ TEST(SemiringMatmul, LargeMagnitudesDoNotOverflow) {
   expect_close(c, log_matmul_ref(a.to(at::kDouble), b.to(at::kDouble)), 1e-6, 1e-2);
 }
 
+TEST(SemiringMatmul, LargeInnerSizeScaledPathIsExactForAnyRange) {
+  // K >= 128 runs the forward as one scaled GEMM; entries that underflow there are recomputed exactly.
+  for (double scale : {1.0, 1e3}) {
+    at::Tensor a = randn({2, 5, 200}, at::kDouble, scale), b = randn({1, 200, 7}, at::kDouble, scale);
+    a[0][1].fill_(-kInf);
+    b.select(2, 3).fill_(-kInf);
+    const at::Tensor ref = log_matmul_ref(a, b);
+    expect_close(log_matmul(a, b), ref, 1e-12, 1e-12 * scale);
+    const at::Tensor c32 = log_matmul(a.to(at::kFloat), b.to(at::kFloat));
+    expect_close(c32, ref, 1e-6, 1e-6 * scale);
+  }
+}
+
 TEST(SemiringMatmul, RejectsBadShapes) {
   EXPECT_THROW(log_matmul(randn({2, 3, 4}), randn({2, 5, 3})), Error);
   EXPECT_THROW(log_matmul(randn({2, 3, 4}), randn({3, 4, 3})), Error);
@@ -101,7 +114,8 @@ TEST(SemiringSum, MaxRoutesGradientToArgmax) {
 TEST(SemiringMatmulCuda, MatchesCpuValuesAndGradients) {
   TRELLIS_REQUIRE_CUDA();
   for (auto dtype : {at::kFloat, at::kDouble})
-    for (auto [ba, bb, M, K, N] : {std::tuple{3, 3, 17, 33, 19}, std::tuple{5, 1, 1, 64, 64}, std::tuple{1, 2, 40, 7, 3}}) {
+    for (auto [ba, bb, M, K, N] : {std::tuple{3, 3, 17, 33, 19}, std::tuple{5, 1, 1, 64, 64}, std::tuple{1, 2, 40, 7, 3},
+                                             std::tuple{2, 1, 9, 300, 40}}) {
       const at::Tensor a = randn({ba, M, K}, dtype, 5), b = randn({bb, K, N}, dtype, 5);
       a.select(1, 0).select(1, 0).fill_(-kInf);
       const at::Tensor w = randn({std::max(ba, bb), M, N}, dtype);

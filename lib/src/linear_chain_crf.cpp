@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "chain_fused.h"
+#include "scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
 
@@ -14,6 +15,7 @@ namespace trellis {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr int64_t kScaledMinLabels = 128;  // from here on a GEMM per step beats K² log-space terms per step
 
 struct Shape {
   int64_t B, T, K;
@@ -75,8 +77,11 @@ at::Tensor chain_forward(const ChainPotentials& p, const Shape& s, const at::Ten
   at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
   if (alphas) alphas->push_back(alpha);
   for (int64_t t = 1; t < s.T; ++t) {
-    const at::Tensor w = edge.defined() ? edge.select(1, t - 1) : trans;
-    at::Tensor next = semiring_matmul<S>(alpha.unsqueeze(1), w).squeeze(1) + p.emissions.select(1, t);
+    // Shared transitions: one [1,B,K] ⊗ [1,K,K] product per step (the batch as rows of one matrix); per-position
+    // edge potentials: B products [1,K] ⊗ [K,K].
+    const at::Tensor prod = edge.defined() ? semiring_matmul<S>(alpha.unsqueeze(1), edge.select(1, t - 1)).squeeze(1)
+                                           : semiring_matmul<S>(alpha.unsqueeze(0), trans).squeeze(0);
+    at::Tensor next = prod + p.emissions.select(1, t);
     alpha = ragged ? at::where((lengths > t).unsqueeze(1), next, alpha) : next;
     if (alphas) alphas->push_back(next);
   }
@@ -92,10 +97,31 @@ at::Tensor chain_score(const ChainPotentials& p, const Shape& s) {
                                       lengths_or_full(p, s));
 }
 
+bool needs_grad(const ChainPotentials& p) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end})
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// The forward recursion for many labels when no gradient is wanted (likelihoods, e.g. of large HMMs): each step is
+// one scaled GEMM against the transitions, scaled once (detail::scaled_log_matmul, exact for any input range).
+at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
+  const at::Tensor lengths = lengths_or_full(p, s);
+  const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
+  at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
+  for (int64_t t = 1; t < s.T; ++t) {
+    const at::Tensor next = detail::scaled_log_matmul(alpha.unsqueeze(0), w).squeeze(0) + p.emissions.select(1, t);
+    alpha = p.lengths.defined() ? at::where((lengths > t).unsqueeze(1), next, alpha) : next;
+  }
+  return semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
+}
+
 }  // namespace
 
 at::Tensor log_partition(const ChainPotentials& p) {
   const Shape s = check(p);
+  if (s.K >= kScaledMinLabels && !needs_grad(p)) return scaled_log_partition(p, s);
   return chain_score<LogSemiring>(p, s);
 }
 
@@ -141,13 +167,13 @@ at::Tensor backward_log_betas(const ChainPotentials& p) {
   const at::Tensor lengths = lengths_or_full(p, s);
   // beta_t = W ⊗ (e_{t+1} ⊗ beta_{t+1}), starting from the end scores at each sequence's last position.
   const at::Tensor end = or_zeros(p.end, p, s.K).expand({s.B, s.K});
-  const at::Tensor trans = p.transitions.unsqueeze(0);
+  const at::Tensor trans_t = p.transitions.t().unsqueeze(0);
   std::vector<at::Tensor> betas(s.T);
   at::Tensor beta = end;
   betas[s.T - 1] = beta;
   for (int64_t t = s.T - 2; t >= 0; --t) {
     const at::Tensor next =
-        semiring_matmul<LogSemiring>(trans, (p.emissions.select(1, t + 1) + beta).unsqueeze(2)).squeeze(2);
+        semiring_matmul<LogSemiring>((p.emissions.select(1, t + 1) + beta).unsqueeze(0), trans_t).squeeze(0);
     beta = at::where((lengths > t + 1).unsqueeze(1), next, end);
     betas[t] = beta;
   }

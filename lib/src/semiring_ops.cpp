@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "scaled_log_matmul.h"
 #include "trellis/error.h"
 #if TRELLIS_WITH_CUDA
 #include "cuda/semiring_kernels.h"
@@ -14,6 +15,9 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// From this inner size on, the log-semiring forward runs as one scaled GEMM (exact; see scaled_log_matmul.h).
+constexpr int64_t kScaledMinInner = 128;
 
 #if !TRELLIS_WITH_CUDA
 [[noreturn]] void no_cuda() {
@@ -140,9 +144,14 @@ template <class S>
 struct SemiringMatmulFunction : torch::autograd::Function<SemiringMatmulFunction<S>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
     const int64_t batch = std::max(a.size(0), b.size(0));
-    at::Tensor c = at::empty({batch, a.size(1), b.size(2)}, a.options());
-    at::Tensor arg = S::kIsMax ? at::empty(c.sizes(), a.options().dtype(at::kLong)) : at::Tensor();
-    matmul_forward<S>(a, b, c, arg);
+    at::Tensor c, arg;
+    if (!S::kIsMax && a.size(2) >= kScaledMinInner) {
+      c = detail::scaled_log_matmul(a, detail::scale_right(b));
+    } else {
+      c = at::empty({batch, a.size(1), b.size(2)}, a.options());
+      if (S::kIsMax) arg = at::empty(c.sizes(), a.options().dtype(at::kLong));
+      matmul_forward<S>(a, b, c, arg);
+    }
     ctx->save_for_backward({a, b, c, arg});
     return c;
   }
