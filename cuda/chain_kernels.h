@@ -9,17 +9,17 @@ namespace trellis::cuda {
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
 // Fills alpha [B,T,K], pre [B,T,K] (the ⊕ before the emission is added), arg [B,T,K] and end_arg [B] (MaxSemiring
-// only; int64) and score [B].
+// only; int64), score [B] and, where tags [B,T] is not empty, gold [B]: the tagged sequences' scores.
 template <class S>
 void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                   const at::Tensor& end, const at::Tensor& lengths, at::Tensor& alpha, at::Tensor& pre,
-                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score);
+                   const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha,
+                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold);
 
 // Given grad_score [B], fills grad_emissions [B,T,K] (zero at padding), grad_transitions [K,K], grad_start [K] and
 // grad_end [K].
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
-                    const at::Tensor& lengths, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
+                    const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
                     const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& grad_emissions,
                     at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 

@@ -44,9 +44,11 @@ __device__ void load_transitions(const T* __restrict__ W, T* w, int K) {
 
 template <class S, class T>
 __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restrict__ W, const T* __restrict__ start,
-                                     const T* __restrict__ end, const int64_t* __restrict__ len, T* __restrict__ alpha,
+                                     const T* __restrict__ end, const int64_t* __restrict__ len,
+                                     const int64_t* __restrict__ tags, T* __restrict__ alpha,
                                      T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
-                                     T* __restrict__ score, int B, int Tn, int K, int tps, int spb) {
+                                     T* __restrict__ score, T* __restrict__ gold, int B, int Tn, int K, int tps,
+                                     int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][K+1]
   T* prev = w + K * (K + 1);              // [spb][K]
@@ -89,13 +91,20 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     typename S::template Accumulator<T> acc;
     for (int k = 0; k < K; ++k) acc.add(S::times(ps[k], end[k]), k);
     score[b] = acc.value();
+    if (tags) {  // the tagged sequence's score
+      const int64_t* y = tags + static_cast<int64_t>(b) * Tn;
+      T g = start[y[0]] + E[off + y[0]] + end[y[L - 1]];
+      for (int t = 1; t < L; ++t) g += w[y[t - 1] * (K + 1) + y[t]] + E[off + static_cast<int64_t>(t) * K + y[t]];
+      gold[b] = g;
+    }
     if constexpr (S::kIsMax) end_arg[b] = acc.arg();
   }
 }
 
 template <class S, class T>
 __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ end,
-                                      const int64_t* __restrict__ len, const T* __restrict__ alpha,
+                                      const int64_t* __restrict__ len, const int64_t* __restrict__ tags,
+                                      const T* __restrict__ alpha,
                                       const T* __restrict__ pre, const int64_t* __restrict__ arg,
                                       const int64_t* __restrict__ end_arg, const T* __restrict__ score,
                                       T* __restrict__ g_em, T* __restrict__ part_w, T* __restrict__ part_s,
@@ -157,6 +166,14 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
     }
     __syncthreads();
   }
+  // The tagged sequence's score was subtracted: one thread per sequence takes its indicators off.
+  const int64_t* y = tags && b < B ? tags + static_cast<int64_t>(b) * Tn : nullptr;
+  if (y && i == 0)
+    for (int t = 0; t < L; ++t) {
+      g_em[off + static_cast<int64_t>(t) * K + y[t]] -= G[b];
+      if (t > 0) gws[y[t - 1] * (K + 1) + y[t]] -= G[b];
+    }
+  __syncthreads();
   // Per-block partials: transitions summed over the block's sequences, start and end likewise.
   for (int e = threadIdx.x; e < K * K; e += blockDim.x) {
     T sum = T(0);
@@ -166,8 +183,8 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   __syncthreads();
   // Reuse res/adj rows as staging for start/end sums across the block's sequences.
   if (i < K) {
-    rs[i] = lane ? as[i] : T(0);  // adjoint at position 0 = gradient of start
-    as[i] = g_end;
+    rs[i] = lane ? as[i] - (y && y[0] == i ? G[b] : T(0)) : T(0);  // adjoint at position 0 = gradient of start
+    as[i] = g_end - (y && y[L - 1] == i ? G[b] : T(0));
   }
   __syncthreads();
   if (threadIdx.x < K) {
@@ -194,8 +211,8 @@ bool chain_supported(int64_t K, at::ScalarType dtype) {
 
 template <class S>
 void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
-                   const at::Tensor& lengths, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
-                   at::Tensor& end_arg, at::Tensor& score) {
+                   const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre,
+                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -205,16 +222,18 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
         em.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
-        lengths.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(),
+        lengths.data_ptr<int64_t>(), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
+        pre.data_ptr<scalar_t>(),
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.tps, l.spb);
+        score.data_ptr<scalar_t>(), tags.numel() ? gold.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.tps,
+        l.spb);
   });
   check_launch("chain_forward");
 }
 
 template <class S>
 void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                    const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
+                    const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
                     const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
                     at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
@@ -228,7 +247,7 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
         grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
-        alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
+        tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
         S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
         part_w.data_ptr<scalar_t>(), part_s.data_ptr<scalar_t>(), part_e.data_ptr<scalar_t>(), int(B), int(Tn),
         int(K), l.tps, l.spb);
@@ -239,17 +258,16 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
   at::sum_out(g_end, part_e, 0);
 }
 
-template void chain_forward<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                                         at::Tensor&);
-template void chain_forward<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                                         at::Tensor&);
-template void chain_backward<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
-template void chain_backward<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+#define TRELLIS_INSTANTIATE(S)                                                                                    \
+  template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,         \
+                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,          \
+                                 at::Tensor&, at::Tensor&, at::Tensor&);                                             \
+  template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
+                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,       \
+                                  at::Tensor&);
+TRELLIS_INSTANTIATE(LogSemiring)
+TRELLIS_INSTANTIATE(MaxSemiring)
+#undef TRELLIS_INSTANTIATE
 
 }  // namespace trellis::cuda

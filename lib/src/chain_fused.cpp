@@ -20,13 +20,16 @@ using torch::autograd::variable_list;
 // the inner ⊕ over the previous label walks contiguous memory.
 template <class S, class T>
 void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
-                 const at::Tensor& lengths, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg,
-                 at::Tensor& score) {
+                 const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
+                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const at::Tensor wt = trans.t().contiguous();
   const T *E = em.data_ptr<T>(), *Wt = wt.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
+  const T* W = trans.data_ptr<T>();
   T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
+  T* Gd = Y ? gold.data_ptr<T>() : nullptr;
   int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -53,6 +56,12 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
       for (int64_t k = 0; k < K; ++k) acc.add(S::times(a[(L - 1) * K + k], En[k]), k);
       Z[b] = acc.value();
       if (IE) IE[b] = acc.arg();
+      if (Y) {  // the tagged sequence's score
+        const int64_t* y = Y + b * Tn;
+        T g = St[y[0]] + e[y[0]] + En[y[L - 1]];
+        for (int64_t t = 1; t < L; ++t) g += W[y[t - 1] * K + y[t]] + e[t * K + y[t]];
+        Gd[b] = g;
+      }
     }
   });
 }
@@ -61,7 +70,7 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
 // one buffer per thread and reduced at the end, so no two threads write the same memory.
 template <class S, class T>
 void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                  const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
+                  const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
                   const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
                   at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
@@ -71,6 +80,7 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
   const T *G = grad.data_ptr<T>(), *W = trans.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(),
           *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
   const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   const int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
   T* GE = g_em.data_ptr<T>();
@@ -107,6 +117,15 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
         gem[k] = adj[k];
         gs[k] += adj[k];
       }
+      if (Y) {  // the tagged sequence's score was subtracted
+        const int64_t* y = Y + b * Tn;
+        gs[y[0]] -= G[b];
+        ge[y[L - 1]] -= G[b];
+        for (int64_t t = 0; t < L; ++t) {
+          gem[t * K + y[t]] -= G[b];
+          if (t > 0) gw[y[t - 1] * K + y[t]] -= G[b];
+        }
+      }
     }
   });
   g_trans.copy_(part_w.sum(0));
@@ -117,25 +136,27 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
 template <class S>
 struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& em, const at::Tensor& trans,
-                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths) {
+                            const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
+                            const at::Tensor& tags) {
     const int64_t B = em.size(0);
     at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
+    at::Tensor gold = at::empty({tags.numel() ? B : 0}, em.options());
     const auto long_opts = em.options().dtype(at::kLong);
     at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
     at::Tensor end_arg = S::kIsMax ? at::empty({B}, long_opts) : at::Tensor();
     if (em.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-      cuda::chain_forward<S>(em, trans, start, end, lengths, alpha, pre, arg, end_arg, score);
+      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, gold);
 #else
       throw Error("this Trellis build has no CUDA kernels");
 #endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, alpha, pre, arg, end_arg, score);
+        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, gold);
       });
     }
-    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score});
-    return score;
+    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score, tags});
+    return tags.numel() ? score - gold : score;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -146,15 +167,16 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                g_end = at::empty_like(end);
     if (alpha.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-      cuda::chain_backward<S>(g, trans, end, lengths, alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start, g_end);
+      cuda::chain_backward<S>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
+                              g_end);
 #endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "fused_chain_backward", [&] {
-        backward_cpu<S, scalar_t>(g, trans, end, lengths, alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
-                                  g_end);
+        backward_cpu<S, scalar_t>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans,
+                                  g_start, g_end);
       });
     }
-    return {g_em, g_trans, g_start, g_end, at::Tensor()};
+    return {g_em, g_trans, g_start, g_end, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -169,14 +191,16 @@ bool fused_chain_supported(const at::Tensor& emissions) {
 
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                             const at::Tensor& end, const at::Tensor& lengths) {
+                             const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags) {
   return FusedChainFunction<S>::apply(emissions.contiguous(), transitions.contiguous(), start.contiguous(),
-                                      end.contiguous(), lengths.contiguous());
+                                      end.contiguous(), lengths.contiguous(),
+                                      // autograd needs defined inputs: no tags is an empty tensor
+                                      tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()));
 }
 
 template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&);
+                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&);
 template at::Tensor fused_chain_score<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&);
+                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 }  // namespace trellis::detail

@@ -8,14 +8,15 @@
 
 namespace trellis::detail {
 
-// score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b].
-// All arguments defined: emissions [B,T,K], transitions [K,K], start [K], end [K] (same dtype/device), lengths [B]
-// int64 on the same device with values in [1, T].
 // Whether fused_chain_score takes these emissions (always on CPU; on CUDA while K is small enough for shared memory).
 bool fused_chain_supported(const at::Tensor& emissions);
 
+// score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b];
+// with tags [B,T] (int64, validated), minus the score of the tagged sequence, i.e. the negative log-likelihood for
+// LogSemiring. emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on
+// that device, values in [1, T].
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                             const at::Tensor& end, const at::Tensor& lengths);
+                             const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags = {});
 
 }  // namespace trellis::detail

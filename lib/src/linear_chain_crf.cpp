@@ -21,7 +21,28 @@ struct Shape {
   int64_t B, T, K;
 };
 
-Shape check(const ChainPotentials& p) {
+at::Tensor lengths_or_full(const ChainPotentials& p, const Shape& s) {
+  const auto opts = p.emissions.options().dtype(at::kLong);
+  return p.lengths.defined() ? p.lengths.to(opts) : at::full({s.B}, s.T, opts);
+}
+
+// [B,T] true where t < length.
+at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
+  return at::arange(T, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
+}
+
+[[noreturn]] void first_bad_index(const at::Tensor& bad, const std::string& what, const at::Tensor& values,
+                                  const std::string& range) {
+  const at::Tensor where = bad.nonzero()[0].cpu();
+  std::string index;
+  for (int64_t d = 0; d < where.size(0); ++d) index += "[" + std::to_string(where[d].item<int64_t>()) + "]";
+  at::Tensor value = values.cpu();
+  for (int64_t d = 0; d < where.size(0); ++d) value = value[where[d].item<int64_t>()];
+  throw Error("CRF: " + what + index + " = " + std::to_string(value.item<int64_t>()) + " is outside " + range);
+}
+
+// Validates shapes, dtypes and devices, and the values of lengths and tags (if given) with a single host transfer.
+Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
   const at::Tensor& e = p.emissions;
   if (!e.defined() || e.dim() != 3) throw Error("CRF: emissions must be a [B,T,K] tensor");
   if (e.scalar_type() != at::kFloat && e.scalar_type() != at::kDouble)
@@ -39,27 +60,27 @@ Shape check(const ChainPotentials& p) {
   same(p.transitions, "transitions", {s.K, s.K});
   same(p.start, "start", {s.K});
   same(p.end, "end", {s.K});
-  if (p.lengths.defined()) {
-    if (p.lengths.dim() != 1 || p.lengths.size(0) != s.B) throw Error("CRF: lengths must be a [B] tensor");
-    const at::Tensor l = p.lengths.to(at::kCPU, at::kLong);
-    const int64_t* lp = l.data_ptr<int64_t>();
-    for (int64_t b = 0; b < s.B; ++b)
-      if (lp[b] < 1 || lp[b] > s.T)
-        throw Error("CRF: lengths[" + std::to_string(b) + "] = " + std::to_string(lp[b]) + " is outside [1, " +
-                    std::to_string(s.T) + "]");
+  if (p.lengths.defined() && (p.lengths.dim() != 1 || p.lengths.size(0) != s.B))
+    throw Error("CRF: lengths must be a [B] tensor");
+  if (tags && (!tags->defined() || tags->sizes() != at::IntArrayRef{s.B, s.T}))
+    throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
+  if (!p.lengths.defined() && !tags) return s;
+  const at::Tensor lengths = lengths_or_full(p, s);
+  std::vector<at::Tensor> stats{lengths.min(), lengths.max()};
+  at::Tensor bad_tags;
+  if (tags) {
+    const at::Tensor y = tags->to(lengths.options());
+    bad_tags = position_mask(lengths, s.T) & ((y < 0) | (y >= s.K));
+    stats.push_back(bad_tags.any().to(at::kLong));
   }
+  const at::Tensor host = at::stack(stats).cpu();
+  const int64_t* h = host.data_ptr<int64_t>();
+  if (h[0] < 1 || h[1] > s.T)
+    first_bad_index((lengths < 1) | (lengths > s.T), "lengths", lengths, "[1, " + std::to_string(s.T) + "]");
+  if (tags && h[2]) first_bad_index(bad_tags, "tags", *tags, "[0, " + std::to_string(s.K) + ")");
   return s;
 }
 
-at::Tensor lengths_or_full(const ChainPotentials& p, const Shape& s) {
-  const auto opts = p.emissions.options().dtype(at::kLong);
-  return p.lengths.defined() ? p.lengths.to(opts) : at::full({s.B}, s.T, opts);
-}
-
-// [B,T] true where t < length.
-at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
-  return at::arange(T, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
-}
 
 at::Tensor or_zeros(const at::Tensor& t, const ChainPotentials& p, int64_t K) {
   return t.defined() ? t : at::zeros({K}, p.emissions.options());
@@ -97,6 +118,22 @@ at::Tensor chain_score(const ChainPotentials& p, const Shape& s) {
                                       lengths_or_full(p, s));
 }
 
+// Total score of the given labels (tags validated by check()).
+at::Tensor gold_score_unchecked(const ChainPotentials& p, const Shape& s, const at::Tensor& tags) {
+  const at::Tensor lengths = lengths_or_full(p, s);
+  const at::Tensor mask = position_mask(lengths, s.T);
+  const at::Tensor y = tags.to(lengths.options()).masked_fill(~mask, 0);
+  const at::Tensor zero = at::zeros({}, p.emissions.options());
+  at::Tensor score = at::where(mask, p.emissions.gather(2, y.unsqueeze(2)).squeeze(2), zero).sum(1);
+  if (s.T > 1) {
+    const at::Tensor trans = p.transitions.index({y.slice(1, 0, -1), y.slice(1, 1)});
+    score = score + at::where(mask.slice(1, 1), trans, zero).sum(1);
+  }
+  if (p.start.defined()) score = score + p.start.index_select(0, y.select(1, 0));
+  if (p.end.defined()) score = score + p.end.index_select(0, y.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1));
+  return score;
+}
+
 bool needs_grad(const ChainPotentials& p) {
   if (!c10::GradMode::is_enabled()) return false;
   for (const at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end})
@@ -126,32 +163,17 @@ at::Tensor log_partition(const ChainPotentials& p) {
 }
 
 at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
-  const Shape s = check(p);
-  if (!tags.defined() || tags.sizes() != at::IntArrayRef{s.B, s.T})
-    throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
-  const at::Tensor lengths = lengths_or_full(p, s);
-  const at::Tensor mask = position_mask(lengths, s.T);
-  const at::Tensor y = tags.to(lengths.options()).masked_fill(~mask, 0);
-  const at::Tensor bad = mask & ((y < 0) | (y >= s.K));
-  if (bad.any().item<bool>()) {
-    const at::Tensor where = bad.nonzero()[0].cpu();
-    const int64_t b = where[0].item<int64_t>(), t = where[1].item<int64_t>();
-    throw Error("CRF: tags[" + std::to_string(b) + "][" + std::to_string(t) + "] = " +
-                std::to_string(tags[b][t].item<int64_t>()) + " is outside [0, " + std::to_string(s.K) + ")");
-  }
-  const at::Tensor zero = at::zeros({}, p.emissions.options());
-  at::Tensor score = at::where(mask, p.emissions.gather(2, y.unsqueeze(2)).squeeze(2), zero).sum(1);
-  if (s.T > 1) {
-    const at::Tensor trans = p.transitions.index({y.slice(1, 0, -1), y.slice(1, 1)});
-    score = score + at::where(mask.slice(1, 1), trans, zero).sum(1);
-  }
-  if (p.start.defined()) score = score + p.start.index_select(0, y.select(1, 0));
-  if (p.end.defined()) score = score + p.end.index_select(0, y.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1));
-  return score;
+  const Shape s = check(p, &tags);
+  return gold_score_unchecked(p, s, tags);
 }
 
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
-  return gold_score(p, tags) - log_partition(p);
+  const Shape s = check(p, &tags);
+  if (!detail::fused_chain_supported(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
+  // One fused node computes log Z − gold score and its gradient (marginals minus the gold indicators).
+  return -detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
+                                                 or_zeros(p.end, p, s.K), lengths_or_full(p, s),
+                                                 tags.to(p.emissions.device(), at::kLong));
 }
 
 at::Tensor forward_log_alphas(const ChainPotentials& p) {
