@@ -151,8 +151,10 @@ TEST(LinearChainCRF, LargeScoresDoNotOverflow) {
   const at::Tensor z = log_partition(p);
   EXPECT_TRUE(z.isfinite().all().item<bool>());
   expect_close(z, brute_log_partition(p), 1e-12, 1e-8);
+  // The fused backward falls back to exact log-space columns where scaled sums underflow: same marginals as the
+  // composed recursion.
   const Marginals m = marginals(p);
-  EXPECT_FALSE(m.nodes.isnan().any().item<bool>());
+  expect_close(m.nodes, marginals(p, /*with_edges=*/true).nodes, 1e-9, 1e-9);
   ChainPotentials f = p;  // float32
   f.emissions = p.emissions.to(at::kFloat);
   f.transitions = p.transitions.to(at::kFloat);

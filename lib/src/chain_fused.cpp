@@ -4,6 +4,11 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring.h"
 #if TRELLIS_WITH_CUDA
@@ -16,23 +21,157 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// One sequence at a time, sequences in parallel. Messages are [T,K] rows; the transitions are read transposed so
-// the inner ⊕ over the previous label walks contiguous memory.
+// One step of the recursion for one sequence, pre[j] = ⊕_i a[i] ⊗ W[i][j], and its reverse mode. This one
+// accumulates every term in the semiring (MaxSemiring: compares only).
+template <class S, class T>
+class SemiringStep {
+ public:
+  SemiringStep(const T* w, const T* wt, int64_t k) : W_(w), Wt_(wt), K_(k) {}
+
+  void forward(const T* a, T* pre, int64_t* arg) {
+    for (int64_t j = 0; j < K_; ++j) {
+      typename S::template Accumulator<T> acc;
+      const T* w = Wt_ + j * K_;
+      for (int64_t i = 0; i < K_; ++i) acc.add(S::times(a[i], w[i]), i);
+      pre[j] = acc.value();
+      if (arg) arg[j] = acc.arg();
+    }
+  }
+
+  // Adds the adjoint of a (given adj, the adjoint of pre) to next, and the transitions' gradient to gw.
+  void backward(const T* a, const T* pre, const int64_t* arg, const T* adj, T* next, T* gw) {
+    for (int64_t j = 0; j < K_; ++j) {
+      if (adj[j] == T(0)) continue;
+      for (int64_t i = 0; i < K_; ++i) {
+        const T c = adj[j] * S::weight(S::times(a[i], W_[i * K_ + j]), pre[j], i, arg ? arg[j] : -1);
+        next[i] += c;
+        gw[i * K_ + j] += c;
+      }
+    }
+  }
+
+ private:
+  const T *W_, *Wt_;
+  int64_t K_;
+};
+
+// LogSemiring's step in scaled probability space: with v = exp(a − max a) and P = exp(W − colmax) (computed once),
+// pre = log(v·P) + max a + colmax costs K exponentials and K² multiply-adds instead of K² exponentials, and the
+// reverse mode is the same two products transposed. A column whose scaled sum is too small for all its terms to have
+// survived underflow (see scaled_log_matmul.h) is done exactly in log space instead, in both directions.
+template <class T>
+class ScaledLogStep {
+ public:
+  ScaledLogStep(const T* w, const T* p, const T* colmax, int64_t k)
+      : W_(w), P_(p), cmax_(colmax), K_(k), v_(k), s_(k), q_(k),
+        log_threshold_(std::log(underflow_threshold(c10::CppTypeToScalarType<T>::value, k))) {}
+
+  void forward(const T* a, T* pre, int64_t*) {
+    const T m = scale(a);
+    std::fill(s_.begin(), s_.end(), T(0));
+    T* __restrict s = s_.data();
+    for (int64_t i = 0; i < K_; ++i) {
+      const T vi = v_[i];
+      if (vi == T(0)) continue;
+      const T* __restrict pi = P_ + i * K_;
+      for (int64_t j = 0; j < K_; ++j) s[j] += vi * pi[j];
+    }
+    for (int64_t j = 0; j < K_; ++j) {
+      const T lp = std::log(s[j]);
+      pre[j] = lp >= log_threshold_ ? lp + m + cmax_[j] : exact(a, j);
+    }
+  }
+
+  void backward(const T* a, const T* pre, const int64_t*, const T* adj, T* next, T* gw) {
+    const T m = scale(a);
+    T* __restrict q = q_.data();
+    for (int64_t j = 0; j < K_; ++j) {
+      q[j] = T(0);
+      if (adj[j] == T(0)) continue;
+      const T lp = pre[j] - m - cmax_[j];  // log of the scaled sum the forward step saw
+      if (lp >= log_threshold_) {
+        q[j] = adj[j] * std::exp(-lp);
+      } else {
+        for (int64_t i = 0; i < K_; ++i) {
+          const T c = adj[j] * LogSemiring::weight(a[i] + W_[i * K_ + j], pre[j], i, -1);
+          next[i] += c;
+          gw[i * K_ + j] += c;
+        }
+      }
+    }
+    for (int64_t i = 0; i < K_; ++i) {
+      const T vi = v_[i];
+      if (vi == T(0)) continue;
+      const T* __restrict pi = P_ + i * K_;
+      T* __restrict gwi = gw + i * K_;
+      T r = 0;
+      for (int64_t j = 0; j < K_; ++j) {
+        const T pq = pi[j] * q[j];
+        r += pq;
+        gwi[j] += vi * pq;
+      }
+      next[i] += vi * r;
+    }
+  }
+
+ private:
+  T scale(const T* a) {
+    T m = -std::numeric_limits<T>::infinity();
+    for (int64_t i = 0; i < K_; ++i) m = std::max(m, a[i]);
+    if (std::isinf(m)) m = 0;
+    for (int64_t i = 0; i < K_; ++i) v_[i] = std::exp(a[i] - m);
+    return m;
+  }
+  T exact(const T* a, int64_t j) const {
+    LogSemiring::Accumulator<T> acc;
+    for (int64_t i = 0; i < K_; ++i) acc.add(a[i] + W_[i * K_ + j], i);
+    return acc.value();
+  }
+
+  const T *W_, *P_, *cmax_;
+  int64_t K_;
+  std::vector<T> v_, s_, q_;
+  T log_threshold_;
+};
+
+// The per-call state a step needs: the transposed transitions (SemiringStep) or their scaled exponentials.
+template <class S, class T>
+struct StepFactory {
+  explicit StepFactory(const at::Tensor& trans) : trans_(trans), K_(trans.size(0)) {
+    if constexpr (S::kIsMax) {
+      aux_ = trans.t().contiguous();
+    } else {
+      const ScaledRight r = scale_right(trans.unsqueeze(0));
+      aux_ = r.scaled.squeeze(0).contiguous();
+      colmax_ = r.colmax.flatten().contiguous();
+    }
+  }
+  auto make() const {
+    if constexpr (S::kIsMax)
+      return SemiringStep<S, T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), K_);
+    else
+      return ScaledLogStep<T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), colmax_.data_ptr<T>(), K_);
+  }
+  at::Tensor trans_, aux_, colmax_;
+  int64_t K_;
+};
+
+// One sequence at a time, sequences in parallel; messages are [T,K] rows.
 template <class S, class T>
 void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                  const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
                  at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
-  const at::Tensor wt = trans.t().contiguous();
-  const T *E = em.data_ptr<T>(), *Wt = wt.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>();
+  const StepFactory<S, T> steps(trans);
+  const T *E = em.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>(), *W = trans.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
-  const T* W = trans.data_ptr<T>();
   T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
   T* Gd = Y ? gold.data_ptr<T>() : nullptr;
   int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    auto step = steps.make();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t off = b * Tn * K, L = len[b];
       const T* e = E + off;
@@ -42,15 +181,8 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
         a[j] = S::times(St[j], e[j]);
       }
       for (int64_t t = 1; t < L; ++t) {
-        const T* ap = a + (t - 1) * K;
-        for (int64_t j = 0; j < K; ++j) {
-          typename S::template Accumulator<T> acc;
-          const T* w = Wt + j * K;
-          for (int64_t i = 0; i < K; ++i) acc.add(S::times(ap[i], w[i]), i);
-          p[t * K + j] = acc.value();
-          a[t * K + j] = S::times(acc.value(), e[t * K + j]);
-          if (I) I[off + t * K + j] = acc.arg();
-        }
+        step.forward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr);
+        for (int64_t j = 0; j < K; ++j) a[t * K + j] = S::times(p[t * K + j], e[t * K + j]);
       }
       typename S::template Accumulator<T> acc;
       for (int64_t k = 0; k < K; ++k) acc.add(S::times(a[(L - 1) * K + k], En[k]), k);
@@ -70,15 +202,16 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
 // one buffer per thread and reduced at the end, so no two threads write the same memory.
 template <class S, class T>
 void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                  const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
-                  const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
-                  at::Tensor& g_end) {
+                  const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
+                  const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
+                  at::Tensor& g_start, at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
   const int64_t threads = at::get_num_threads();
+  const StepFactory<S, T> steps(trans);
   at::Tensor part_w = at::zeros({threads, K, K}, alpha.options());
   at::Tensor part_s = at::zeros({threads, K}, alpha.options()), part_e = at::zeros({threads, K}, alpha.options());
-  const T *G = grad.data_ptr<T>(), *W = trans.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(),
-          *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
+  const T *G = grad.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(),
+          *Z = score.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
   const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
@@ -88,6 +221,7 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
     const int64_t tid = at::get_thread_num();
     T *gw = part_w.data_ptr<T>() + tid * K * K, *gs = part_s.data_ptr<T>() + tid * K,
       *ge = part_e.data_ptr<T>() + tid * K;
+    auto step = steps.make();
     std::vector<T> adj(K), next(K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t off = b * Tn * K, L = len[b];
@@ -98,19 +232,9 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
         ge[k] += adj[k];
       }
       for (int64_t t = L - 1; t >= 1; --t) {
+        std::copy(adj.begin(), adj.end(), gem + t * K);
         std::fill(next.begin(), next.end(), T(0));
-        const T* ap = a + (t - 1) * K;
-        for (int64_t j = 0; j < K; ++j) {
-          gem[t * K + j] = adj[j];
-          if (adj[j] == T(0)) continue;
-          const T result = p[t * K + j];
-          const int64_t best = I ? I[off + t * K + j] : -1;
-          for (int64_t i = 0; i < K; ++i) {
-            const T c = adj[j] * S::weight(S::times(ap[i], W[i * K + j]), result, i, best);
-            next[i] += c;
-            gw[i * K + j] += c;
-          }
-        }
+        step.backward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr, adj.data(), next.data(), gw);
         std::swap(adj, next);
       }
       for (int64_t k = 0; k < K; ++k) {

@@ -15,11 +15,6 @@ namespace {
 
 at::Tensor finite_or_zero(const at::Tensor& m) { return at::where(m.isinf(), at::zeros({}, m.options()), m); }
 
-// Below this a scaled sum of K terms may have lost terms to underflow by more than one unit in the last place:
-// each lost term is under the smallest normal number, so K of them stay under eps·threshold.
-double underflow_threshold(at::ScalarType dtype, int64_t K) {
-  return dtype == at::kDouble ? std::ldexp(static_cast<double>(K), -960) : std::ldexp(static_cast<double>(K), -100);
-}
 
 template <class T>
 void fixup_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at::Tensor& c, double threshold) {
@@ -42,6 +37,11 @@ void fixup_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at
 }
 
 }  // namespace
+
+// Each lost term is under the smallest normal number, so K of them stay under eps·threshold.
+double underflow_threshold(at::ScalarType dtype, int64_t K) {
+  return dtype == at::kDouble ? std::ldexp(static_cast<double>(K), -960) : std::ldexp(static_cast<double>(K), -100);
+}
 
 ScaledRight scale_right(const at::Tensor& b) {
   const at::Tensor bc = b.contiguous();

@@ -10,6 +10,9 @@
 
 namespace trellis::detail {
 
+// Below this a scaled sum of K terms may have lost terms to underflow by more than a unit in the last place.
+double underflow_threshold(at::ScalarType dtype, int64_t K);
+
 // The right operand, scaled once for many products (e.g. the transitions of every step of a chain).
 struct ScaledRight {
   at::Tensor original;  // B [Bb,K,N]
