@@ -71,14 +71,16 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   }
   __syncthreads();
   const int Lmax = block_len;
+  T e_next = lane && 1 < L ? E[off + K + j] : T(0);  // the next step's emission is loaded a step ahead
   for (int t = 1; t < Lmax; ++t) {
     T a = T(0);
     const bool active = lane && t < L;
     if (active) {
-      typename S::template Accumulator<T> acc;
-      for (int i = 0; i < K; ++i) acc.add(S::times(ps[i], w[i * (K + 1) + j]), i);
+      const T e = e_next;
+      if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
+      const auto acc = S::template reduce<T>(K, [&](int i) { return S::times(ps[i], w[i * (K + 1) + j]); });
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
-      a = S::times(acc.value(), E[o]);
+      a = S::times(acc.value(), e);
       pre[o] = acc.value();
       alpha[o] = a;
       if constexpr (S::kIsMax) arg[o] = acc.arg();
@@ -88,8 +90,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     __syncthreads();
   }
   if (j == 0 && b < B) {
-    typename S::template Accumulator<T> acc;
-    for (int k = 0; k < K; ++k) acc.add(S::times(ps[k], end[k]), k);
+    const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(ps[k], end[k]); });
     score[b] = acc.value();
     if (tags) {  // the tagged sequence's score
       const int64_t* y = tags + static_cast<int64_t>(b) * Tn;
@@ -138,17 +139,27 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   }
   __syncthreads();
   const int Lmax = block_len;
+  // What step t reads from global memory (pre and arg at t, alpha at t-1) is loaded one step ahead.
+  const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
+  T pre_next = lane && L >= 2 ? pre[at_pos(L - 1)] : T(0);
+  T alpha_next = lane && L >= 2 ? alpha[at_pos(L - 2)] : T(0);
+  int arg_next = S::kIsMax && lane && L >= 2 ? static_cast<int>(arg[at_pos(L - 1)]) : -1;
   for (int t = Lmax - 1; t >= 1; --t) {
     const bool active = lane && t < L;
+    T ai = T(0);
     if (active) {
-      const int64_t o = off + static_cast<int64_t>(t) * K + i;
-      rs[i] = pre[o];
-      if constexpr (S::kIsMax) bs[i] = static_cast<int>(arg[o]);
+      rs[i] = pre_next;
+      if constexpr (S::kIsMax) bs[i] = arg_next;
+      ai = alpha_next;
+      if (t >= 2) {
+        pre_next = pre[at_pos(t - 1)];
+        alpha_next = alpha[at_pos(t - 2)];
+        if constexpr (S::kIsMax) arg_next = static_cast<int>(arg[at_pos(t - 1)]);
+      }
     }
     __syncthreads();
     T next = T(0);
     if (active) {
-      const T ai = alpha[off + static_cast<int64_t>(t - 1) * K + i];
       const T* wi = w + i * (K + 1);
       T* gwi = gws + i * (K + 1);
       for (int j = 0; j < K; ++j) {
@@ -162,7 +173,7 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
     __syncthreads();
     if (active) {
       as[i] = next;
-      g_em[off + static_cast<int64_t>(t - 1) * K + i] = next;
+      g_em[at_pos(t - 1)] = next;
     }
     __syncthreads();
   }

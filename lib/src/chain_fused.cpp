@@ -30,9 +30,8 @@ class SemiringStep {
 
   void forward(const T* a, T* pre, int64_t* arg) {
     for (int64_t j = 0; j < K_; ++j) {
-      typename S::template Accumulator<T> acc;
       const T* w = Wt_ + j * K_;
-      for (int64_t i = 0; i < K_; ++i) acc.add(S::times(a[i], w[i]), i);
+      const auto acc = S::template reduce<T>(K_, [&](int64_t i) { return S::times(a[i], w[i]); });
       pre[j] = acc.value();
       if (arg) arg[j] = acc.arg();
     }

@@ -80,6 +80,17 @@ struct LogSemiring {
     TRELLIS_HD int64_t arg() const { return -1; }
   };
 
+  // ⊕ of term(0), ..., term(n-1) in two passes: the maximum, then the sum of exponentials. Unlike n online adds,
+  // the exponentials do not depend on each other, so they pipeline (the critical path of a chain kernel's step).
+  template <class T, class F>
+  TRELLIS_HD static Accumulator<T> reduce(int64_t n, F term) {
+    Accumulator<T> acc;
+    for (int64_t k = 0; k < n; ++k) acc.max = term(k) > acc.max ? term(k) : acc.max;
+    if (acc.max > neg_inf<T>())
+      for (int64_t k = 0; k < n; ++k) acc.sum += exp_(term(k) - acc.max);
+    return acc;
+  }
+
   // ∂(⊕_k x_k)/∂x_k: the softmax weight of the term; zero when the whole sum is -inf.
   template <class T>
   TRELLIS_HD static T weight(T term, T result, int64_t /*k*/, int64_t /*arg*/) {
@@ -119,6 +130,13 @@ struct MaxSemiring {
     TRELLIS_HD T value() const { return max; }
     TRELLIS_HD int64_t arg() const { return index; }
   };
+
+  template <class T, class F>
+  TRELLIS_HD static Accumulator<T> reduce(int64_t n, F term) {
+    Accumulator<T> acc;
+    for (int64_t k = 0; k < n; ++k) acc.add(term(k), k);
+    return acc;
+  }
 
   template <class T>
   TRELLIS_HD static T weight(T /*term*/, T /*result*/, int64_t k, int64_t arg) {
