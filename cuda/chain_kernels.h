@@ -23,4 +23,8 @@ void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions,
                     const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& grad_emissions,
                     at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 
+// Viterbi backtrace from MaxSemiring's forward record: path [B,T] int64 gets each sequence's best labels (following
+// arg from end_arg at the last position) and -1 at padding. One thread per sequence.
+void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path);
+
 }  // namespace trellis::cuda

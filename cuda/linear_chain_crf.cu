@@ -4,7 +4,7 @@
 //
 // Layout: each sequence gets `tps` threads (K rounded up to a warp), one per label; a block holds `spb` sequences
 // (several short-K sequences share a block). The transitions live in shared memory for the whole launch (rows padded
-// to K+1 so column and row walks are both free of bank conflicts); so does each sequence's previous message. The
+// to an odd length so column and row walks are both free of bank conflicts); so does each sequence's previous message. The
 // backward pass accumulates each sequence's transition gradient in shared memory (thread i owns row i, so no two
 // threads write the same word) and writes one partial per block; the partials are summed afterwards — no atomics.
 #include <ATen/ATen.h>
@@ -16,6 +16,10 @@
 
 namespace trellis::cuda {
 namespace {
+
+// Leading dimension of the transitions (and their gradient) in shared memory: odd, so that threads walking a row each
+// (backward) and threads walking a column together (forward) both hit distinct banks.
+__host__ __device__ inline int ld(int64_t K) { return static_cast<int>(K | 1); }
 
 struct Layout {
   int tps, spb, blocks;
@@ -29,17 +33,17 @@ Layout layout(int64_t B, int64_t K) {
 
 template <class T>
 std::size_t forward_smem(int64_t K, int spb) {
-  return sizeof(T) * (K * (K + 1) + spb * K);
+  return sizeof(T) * (K * ld(K) + spb * K);
 }
 
 template <class T>
 std::size_t backward_smem(int64_t K, int spb) {
-  return sizeof(T) * (K * (K + 1) + spb * K * (K + 1) + 2 * spb * K) + sizeof(int) * spb * K;
+  return sizeof(T) * (K * ld(K) + spb * K * ld(K) + 2 * spb * K) + sizeof(int) * spb * K;
 }
 
 template <class T>
 __device__ void load_transitions(const T* __restrict__ W, T* w, int K) {
-  for (int e = threadIdx.x; e < K * K; e += blockDim.x) w[(e / K) * (K + 1) + e % K] = W[e];
+  for (int e = threadIdx.x; e < K * K; e += blockDim.x) w[(e / K) * ld(K) + e % K] = W[e];
 }
 
 template <class S, class T>
@@ -50,8 +54,8 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      T* __restrict__ score, T* __restrict__ gold, int B, int Tn, int K, int tps,
                                      int spb) {
   extern __shared__ unsigned char smem_raw[];
-  T* w = reinterpret_cast<T*>(smem_raw);  // [K][K+1]
-  T* prev = w + K * (K + 1);              // [spb][K]
+  T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
+  T* prev = w + K * ld(K);              // [spb][K]
   __shared__ int block_len;
   const int s = threadIdx.x / tps, j = threadIdx.x % tps;
   const int b = blockIdx.x * spb + s;
@@ -78,7 +82,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     if (active) {
       const T e = e_next;
       if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
-      const auto acc = S::template reduce<T>(K, [&](int i) { return S::times(ps[i], w[i * (K + 1) + j]); });
+      const auto acc = S::template reduce<T>(K, [&](int i) { return S::times(ps[i], w[i * ld(K) + j]); });
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
       a = S::times(acc.value(), e);
       pre[o] = acc.value();
@@ -95,7 +99,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     if (tags) {  // the tagged sequence's score
       const int64_t* y = tags + static_cast<int64_t>(b) * Tn;
       T g = start[y[0]] + E[off + y[0]] + end[y[L - 1]];
-      for (int t = 1; t < L; ++t) g += w[y[t - 1] * (K + 1) + y[t]] + E[off + static_cast<int64_t>(t) * K + y[t]];
+      for (int t = 1; t < L; ++t) g += w[y[t - 1] * ld(K) + y[t]] + E[off + static_cast<int64_t>(t) * K + y[t]];
       gold[b] = g;
     }
     if constexpr (S::kIsMax) end_arg[b] = acc.arg();
@@ -111,9 +115,9 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
                                       T* __restrict__ g_em, T* __restrict__ part_w, T* __restrict__ part_s,
                                       T* __restrict__ part_e, int B, int Tn, int K, int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
-  T* w = reinterpret_cast<T*>(smem_raw);  // [K][K+1]
-  T* gw = w + K * (K + 1);                // [spb][K][K+1]
-  T* adj = gw + spb * K * (K + 1);        // [spb][K]
+  T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
+  T* gw = w + K * ld(K);                  // [spb][K][ld]
+  T* adj = gw + spb * K * ld(K);        // [spb][K]
   T* res = adj + spb * K;                 // [spb][K]: the ⊕ results at step t
   int* best = reinterpret_cast<int*>(res + spb * K);  // [spb][K]: their argmax (MaxSemiring)
   __shared__ int block_len;
@@ -123,11 +127,11 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int L = b < B ? static_cast<int>(len[b]) : 0;
   if (threadIdx.x == 0) block_len = 0;
   load_transitions(W, w, K);
-  for (int e = threadIdx.x; e < spb * K * (K + 1); e += blockDim.x) gw[e] = T(0);
+  for (int e = threadIdx.x; e < spb * K * ld(K); e += blockDim.x) gw[e] = T(0);
   __syncthreads();
   if (i == 0 && b < B) atomicMax(&block_len, L);
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
-  T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * (K + 1);
+  T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * ld(K);
   int* bs = best + s * K;
   T g_end = T(0);
   if (lane) {
@@ -160,15 +164,21 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
     __syncthreads();
     T next = T(0);
     if (active) {
-      const T* wi = w + i * (K + 1);
-      T* gwi = gws + i * (K + 1);
-      for (int j = 0; j < K; ++j) {
-        const T aj = as[j];
-        if (aj == T(0)) continue;
-        const T c = aj * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
-        next += c;
+      const T* wi = w + i * ld(K);
+      T* gwi = gws + i * ld(K);
+      // No branch on a zero adjoint: every weight is finite (term <= result), and four partial sums keep the
+      // independent exponentials in flight.
+      const auto contribution = [&](int j) {
+        const T c = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
         gwi[j] += c;
-      }
+        return c;
+      };
+      T part[4] = {T(0), T(0), T(0), T(0)};
+      int j = 0;
+      for (; j + 4 <= K; j += 4)
+        for (int u = 0; u < 4; ++u) part[u] += contribution(j + u);
+      for (; j < K; ++j) part[0] += contribution(j);
+      next = (part[0] + part[1]) + (part[2] + part[3]);
     }
     __syncthreads();
     if (active) {
@@ -182,13 +192,13 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   if (y && i == 0)
     for (int t = 0; t < L; ++t) {
       g_em[off + static_cast<int64_t>(t) * K + y[t]] -= G[b];
-      if (t > 0) gws[y[t - 1] * (K + 1) + y[t]] -= G[b];
+      if (t > 0) gws[y[t - 1] * ld(K) + y[t]] -= G[b];
     }
   __syncthreads();
   // Per-block partials: transitions summed over the block's sequences, start and end likewise.
   for (int e = threadIdx.x; e < K * K; e += blockDim.x) {
     T sum = T(0);
-    for (int q = 0; q < spb; ++q) sum += gw[q * K * (K + 1) + (e / K) * (K + 1) + e % K];
+    for (int q = 0; q < spb; ++q) sum += gw[q * K * ld(K) + (e / K) * ld(K) + e % K];
     part_w[static_cast<int64_t>(blockIdx.x) * K * K + e] = sum;
   }
   __syncthreads();
@@ -204,6 +214,18 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
     part_s[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = st;
     part_e[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = en;
   }
+}
+
+__global__ void chain_backtrace_kernel(const int64_t* __restrict__ arg, const int64_t* __restrict__ end_arg,
+                                       const int64_t* __restrict__ len, int64_t* __restrict__ path, int B, int Tn, int K) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= B) return;
+  const int L = static_cast<int>(len[b]);
+  int64_t* p = path + static_cast<int64_t>(b) * Tn;
+  for (int t = L; t < Tn; ++t) p[t] = -1;
+  int64_t y = end_arg[b];
+  p[L - 1] = y;
+  for (int t = L - 1; t >= 1; --t) p[t - 1] = y = arg[(static_cast<int64_t>(b) * Tn + t) * K + y];
 }
 
 template <class Kernel>
@@ -267,6 +289,15 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
   at::sum_out(g_trans, part_w, 0);
   at::sum_out(g_start, part_s, 0);
   at::sum_out(g_end, part_e, 0);
+}
+
+void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path) {
+  const int64_t B = arg.size(0), Tn = arg.size(1), K = arg.size(2);
+  if (B == 0) return;
+  chain_backtrace_kernel<<<grid_dim(B, 128), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+      arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
+      int(B), int(Tn), int(K));
+  check_launch("chain_backtrace");
 }
 
 #define TRELLIS_INSTANTIATE(S)                                                                                    \

@@ -120,6 +120,22 @@ TEST(LinearChainCRF, ViterbiMatchesBestEnumeratedPath) {
   }
 }
 
+TEST(LinearChainCRF, ViterbiScoreGradientIsTheBestPathIndicator) {
+  ChainPotentials p = random_chain(5, 6, 4);
+  p.emissions.requires_grad_();
+  p.transitions.requires_grad_();
+  const at::Tensor score = viterbi_score(p);
+  const ViterbiResult v = viterbi(p);
+  expect_close(score, v.score);
+  score.sum().backward();
+  const at::Tensor mask = (v.path >= 0).unsqueeze(2).to(at::kDouble);
+  expect_close(p.emissions.grad(), at::one_hot(v.path.clamp_min(0), 4).to(at::kDouble) * mask, 0, 0);
+  at::Tensor counts = at::zeros({4, 4}, at::kDouble);
+  for (int64_t b = 0; b < 5; ++b)
+    for (int64_t t = 1; t < length_of(p, b); ++t) counts[v.path[b][t - 1].item<int64_t>()][v.path[b][t].item<int64_t>()] += 1;
+  expect_close(p.transitions.grad(), counts, 0, 0);
+}
+
 TEST(LinearChainCRF, SingleLegalPathGivesExactAnswerWithoutNaN) {
   // Only 0 -> 1 -> 2 -> 0 -> ... is allowed, and the path must start in 0.
   const int64_t K = 3, T = 5;
@@ -279,6 +295,13 @@ TEST(LinearChainCRFCuda, MatchesCpu) {
       const ViterbiResult vg = viterbi(g), vc = viterbi(c);
       expect_close(vg.score, vc.score, tol, tol);
       EXPECT_TRUE(at::equal(vg.path.cpu(), vc.path));
+      const at::Tensor eg = g.emissions.detach().requires_grad_(), ec = c.emissions.detach().requires_grad_();
+      ChainPotentials g2 = g, c2 = c;
+      g2.emissions = eg;
+      c2.emissions = ec;
+      viterbi_score(g2).sum().backward();
+      viterbi_score(c2).sum().backward();
+      expect_close(eg.grad(), ec.grad(), 0, 0);
     }
   // Edge marginals (composed recursion on the GPU) once.
   const ChainPotentials p = random_chain(4, 6, 5);

@@ -321,6 +321,41 @@ at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& tran
                                       tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()));
 }
 
+std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                const at::Tensor& start, const at::Tensor& end,
+                                                const at::Tensor& lengths) {
+  const at::Tensor em = emissions.contiguous(), trans = transitions.contiguous(), st = start.contiguous(),
+                   en = end.contiguous(), len = lengths.contiguous(), no_tags = at::empty({0}, len.options());
+  const int64_t B = em.size(0), Tn = em.size(1);
+  at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options()),
+             gold = at::empty({0}, em.options()), arg = at::empty(em.sizes(), len.options()),
+             end_arg = at::empty({B}, len.options()), path = at::empty({B, Tn}, len.options());
+  if (em.is_cuda()) {
+#if TRELLIS_WITH_CUDA
+    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, gold);
+    cuda::chain_backtrace(arg, end_arg, len, path);
+#else
+    throw Error("this Trellis build has no CUDA kernels");
+#endif
+    return {path, score};
+  }
+  AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
+    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, gold);
+  });
+  const int64_t K = em.size(2);
+  const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();
+  int64_t* P = path.data_ptr<int64_t>();
+  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t* p = P + b * Tn;
+      std::fill(p + L[b], p + Tn, int64_t(-1));
+      int64_t y = p[L[b] - 1] = E[b];
+      for (int64_t t = L[b] - 1; t >= 1; --t) p[t - 1] = y = A[(b * Tn + t) * K + y];
+    }
+  });
+  return {path, score};
+}
+
 template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    const at::Tensor&, const at::Tensor&, const at::Tensor&);
 template at::Tensor fused_chain_score<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,

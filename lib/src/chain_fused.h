@@ -6,6 +6,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 namespace trellis::detail {
 
 // Whether fused_chain_score takes these emissions (always on CPU; on CUDA while K is small enough for shared memory).
@@ -18,5 +20,11 @@ bool fused_chain_supported(const at::Tensor& emissions);
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags = {});
+
+// Viterbi through the fused MaxSemiring forward and a backtrace of its argmax record (no autograd): the best label
+// sequence [B,T] (int64, -1 at padding) and its score [B]. Same arguments as fused_chain_score.
+std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                const at::Tensor& start, const at::Tensor& end,
+                                                const at::Tensor& lengths);
 
 }  // namespace trellis::detail

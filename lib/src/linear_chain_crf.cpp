@@ -228,17 +228,29 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 
 ViterbiResult viterbi(const ChainPotentials& p) {
   const Shape s = check(p);
+  c10::NoGradGuard no_grad;
+  if (detail::fused_chain_supported(p.emissions)) {
+    // The fused MaxSemiring recursion records each step's argmax; the backtrace follows it (on the device).
+    auto [path, score] = detail::fused_viterbi(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
+                                               or_zeros(p.end, p, s.K), lengths_or_full(p, s));
+    return {path, score};
+  }
+  // Otherwise the gradient of the composed MaxSemiring recursion is the indicator of one best path.
   c10::AutoGradMode grad_on(true);
   ChainPotentials q = p;
   q.emissions = p.emissions.detach().requires_grad_();
   q.transitions = p.transitions.detach();
   if (p.start.defined()) q.start = p.start.detach();
   if (p.end.defined()) q.end = p.end.detach();
-  const at::Tensor score = chain_score<MaxSemiring>(q, s);
-  // The max semiring routes the gradient to one argmax at every step: it is the indicator of the best path.
+  const at::Tensor score = chain_forward<MaxSemiring>(q, s, at::Tensor());
   const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
   const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);
   return {onehot.argmax(2).masked_fill(~mask, -1), score.detach()};
+}
+
+at::Tensor viterbi_score(const ChainPotentials& p) {
+  const Shape s = check(p);
+  return chain_score<MaxSemiring>(p, s);
 }
 
 ChainPotentials constrain(const ChainPotentials& p, const TransitionConstraints& c) {

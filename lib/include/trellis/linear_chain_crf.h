@@ -48,6 +48,10 @@ struct ViterbiResult {
 };
 ViterbiResult viterbi(const ChainPotentials& p);
 
+// The best path's score [B] with autograd: its gradient is the indicator of one best path (ties go to the lowest
+// label), as used by structured perceptron and max-margin training.
+at::Tensor viterbi_score(const ChainPotentials& p);
+
 // Which label transitions are allowed (true) or forbidden (false).
 struct TransitionConstraints {
   at::Tensor transitions;  // [K,K] bool

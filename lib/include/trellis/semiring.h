@@ -82,12 +82,23 @@ struct LogSemiring {
 
   // ⊕ of term(0), ..., term(n-1) in two passes: the maximum, then the sum of exponentials. Unlike n online adds,
   // the exponentials do not depend on each other, so they pipeline (the critical path of a chain kernel's step).
+  // Four partial maxima and sums keep four independent chains in flight.
   template <class T, class F>
-  TRELLIS_HD static Accumulator<T> reduce(int64_t n, F term) {
+  TRELLIS_HD static Accumulator<T> reduce(int n, F term) {
+    T m[4] = {neg_inf<T>(), neg_inf<T>(), neg_inf<T>(), neg_inf<T>()};
+    int k = 0;
+    for (; k + 4 <= n; k += 4)
+      for (int u = 0; u < 4; ++u) m[u] = term(k + u) > m[u] ? term(k + u) : m[u];
+    for (; k < n; ++k) m[0] = term(k) > m[0] ? term(k) : m[0];
     Accumulator<T> acc;
-    for (int64_t k = 0; k < n; ++k) acc.max = term(k) > acc.max ? term(k) : acc.max;
-    if (acc.max > neg_inf<T>())
-      for (int64_t k = 0; k < n; ++k) acc.sum += exp_(term(k) - acc.max);
+    acc.max = (m[0] > m[1] ? m[0] : m[1]) > (m[2] > m[3] ? m[2] : m[3]) ? (m[0] > m[1] ? m[0] : m[1])
+                                                                         : (m[2] > m[3] ? m[2] : m[3]);
+    if (!(acc.max > neg_inf<T>())) return acc;
+    T s[4] = {T(0), T(0), T(0), T(0)};
+    for (k = 0; k + 4 <= n; k += 4)
+      for (int u = 0; u < 4; ++u) s[u] += exp_(term(k + u) - acc.max);
+    for (; k < n; ++k) s[0] += exp_(term(k) - acc.max);
+    acc.sum = (s[0] + s[1]) + (s[2] + s[3]);
     return acc;
   }
 
@@ -132,9 +143,9 @@ struct MaxSemiring {
   };
 
   template <class T, class F>
-  TRELLIS_HD static Accumulator<T> reduce(int64_t n, F term) {
+  TRELLIS_HD static Accumulator<T> reduce(int n, F term) {
     Accumulator<T> acc;
-    for (int64_t k = 0; k < n; ++k) acc.add(term(k), k);
+    for (int k = 0; k < n; ++k) acc.add(term(k), k);
     return acc;
   }
 
