@@ -9,14 +9,14 @@ namespace trellis::cuda {
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
 // Fills alpha [B,T,K], pre [B,T,K] (the ⊕ before the emission is added), arg [B,T,K] and end_arg [B] (MaxSemiring
-// only; int64), score [B] and, where tags [B,T] is not empty, gold [B]: the tagged sequences' scores.
+// only; int64), score [B] and, where tags [B,T] is not empty, loglik [B]: the tagged sequences' log-likelihoods.
 template <class S>
 void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                    const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha,
-                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold);
+                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik);
 
-// Given grad_score [B], fills grad_emissions [B,T,K] (zero at padding), grad_transitions [K,K], grad_start [K] and
-// grad_end [K].
+// Given the gradient of the forward's output [B] (score, or loglik with tags), fills grad_emissions [B,T,K] (zero at
+// padding) and sets grad_transitions [K,K], grad_start [K] and grad_end [K].
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
                     const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,

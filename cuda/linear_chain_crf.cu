@@ -51,7 +51,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      const T* __restrict__ end, const int64_t* __restrict__ len,
                                      const int64_t* __restrict__ tags, T* __restrict__ alpha,
                                      T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
-                                     T* __restrict__ score, T* __restrict__ gold, int B, int Tn, int K, int tps,
+                                     T* __restrict__ score, T* __restrict__ loglik, int B, int Tn, int K, int tps,
                                      int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
@@ -96,11 +96,11 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   if (j == 0 && b < B) {
     const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(ps[k], end[k]); });
     score[b] = acc.value();
-    if (tags) {  // the tagged sequence's score
+    if (tags) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
       const int64_t* y = tags + static_cast<int64_t>(b) * Tn;
       T g = start[y[0]] + E[off + y[0]] + end[y[L - 1]];
       for (int t = 1; t < L; ++t) g += w[y[t - 1] * ld(K) + y[t]] + E[off + static_cast<int64_t>(t) * K + y[t]];
-      gold[b] = g;
+      loglik[b] = g - acc.value();
     }
     if constexpr (S::kIsMax) end_arg[b] = acc.arg();
   }
@@ -112,8 +112,8 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
                                       const T* __restrict__ alpha,
                                       const T* __restrict__ pre, const int64_t* __restrict__ arg,
                                       const int64_t* __restrict__ end_arg, const T* __restrict__ score,
-                                      T* __restrict__ g_em, T* __restrict__ part_w, T* __restrict__ part_s,
-                                      T* __restrict__ part_e, int B, int Tn, int K, int tps, int spb) {
+                                      T* __restrict__ g_em, T* __restrict__ part, int B, int Tn, int K, int tps,
+                                      int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
   T* gw = w + K * ld(K);                  // [spb][K][ld]
@@ -133,10 +133,13 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
   T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * ld(K);
   int* bs = best + s * K;
+  // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G.
+  const T gb = b < B ? (tags ? -G[b] : G[b]) : T(0);
   T g_end = T(0);
   if (lane) {
+    for (int t = L; t < Tn; ++t) g_em[off + static_cast<int64_t>(t) * K + i] = T(0);  // padding
     const int64_t o = off + static_cast<int64_t>(L - 1) * K + i;
-    const T a = G[b] * S::weight(S::times(alpha[o], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
+    const T a = gb * S::weight(S::times(alpha[o], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
     as[i] = a;
     g_em[o] = a;
     g_end = a;
@@ -191,28 +194,29 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int64_t* y = tags && b < B ? tags + static_cast<int64_t>(b) * Tn : nullptr;
   if (y && i == 0)
     for (int t = 0; t < L; ++t) {
-      g_em[off + static_cast<int64_t>(t) * K + y[t]] -= G[b];
-      if (t > 0) gws[y[t - 1] * ld(K) + y[t]] -= G[b];
+      g_em[off + static_cast<int64_t>(t) * K + y[t]] -= gb;
+      if (t > 0) gws[y[t - 1] * ld(K) + y[t]] -= gb;
     }
   __syncthreads();
   // Per-block partials: transitions summed over the block's sequences, start and end likewise.
   for (int e = threadIdx.x; e < K * K; e += blockDim.x) {
     T sum = T(0);
     for (int q = 0; q < spb; ++q) sum += gw[q * K * ld(K) + (e / K) * ld(K) + e % K];
-    part_w[static_cast<int64_t>(blockIdx.x) * K * K + e] = sum;
+    part[static_cast<int64_t>(blockIdx.x) * (K * K + 2 * K) + e] = sum;
   }
   __syncthreads();
   // Reuse res/adj rows as staging for start/end sums across the block's sequences.
   if (i < K) {
-    rs[i] = lane ? as[i] - (y && y[0] == i ? G[b] : T(0)) : T(0);  // adjoint at position 0 = gradient of start
-    as[i] = g_end - (y && y[L - 1] == i ? G[b] : T(0));
+    rs[i] = lane ? as[i] - (y && y[0] == i ? gb : T(0)) : T(0);  // adjoint at position 0 = gradient of start
+    as[i] = g_end - (y && y[L - 1] == i ? gb : T(0));
   }
   __syncthreads();
   if (threadIdx.x < K) {
     T st = T(0), en = T(0);
     for (int q = 0; q < spb; ++q) st += res[q * K + threadIdx.x], en += adj[q * K + threadIdx.x];
-    part_s[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = st;
-    part_e[static_cast<int64_t>(blockIdx.x) * K + threadIdx.x] = en;
+    T* row = part + static_cast<int64_t>(blockIdx.x) * (K * K + 2 * K) + K * K;
+    row[threadIdx.x] = st;
+    row[K + threadIdx.x] = en;
   }
 }
 
@@ -245,7 +249,7 @@ bool chain_supported(int64_t K, at::ScalarType dtype) {
 template <class S>
 void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                    const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre,
-                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold) {
+                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -258,7 +262,7 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
         lengths.data_ptr<int64_t>(), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
         pre.data_ptr<scalar_t>(),
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), tags.numel() ? gold.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.tps,
+        score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.tps,
         l.spb);
   });
   check_launch("chain_forward");
@@ -272,8 +276,8 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor part_w = at::empty({l.blocks, K, K}, alpha.options());
-  at::Tensor part_s = at::empty({l.blocks, K}, alpha.options()), part_e = at::empty({l.blocks, K}, alpha.options());
+  // Per-block partial gradients, one row each: [K*K transitions | K start | K end], summed in one reduction.
+  at::Tensor part = at::empty({l.blocks, K * K + 2 * K}, alpha.options());
   AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_cuda", [&] {
     const std::size_t smem = backward_smem<scalar_t>(K, l.spb);
     auto kernel = chain_backward_kernel<S, scalar_t>;
@@ -282,13 +286,13 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
         grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
         tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
         S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
-        part_w.data_ptr<scalar_t>(), part_s.data_ptr<scalar_t>(), part_e.data_ptr<scalar_t>(), int(B), int(Tn),
-        int(K), l.tps, l.spb);
+        part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.tps, l.spb);
   });
   check_launch("chain_backward");
-  at::sum_out(g_trans, part_w, 0);
-  at::sum_out(g_start, part_s, 0);
-  at::sum_out(g_end, part_e, 0);
+  const at::Tensor total = part.sum(0);
+  g_trans = total.narrow(0, 0, K * K).view({K, K});
+  g_start = total.narrow(0, K * K, K);
+  g_end = total.narrow(0, K * K + K, K);
 }
 
 void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path) {

@@ -159,14 +159,14 @@ struct StepFactory {
 template <class S, class T>
 void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                  const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
-                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& gold) {
+                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const StepFactory<S, T> steps(trans);
   const T *E = em.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>(), *W = trans.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
   T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
-  T* Gd = Y ? gold.data_ptr<T>() : nullptr;
+  T* LL = Y ? loglik.data_ptr<T>() : nullptr;
   int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -187,11 +187,11 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
       for (int64_t k = 0; k < K; ++k) acc.add(S::times(a[(L - 1) * K + k], En[k]), k);
       Z[b] = acc.value();
       if (IE) IE[b] = acc.arg();
-      if (Y) {  // the tagged sequence's score
+      if (Y) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
         const int64_t* y = Y + b * Tn;
         T g = St[y[0]] + e[y[0]] + En[y[L - 1]];
         for (int64_t t = 1; t < L; ++t) g += W[y[t - 1] * K + y[t]] + e[t * K + y[t]];
-        Gd[b] = g;
+        LL[b] = g - Z[b];
       }
     }
   });
@@ -226,8 +226,9 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
       const int64_t off = b * Tn * K, L = len[b];
       const T *a = A + off, *p = P + off;
       T* gem = GE + off;
+      const T gb = Y ? -G[b] : G[b];  // with tags the output was gold − score
       for (int64_t k = 0; k < K; ++k) {
-        adj[k] = G[b] * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
+        adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
         ge[k] += adj[k];
       }
       for (int64_t t = L - 1; t >= 1; --t) {
@@ -242,11 +243,11 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
       }
       if (Y) {  // the tagged sequence's score was subtracted
         const int64_t* y = Y + b * Tn;
-        gs[y[0]] -= G[b];
-        ge[y[L - 1]] -= G[b];
+        gs[y[0]] -= gb;
+        ge[y[L - 1]] -= gb;
         for (int64_t t = 0; t < L; ++t) {
-          gem[t * K + y[t]] -= G[b];
-          if (t > 0) gw[y[t - 1] * K + y[t]] -= G[b];
+          gem[t * K + y[t]] -= gb;
+          if (t > 0) gw[y[t - 1] * K + y[t]] -= gb;
         }
       }
     }
@@ -263,30 +264,31 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                             const at::Tensor& tags) {
     const int64_t B = em.size(0);
     at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
-    at::Tensor gold = at::empty({tags.numel() ? B : 0}, em.options());
+    at::Tensor loglik = at::empty({tags.numel() ? B : 0}, em.options());
     const auto long_opts = em.options().dtype(at::kLong);
     at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
     at::Tensor end_arg = S::kIsMax ? at::empty({B}, long_opts) : at::Tensor();
     if (em.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, gold);
+      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
 #else
       throw Error("this Trellis build has no CUDA kernels");
 #endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, gold);
+        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
       });
     }
     ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score, tags});
-    return tags.numel() ? score - gold : score;
+    return tags.numel() ? loglik : score;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     const at::Tensor &trans = s[0], &end = s[1], &lengths = s[2], &alpha = s[3];
-    at::Tensor g_em = at::zeros_like(alpha), g_trans = at::empty_like(trans), g_start = at::empty_like(end),
+    // The CUDA kernel writes the padding's zeros itself.
+    at::Tensor g_em = alpha.is_cuda() ? at::empty_like(alpha) : at::zeros_like(alpha), g_trans = at::empty_like(trans), g_start = at::empty_like(end),
                g_end = at::empty_like(end);
     if (alpha.is_cuda()) {
 #if TRELLIS_WITH_CUDA
@@ -328,11 +330,11 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
                    en = end.contiguous(), len = lengths.contiguous(), no_tags = at::empty({0}, len.options());
   const int64_t B = em.size(0), Tn = em.size(1);
   at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options()),
-             gold = at::empty({0}, em.options()), arg = at::empty(em.sizes(), len.options()),
+             loglik = at::empty({0}, em.options()), arg = at::empty(em.sizes(), len.options()),
              end_arg = at::empty({B}, len.options()), path = at::empty({B, Tn}, len.options());
   if (em.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, gold);
+    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, loglik);
     cuda::chain_backtrace(arg, end_arg, len, path);
 #else
     throw Error("this Trellis build has no CUDA kernels");
@@ -340,7 +342,7 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
     return {path, score};
   }
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
-    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, gold);
+    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, loglik);
   });
   const int64_t K = em.size(2);
   const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();

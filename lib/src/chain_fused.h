@@ -14,7 +14,7 @@ namespace trellis::detail {
 bool fused_chain_supported(const at::Tensor& emissions);
 
 // score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b];
-// with tags [B,T] (int64, validated), minus the score of the tagged sequence, i.e. the negative log-likelihood for
+// with tags [B,T] (int64, validated), the tagged sequence's score minus that, i.e. the log-likelihood for
 // LogSemiring. emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on
 // that device, values in [1, T].
 template <class S>

@@ -65,19 +65,29 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
   if (tags && (!tags->defined() || tags->sizes() != at::IntArrayRef{s.B, s.T}))
     throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
   if (!p.lengths.defined() && !tags) return s;
-  const at::Tensor lengths = lengths_or_full(p, s);
-  std::vector<at::Tensor> stats{lengths.min(), lengths.max()};
-  at::Tensor bad_tags;
+  // min and max of lengths and of the tags at valid positions, in one transfer: [len_min, len_max, tag_min, tag_max].
+  std::vector<at::Tensor> stats;
+  at::Tensor lengths, y;
+  if (p.lengths.defined()) {
+    lengths = p.lengths.to(p.emissions.device(), at::kLong);
+    stats.push_back(lengths.min());
+    stats.push_back(lengths.max());
+  } else {
+    stats.push_back(at::full({}, s.T, p.emissions.options().dtype(at::kLong)));
+    stats.push_back(stats.back());
+  }
   if (tags) {
-    const at::Tensor y = tags->to(lengths.options());
-    bad_tags = position_mask(lengths, s.T) & ((y < 0) | (y >= s.K));
-    stats.push_back(bad_tags.any().to(at::kLong));
+    y = tags->to(p.emissions.device(), at::kLong);
+    if (p.lengths.defined()) y = y.masked_fill(~position_mask(lengths.clamp(0, s.T), s.T), 0);  // padding is never read
+    auto [lo, hi] = at::aminmax(y);
+    stats.push_back(lo);
+    stats.push_back(hi);
   }
   const at::Tensor host = at::stack(stats).cpu();
   const int64_t* h = host.data_ptr<int64_t>();
   if (h[0] < 1 || h[1] > s.T)
     first_bad_index((lengths < 1) | (lengths > s.T), "lengths", lengths, "[1, " + std::to_string(s.T) + "]");
-  if (tags && h[2]) first_bad_index(bad_tags, "tags", *tags, "[0, " + std::to_string(s.K) + ")");
+  if (tags && (h[2] < 0 || h[3] >= s.K)) first_bad_index((y < 0) | (y >= s.K), "tags", y, "[0, " + std::to_string(s.K) + ")");
   return s;
 }
 
@@ -170,8 +180,8 @@ at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
   const Shape s = check(p, &tags);
   if (!detail::fused_chain_supported(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
-  // One fused node computes log Z − gold score and its gradient (marginals minus the gold indicators).
-  return -detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
+  // One fused node computes gold score − log Z and its gradient (gold indicators minus marginals).
+  return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
                                                  or_zeros(p.end, p, s.K), lengths_or_full(p, s),
                                                  tags.to(p.emissions.device(), at::kLong));
 }
