@@ -2,8 +2,9 @@
 // reverse mode in one more (backward). Generic over the semiring: LogSemiring gives log-partition and marginals,
 // MaxSemiring the Viterbi score and, through the backward pass, the backtrace.
 //
-// Layout: each sequence gets `tps` threads (K rounded up to a warp), one per label; a block holds `spb` sequences
-// (several short-K sequences share a block). The transitions live in shared memory for the whole launch (rows padded
+// Layout: each label of a sequence gets R consecutive lanes that split its ⊕ over the K terms and merge their partial
+// accumulators with warp shuffles (a short critical path per step, and more warps in flight); a sequence gets `tps`
+// threads (K·R rounded up to a warp); a block holds `spb` sequences (several short-K sequences share a block). The transitions live in shared memory for the whole launch (rows padded
 // to an odd length so column and row walks are both free of bank conflicts); so does each sequence's previous message. The
 // backward pass accumulates each sequence's transition gradient in shared memory (thread i owns row i, so no two
 // threads write the same word) and writes one partial per block; the partials are summed afterwards — no atomics.
@@ -22,13 +23,38 @@ namespace {
 __host__ __device__ inline int ld(int64_t K) { return static_cast<int>(K | 1); }
 
 struct Layout {
-  int tps, spb, blocks;
+  int R, tps, spb, blocks;
 };
 
+// About eight terms per lane, R a power of two up to 8 (so a label's lanes never straddle a warp), at most 1024
+// threads per sequence.
 Layout layout(int64_t B, int64_t K) {
-  const int tps = static_cast<int>((K + 31) / 32 * 32);
+  int R = 1;
+  while (R < 8 && K > 8 * R && K * 2 * R <= 1024) R *= 2;
+  const int tps = static_cast<int>((K * R + 31) / 32 * 32);
   const int spb = std::max(1, 128 / tps);
-  return {tps, spb, static_cast<int>((B + spb - 1) / spb)};
+  return {R, tps, spb, static_cast<int>((B + spb - 1) / spb)};
+}
+
+// Merges the accumulators of the R lanes of a label (all lanes of the warp take part).
+template <class S, class T>
+__device__ typename S::template Accumulator<T> merge_lanes(typename S::template Accumulator<T> acc, int R) {
+  for (int offset = R / 2; offset > 0; offset /= 2) {
+    typename S::template Accumulator<T> other = acc;
+    other.max = __shfl_xor_sync(0xffffffffu, acc.max, offset);
+    if constexpr (S::kIsMax)
+      other.index = __shfl_xor_sync(0xffffffffu, acc.index, offset);
+    else
+      other.sum = __shfl_xor_sync(0xffffffffu, acc.sum, offset);
+    acc.merge(other);
+  }
+  return acc;
+}
+
+template <class T>
+__device__ T sum_lanes(T v, int R) {
+  for (int offset = R / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
 }
 
 template <class T>
@@ -51,23 +77,24 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      const T* __restrict__ end, const int64_t* __restrict__ len,
                                      const int64_t* __restrict__ tags, T* __restrict__ alpha,
                                      T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
-                                     T* __restrict__ score, T* __restrict__ loglik, int B, int Tn, int K, int tps,
-                                     int spb) {
+                                     T* __restrict__ score, T* __restrict__ loglik, int B, int Tn, int K, int R,
+                                     int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
   T* prev = w + K * ld(K);              // [spb][K]
   __shared__ int block_len;
-  const int s = threadIdx.x / tps, j = threadIdx.x % tps;
+  const int s = threadIdx.x / tps, j = threadIdx.x % tps / R, r = threadIdx.x % R;
   const int b = blockIdx.x * spb + s;
-  const bool lane = b < B && j < K;
+  const bool lane = b < B && j < K;     // this thread works for label j
+  const bool owner = lane && r == 0;    // and writes its results
   const int L = b < B ? static_cast<int>(len[b]) : 0;
   if (threadIdx.x == 0) block_len = 0;
   load_transitions(W, w, K);
   __syncthreads();
-  if (j == 0 && b < B) atomicMax(&block_len, L);
+  if (threadIdx.x % tps == 0 && b < B) atomicMax(&block_len, L);
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
   T* ps = prev + s * K;
-  if (lane) {
+  if (owner) {
     const T a = S::times(start[j], E[off + j]);
     alpha[off + j] = a;
     pre[off + j] = start[j];
@@ -75,14 +102,21 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   }
   __syncthreads();
   const int Lmax = block_len;
-  T e_next = lane && 1 < L ? E[off + K + j] : T(0);  // the next step's emission is loaded a step ahead
+  const int terms = (K - r + R - 1) / R;  // this lane's share: i = r, r+R, r+2R, ...
+  T e_next = owner && 1 < L ? E[off + K + j] : T(0);  // the next step's emission is loaded a step ahead
   for (int t = 1; t < Lmax; ++t) {
-    T a = T(0);
     const bool active = lane && t < L;
-    if (active) {
+    typename S::template Accumulator<T> acc;
+    if (active)
+      acc = S::template reduce<T>(terms, [&](int k) {
+        const int i = r + k * R;
+        return S::times(ps[i], w[i * ld(K) + j]);
+      });
+    acc = merge_lanes<S, T>(acc, R);
+    T a = T(0);
+    if (active && r == 0) {
       const T e = e_next;
       if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
-      const auto acc = S::template reduce<T>(K, [&](int i) { return S::times(ps[i], w[i * ld(K) + j]); });
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
       a = S::times(acc.value(), e);
       pre[o] = acc.value();
@@ -90,10 +124,10 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
       if constexpr (S::kIsMax) arg[o] = acc.arg();
     }
     __syncthreads();
-    if (active) ps[j] = a;
+    if (active && r == 0) ps[j] = a;
     __syncthreads();
   }
-  if (j == 0 && b < B) {
+  if (threadIdx.x % tps == 0 && b < B) {
     const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(ps[k], end[k]); });
     score[b] = acc.value();
     if (tags) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
@@ -109,82 +143,90 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
 template <class S, class T>
 __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ end,
                                       const int64_t* __restrict__ len, const int64_t* __restrict__ tags,
-                                      const T* __restrict__ alpha,
-                                      const T* __restrict__ pre, const int64_t* __restrict__ arg,
-                                      const int64_t* __restrict__ end_arg, const T* __restrict__ score,
-                                      T* __restrict__ g_em, T* __restrict__ part, int B, int Tn, int K, int tps,
-                                      int spb) {
+                                      const T* __restrict__ alpha, const T* __restrict__ pre,
+                                      const int64_t* __restrict__ arg, const int64_t* __restrict__ end_arg,
+                                      const T* __restrict__ score, T* __restrict__ g_em, T* __restrict__ part, int B,
+                                      int Tn, int K, int R, int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
-  T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
-  T* gw = w + K * ld(K);                  // [spb][K][ld]
-  T* adj = gw + spb * K * ld(K);        // [spb][K]
-  T* res = adj + spb * K;                 // [spb][K]: the ⊕ results at step t
+  T* w = reinterpret_cast<T*>(smem_raw);              // [K][ld]
+  T* gw = w + K * ld(K);                              // [spb][K][ld]
+  T* adj = gw + spb * K * ld(K);                      // [spb][K]
+  T* res = adj + spb * K;                             // [spb][K]: the ⊕ results at step t
   int* best = reinterpret_cast<int*>(res + spb * K);  // [spb][K]: their argmax (MaxSemiring)
   __shared__ int block_len;
-  const int s = threadIdx.x / tps, i = threadIdx.x % tps;  // this thread owns label i (row i of the gradient)
+  // This thread works for label i (row i of the transitions' gradient) with lanes r of R: columns j = r, r+R, ...
+  const int s = threadIdx.x / tps, i = threadIdx.x % tps / R, r = threadIdx.x % R;
   const int b = blockIdx.x * spb + s;
   const bool lane = b < B && i < K;
+  const bool owner = lane && r == 0;
   const int L = b < B ? static_cast<int>(len[b]) : 0;
   if (threadIdx.x == 0) block_len = 0;
   load_transitions(W, w, K);
   for (int e = threadIdx.x; e < spb * K * ld(K); e += blockDim.x) gw[e] = T(0);
   __syncthreads();
-  if (i == 0 && b < B) atomicMax(&block_len, L);
+  if (threadIdx.x % tps == 0 && b < B) atomicMax(&block_len, L);
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
   T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * ld(K);
   int* bs = best + s * K;
   // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G.
   const T gb = b < B ? (tags ? -G[b] : G[b]) : T(0);
+  const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
   T g_end = T(0);
-  if (lane) {
-    for (int t = L; t < Tn; ++t) g_em[off + static_cast<int64_t>(t) * K + i] = T(0);  // padding
-    const int64_t o = off + static_cast<int64_t>(L - 1) * K + i;
-    const T a = gb * S::weight(S::times(alpha[o], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
+  if (owner) {
+    for (int t = L; t < Tn; ++t) g_em[at_pos(t)] = T(0);  // padding
+    const T a = gb * S::weight(S::times(alpha[at_pos(L - 1)], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
     as[i] = a;
-    g_em[o] = a;
+    g_em[at_pos(L - 1)] = a;
     g_end = a;
   }
   __syncthreads();
   const int Lmax = block_len;
   // What step t reads from global memory (pre and arg at t, alpha at t-1) is loaded one step ahead.
-  const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
-  T pre_next = lane && L >= 2 ? pre[at_pos(L - 1)] : T(0);
+  T pre_next = owner && L >= 2 ? pre[at_pos(L - 1)] : T(0);
   T alpha_next = lane && L >= 2 ? alpha[at_pos(L - 2)] : T(0);
-  int arg_next = S::kIsMax && lane && L >= 2 ? static_cast<int>(arg[at_pos(L - 1)]) : -1;
+  int arg_next = S::kIsMax && owner && L >= 2 ? static_cast<int>(arg[at_pos(L - 1)]) : -1;
   for (int t = Lmax - 1; t >= 1; --t) {
     const bool active = lane && t < L;
     T ai = T(0);
     if (active) {
-      rs[i] = pre_next;
-      if constexpr (S::kIsMax) bs[i] = arg_next;
-      ai = alpha_next;
-      if (t >= 2) {
-        pre_next = pre[at_pos(t - 1)];
-        alpha_next = alpha[at_pos(t - 2)];
-        if constexpr (S::kIsMax) arg_next = static_cast<int>(arg[at_pos(t - 1)]);
+      if (r == 0) {
+        rs[i] = pre_next;
+        if constexpr (S::kIsMax) bs[i] = arg_next;
+        if (t >= 2) {
+          pre_next = pre[at_pos(t - 1)];
+          if constexpr (S::kIsMax) arg_next = static_cast<int>(arg[at_pos(t - 1)]);
+        }
       }
+      ai = alpha_next;
+      if (t >= 2) alpha_next = alpha[at_pos(t - 2)];
     }
     __syncthreads();
     T next = T(0);
     if (active) {
       const T* wi = w + i * ld(K);
       T* gwi = gws + i * ld(K);
-      // No branch on a zero adjoint: every weight is finite (term <= result), and four partial sums keep the
+      // No branch on a zero adjoint: every weight is finite (term <= result); two partial sums keep the
       // independent exponentials in flight.
-      const auto contribution = [&](int j) {
-        const T c = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
-        gwi[j] += c;
-        return c;
-      };
-      T part[4] = {T(0), T(0), T(0), T(0)};
-      int j = 0;
-      for (; j + 4 <= K; j += 4)
-        for (int u = 0; u < 4; ++u) part[u] += contribution(j + u);
-      for (; j < K; ++j) part[0] += contribution(j);
-      next = (part[0] + part[1]) + (part[2] + part[3]);
+      T part0 = T(0), part1 = T(0);
+      int j = r;
+      for (; j + R < K; j += 2 * R) {
+        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
+        const T c1 = as[j + R] * S::weight(S::times(ai, wi[j + R]), rs[j + R], i, S::kIsMax ? bs[j + R] : -1);
+        gwi[j] += c0;
+        gwi[j + R] += c1;
+        part0 += c0;
+        part1 += c1;
+      }
+      if (j < K) {
+        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
+        gwi[j] += c0;
+        part0 += c0;
+      }
+      next = part0 + part1;
     }
+    next = sum_lanes(next, R);
     __syncthreads();
-    if (active) {
+    if (active && r == 0) {
       as[i] = next;
       g_em[at_pos(t - 1)] = next;
     }
@@ -192,7 +234,7 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   }
   // The tagged sequence's score was subtracted: one thread per sequence takes its indicators off.
   const int64_t* y = tags && b < B ? tags + static_cast<int64_t>(b) * Tn : nullptr;
-  if (y && i == 0)
+  if (y && threadIdx.x % tps == 0)
     for (int t = 0; t < L; ++t) {
       g_em[off + static_cast<int64_t>(t) * K + y[t]] -= gb;
       if (t > 0) gws[y[t - 1] * ld(K) + y[t]] -= gb;
@@ -206,7 +248,7 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   }
   __syncthreads();
   // Reuse res/adj rows as staging for start/end sums across the block's sequences.
-  if (i < K) {
+  if (i < K && r == 0) {
     rs[i] = lane ? as[i] - (y && y[0] == i ? gb : T(0)) : T(0);  // adjoint at position 0 = gradient of start
     as[i] = g_end - (y && y[L - 1] == i ? gb : T(0));
   }
@@ -262,8 +304,8 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
         lengths.data_ptr<int64_t>(), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
         pre.data_ptr<scalar_t>(),
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.tps,
-        l.spb);
+        score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.R,
+        l.tps, l.spb);
   });
   check_launch("chain_forward");
 }
@@ -286,7 +328,7 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
         grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
         tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
         S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
-        part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.tps, l.spb);
+        part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_backward");
   const at::Tensor total = part.sum(0);
