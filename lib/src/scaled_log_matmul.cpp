@@ -52,7 +52,10 @@ ScaledRight scale_right(const at::Tensor& b) {
 at::Tensor scaled_log_matmul(const at::Tensor& a, const ScaledRight& b) {
   const at::Tensor ac = a.contiguous();
   const at::Tensor rowmax = finite_or_zero(ac.amax(2, /*keepdim=*/true));
-  const at::Tensor s = at::matmul((ac - rowmax).exp(), b.scaled).contiguous();
+  const at::Tensor pa = (ac - rowmax).exp();
+  // One plain GEMM when neither side is batched (the chain recursions): bmm with a batch of one picks slower kernels.
+  const at::Tensor s = ac.size(0) == 1 && b.scaled.size(0) == 1 ? at::mm(pa[0], b.scaled[0]).unsqueeze(0)
+                                                                : at::matmul(pa, b.scaled).contiguous();
   at::Tensor c = (s.log() + rowmax + b.colmax).contiguous();
   const double threshold = underflow_threshold(ac.scalar_type(), ac.size(2));
   if (ac.is_cuda()) {
