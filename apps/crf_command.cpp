@@ -93,7 +93,7 @@ std::string fixed(double v, int digits) {
 
 int train(const std::vector<std::string>& args) {
   CrfTrainOptions o;
-  std::string train_path, dev_path, model_path;
+  std::string train_path, dev_path, model_path, template_path;
   int label_column = -1;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
@@ -101,6 +101,7 @@ int train(const std::vector<std::string>& args) {
       ("dev", po::value(&dev_path), "development data, scored after every iteration")
       ("model,m", po::value(&model_path)->required(), "where to write the model")
       ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
+      ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
       ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
       ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations")
@@ -113,6 +114,7 @@ int train(const std::vector<std::string>& args) {
   if (int rc = parse(args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
     return rc;
 
+  auto extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
   const LabeledSentences tr = split_labels(read_conll(train_path), label_column);
   std::optional<LabeledSentences> dv;
   if (!dev_path.empty()) dv = split_labels(read_conll(dev_path), label_column);
@@ -121,7 +123,7 @@ int train(const std::vector<std::string>& args) {
   std::cerr << "\n";
   CrfTrainSummary sum;
   const CrfTagger model = train_crf(
-      tr, dv ? &*dv : nullptr, builtin_features(), o,
+      tr, dv ? &*dv : nullptr, std::move(extractor), o,
       [](const CrfIteration& it) {
         std::cerr << "iter " << it.iteration << "  objective " << fixed(it.objective, 3) << "  |g| "
                   << fixed(it.gradient_norm, 3);

@@ -148,3 +148,20 @@ TEST(CrfTagger, SplitLabelsTakesTheChosenColumn) {
   EXPECT_EQ(split_labels(c, 1).labels[0][0], "b");
   EXPECT_THROW(split_labels(c, 3), Error);
 }
+
+TEST(CrfTagger, CrfppTemplateModelsTrainSaveAndTag) {
+  CrfTrainOptions o;
+  o.max_iterations = 25;
+  o.c2 = 0.01;
+  const LabeledSentences train = toy_corpus(60, 3), dev = toy_corpus(20, 4);
+  const CrfTagger m = train_crf(train, &dev, crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nU02:%x[0,1]\nB\n"), o);
+  const std::string path = temp_path("template.crf");
+  m.save(path);
+  const CrfTagger l = CrfTagger::load(path);
+  std::remove(path.c_str());
+  EXPECT_EQ(l.extractor().spec(), m.extractor().spec());
+  const auto tagged = l.tag(pointers(dev));
+  for (std::size_t s = 0; s < tagged.size(); ++s) EXPECT_EQ(tagged[s].labels, dev.labels[s]);
+  // A template column the data does not have is an error before any training.
+  EXPECT_THROW(train_crf(train, nullptr, crfpp_template_features("U00:%x[0,2]\n"), o), Error);
+}

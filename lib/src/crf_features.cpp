@@ -93,6 +93,7 @@ std::unique_ptr<FeatureExtractor> builtin_features() { return std::make_unique<B
 
 std::unique_ptr<FeatureExtractor> FeatureExtractor::from_spec(const std::string& spec) {
   if (spec == "builtin") return builtin_features();
+  if (spec.rfind("crfpp\n", 0) == 0) return crfpp_template_features(spec.substr(6), "<model template>");
   throw Error("unknown feature set '" + spec.substr(0, 40) + "'");
 }
 

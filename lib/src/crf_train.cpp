@@ -134,6 +134,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const at::Device device(o.device);
 
   const std::size_t columns = train.inputs.front().front().size();
+  extractor->validate(columns, train.source);
   std::vector<std::string> features = build_dictionary(train, *extractor, o.min_feature_count);
   CrfTagger model(collect_labels(train), std::move(features), std::move(extractor), columns);
   if (dev) check_dev_labels(model, *dev);

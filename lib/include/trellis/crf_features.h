@@ -17,6 +17,8 @@ class FeatureExtractor {
   virtual void extract(const TokenRows& rows, std::size_t t, std::vector<std::string>& out) const = 0;
   // Text that recreates this extractor through from_spec(); stored in model files.
   virtual std::string spec() const = 0;
+  // Checks that sentences with this many input columns can be featurised; `source` names the data for messages.
+  virtual void validate(std::size_t /*input_columns*/, const std::string& /*source*/) const {}
 
   static std::unique_ptr<FeatureExtractor> from_spec(const std::string& spec);
 };
@@ -25,5 +27,16 @@ class FeatureExtractor {
 // shape; case, digit and hyphen flags; lowercase words at offsets ±1, ±2 and the bigrams around the token; every
 // further input column (POS, ...) at offsets -2..+2 with its bigrams.
 std::unique_ptr<FeatureExtractor> builtin_features();
+
+// Features from a CRF++ template (its documented format, e.g. CRF++'s example/chunking/template):
+//   # comment
+//   U00:%x[-1,0]            one feature string per token, "U00:" + the word one row up
+//   U05:%x[-1,0]/%x[0,0]    macros %x[row,column]: row relative to the token, column among the input columns
+//   B                       label bigrams (always modelled by Trellis' CRF; B lines with macros are an error)
+// Rows outside the sentence read as CRF++ names them: _B-1, _B-2, ... before, _B+1, _B+2, ... after.
+// Syntax errors name source:line.
+std::unique_ptr<FeatureExtractor> crfpp_template_features(const std::string& text,
+                                                          const std::string& source = "<template>");
+std::unique_ptr<FeatureExtractor> load_crfpp_template(const std::string& path);
 
 }  // namespace trellis

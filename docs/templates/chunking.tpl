@@ -1,0 +1,22 @@
+# Chunking features over columns 0 (word) and 1 (POS), the same feature set as CRF++'s chunking example:
+# words and POS tags in a window of two, their bigrams around the token, and POS trigrams.
+Uw-2:%x[-2,0]
+Uw-1:%x[-1,0]
+Uw0:%x[0,0]
+Uw+1:%x[1,0]
+Uw+2:%x[2,0]
+Uw-1/0:%x[-1,0]/%x[0,0]
+Uw0/+1:%x[0,0]/%x[1,0]
+Up-2:%x[-2,1]
+Up-1:%x[-1,1]
+Up0:%x[0,1]
+Up+1:%x[1,1]
+Up+2:%x[2,1]
+Up-2/-1:%x[-2,1]/%x[-1,1]
+Up-1/0:%x[-1,1]/%x[0,1]
+Up0/+1:%x[0,1]/%x[1,1]
+Up+1/+2:%x[1,1]/%x[2,1]
+Up-2/-1/0:%x[-2,1]/%x[-1,1]/%x[0,1]
+Up-1/0/+1:%x[-1,1]/%x[0,1]/%x[1,1]
+Up0/+1/+2:%x[0,1]/%x[1,1]/%x[2,1]
+B
