@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <torch/optim/lbfgs.h>
 
 #include <algorithm>
@@ -80,12 +81,24 @@ void check_dev_labels(const CrfTagger& m, const LabeledSentences& dev) {
                          "label '" + dev.labels[s][t] + "' does not occur in the training data");
 }
 
-ChunkEvaluation evaluate(const CrfTagger& m, const LabeledSentences& data) {
-  std::vector<const TokenRows*> rows;
-  for (const auto& r : data.inputs) rows.push_back(&r);
-  const auto tagged = m.tag(rows);
+// Scores the model on batches encoded once (features are not extracted again every iteration).
+ChunkEvaluation evaluate(const CrfTagger& m, const std::vector<EncodedBatch>& batches) {
+  c10::NoGradGuard no_grad;
   ChunkEvaluation ev;
-  for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(data.labels[s], tagged[s].labels);
+  const auto& names = m.labels();
+  for (const EncodedBatch& b : batches) {
+    const at::Tensor path = viterbi(m.potentials(b)).path.cpu(), gold = b.tags.cpu(), len = b.lengths.cpu();
+    const auto P = path.accessor<int64_t, 2>(), Y = gold.accessor<int64_t, 2>();
+    const auto Ln = len.accessor<int64_t, 1>();
+    for (int64_t s = 0; s < b.batch; ++s) {
+      std::vector<std::string> want, got;
+      for (int64_t t = 0; t < Ln[s]; ++t) {
+        want.push_back(names[Y[s][t]]);
+        got.push_back(names[P[s][t]]);
+      }
+      ev.add_sentence(want, got);
+    }
+  }
   return ev;
 }
 
@@ -140,6 +153,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   if (dev) check_dev_labels(model, *dev);
   model.to(device);
   const std::vector<EncodedBatch> batches = encode_batches(model, train, device);
+  const std::vector<EncodedBatch> dev_batches = dev ? encode_batches(model, *dev, device) : std::vector<EncodedBatch>{};
 
   std::vector<at::Tensor> params = model.parameters();
   for (auto& p : params) p.requires_grad_();
@@ -152,7 +166,19 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
                                         .tolerance_grad(1e-12)
                                         .tolerance_change(0)
                                         .line_search_fn("strong_wolfe"));
+  // LibTorch's L-BFGS re-evaluates the objective at the start of every step(), at the point where the previous line
+  // search ended (after restoring and re-adding the step, so only the values tell): answer it from a cache.
+  std::vector<at::Tensor> cached_params, cached_grads;
+  at::Tensor cached_value;
   auto objective = [&]() -> at::Tensor {
+    if (cached_value.defined()) {
+      bool same = true;
+      for (std::size_t i = 0; i < params.size() && same; ++i) same = at::equal(params[i], cached_params[i]);
+      if (same) {
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = cached_grads[i].clone();
+        return cached_value;
+      }
+    }
     lbfgs.zero_grad();
     at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
     for (const EncodedBatch& b : batches) {
@@ -160,11 +186,20 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
       nll.backward();
       total += nll.detach();
     }
-    at::Tensor reg = at::zeros({}, params[0].options());
-    for (auto& p : params) reg = reg + p.pow(2).sum();
-    reg = reg * o.c2;
-    reg.backward();
-    return total + reg.detach();
+    // c2·‖θ‖² and its gradient 2·c2·θ, in place: no autograd graph over millions of weights.
+    c10::NoGradGuard no_grad;
+    for (auto& p : params) {
+      total += o.c2 * p.square().sum();
+      p.mutable_grad().add_(p, 2 * o.c2);
+    }
+    cached_value = total;
+    cached_params.clear();
+    cached_grads.clear();
+    for (auto& p : params) {
+      cached_params.push_back(p.detach().clone());
+      cached_grads.push_back(p.grad().clone());
+    }
+    return total;
   };
 
   CrfTrainSummary sum;
@@ -182,7 +217,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     sum.iterations = it;
     bool stop = false;
     if (dev) {
-      const ChunkEvaluation ev = evaluate(model, *dev);
+      const ChunkEvaluation ev = evaluate(model, dev_batches);
       rec.dev_accuracy = ev.accuracy();
       const bool chunks = ev.overall.gold > 0;  // chunk labels (B-X, I-X, ...) rather than plain tags
       if (chunks) rec.dev_f1 = ev.overall.f1();
