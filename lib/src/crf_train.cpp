@@ -237,6 +237,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
       const double before = history[history.size() - 1 - o.period];
       if ((before - f) / std::max(std::abs(f), 1e-12) < o.tolerance) sum.converged = stop = true;
     }
+    // A line search that found no lower point leaves nothing to gain (and each further one costs many evaluations).
+    if (history.size() > 1 && !(f < history[history.size() - 2])) sum.converged = stop = true;
     if (stop) break;
   }
   at::NoGradGuard no_grad;
