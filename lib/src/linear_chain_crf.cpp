@@ -144,6 +144,17 @@ at::Tensor gold_score_unchecked(const ChainPotentials& p, const Shape& s, const 
   return score;
 }
 
+// The potentials cut from any caller's graph, with the emissions a fresh leaf: what is differentiated to read off
+// marginals or a best path.
+ChainPotentials detached_with_emission_leaf(const ChainPotentials& p) {
+  ChainPotentials q = p;
+  q.emissions = p.emissions.detach().requires_grad_();
+  q.transitions = p.transitions.detach();
+  if (p.start.defined()) q.start = p.start.detach();
+  if (p.end.defined()) q.end = p.end.detach();
+  return q;
+}
+
 bool needs_grad(const ChainPotentials& p) {
   if (!c10::GradMode::is_enabled()) return false;
   for (const at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end})
@@ -216,11 +227,7 @@ at::Tensor backward_log_betas(const ChainPotentials& p) {
 Marginals marginals(const ChainPotentials& p, bool with_edges) {
   const Shape s = check(p);
   c10::AutoGradMode grad_on(true);
-  ChainPotentials q = p;
-  q.emissions = p.emissions.detach().requires_grad_();
-  q.transitions = p.transitions.detach();
-  if (p.start.defined()) q.start = p.start.detach();
-  if (p.end.defined()) q.end = p.end.detach();
+  const ChainPotentials q = detached_with_emission_leaf(p);
   // Edge marginals need per-position transitions, which only the composed recursion takes.
   at::Tensor edge;
   if (with_edges) edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
@@ -247,11 +254,7 @@ ViterbiResult viterbi(const ChainPotentials& p) {
   }
   // Otherwise the gradient of the composed MaxSemiring recursion is the indicator of one best path.
   c10::AutoGradMode grad_on(true);
-  ChainPotentials q = p;
-  q.emissions = p.emissions.detach().requires_grad_();
-  q.transitions = p.transitions.detach();
-  if (p.start.defined()) q.start = p.start.detach();
-  if (p.end.defined()) q.end = p.end.detach();
+  const ChainPotentials q = detached_with_emission_leaf(p);
   const at::Tensor score = chain_forward<MaxSemiring>(q, s, at::Tensor());
   const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
   const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);

@@ -45,15 +45,18 @@ TRELLIS_HD T log_(T x) {
 // ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
 //   (m1,s1) ⊕ (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
 // so no term is ever exponentiated above 1 and -inf terms contribute exactly zero (never NaN).
-struct LogSemiring {
-  static constexpr bool kIsMax = false;
-
+// What both semirings share: scores in log space, ⊗ = +, zero = -inf, one = 0.
+struct LogSpaceScores {
   template <class T>
   TRELLIS_HD static T zero() { return neg_inf<T>(); }
   template <class T>
   TRELLIS_HD static T one() { return T(0); }
   template <class T>
   TRELLIS_HD static T times(T a, T b) { return a + b; }
+};
+
+struct LogSemiring : LogSpaceScores {
+  static constexpr bool kIsMax = false;
 
   template <class T>
   struct Accumulator {
@@ -111,15 +114,8 @@ struct LogSemiring {
 
 // ⊕ = max (remembering the first index that reached it), ⊗ = +. The gradient is routed to that one argmax, so
 // differentiating a Viterbi score gives the indicator of one best path even when several tie.
-struct MaxSemiring {
+struct MaxSemiring : LogSpaceScores {
   static constexpr bool kIsMax = true;
-
-  template <class T>
-  TRELLIS_HD static T zero() { return neg_inf<T>(); }
-  template <class T>
-  TRELLIS_HD static T one() { return T(0); }
-  template <class T>
-  TRELLIS_HD static T times(T a, T b) { return a + b; }
 
   template <class T>
   struct Accumulator {
