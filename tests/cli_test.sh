@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The trellis command line on good and bad input: every bad case exits non-zero with a message naming the file
+# (and line where there is one) and writes nothing under the output's name; CRLF files and 10k-token sentences work.
+# Usage: cli_test.sh TRELLIS_BINARY WORK_DIR
+set -uo pipefail
+trellis=$1
+work=$2
+rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+passed=0 failed=0
+ok() { passed=$((passed + 1)); }
+fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
+
+# expect_error NAME NEEDLE OUTPUT_FILE COMMAND...: non-zero exit, NEEDLE in stderr, OUTPUT_FILE not created.
+expect_error() {
+  local name=$1 needle=$2 output=$3
+  shift 3
+  if "$@" >stdout.txt 2>stderr.txt; then fail "$name: exit code 0"; return; fi
+  if ! grep -qF -- "$needle" stderr.txt; then fail "$name: stderr lacks '$needle': $(cat stderr.txt)"; return; fi
+  if [ -e "$output" ]; then fail "$name: $output was written"; return; fi
+  if ls "$output".tmp.* >/dev/null 2>&1; then fail "$name: a temporary file was left"; return; fi
+  ok
+}
+
+printf 'the DT B-NP\ncat NN I-NP\nsat VBD B-VP\n\na DT B-NP\ndog NN I-NP\n\n' >train.txt
+printf 'Uw:%%x[0,0]\nUp:%%x[0,1]\nB\n' >good.tpl
+"$trellis" crf train --train train.txt --model model.crf --max-iter 5 2>train.log || fail "training on good data"
+[ -s model.crf ] && ok || fail "no model written"
+
+printf 'the DT B-NP\ncat NN\n\n' >ragged.txt
+expect_error "inconsistent columns" "ragged.txt:2: expected 3 columns, found 2" m1.crf \
+  "$trellis" crf train --train ragged.txt --model m1.crf
+: >empty.txt
+expect_error "empty file" "empty.txt:1: empty file" m2.crf "$trellis" crf train --train empty.txt --model m2.crf
+printf 'the DT B-NP\ncat NN B-XX\n\n' >unseen.txt
+expect_error "unseen dev label" "unseen.txt:2: label 'B-XX'" m3.crf \
+  "$trellis" crf train --train train.txt --dev unseen.txt --model m3.crf
+expect_error "unseen eval label" "unseen.txt:2: label 'B-XX'" none \
+  "$trellis" crf eval --model model.crf --gold unseen.txt
+printf 'U00:%%x[0]\n' >bad.tpl
+expect_error "template syntax" "bad.tpl:1: malformed macro" m4.crf \
+  "$trellis" crf train --train train.txt --model m4.crf --template bad.tpl
+printf 'U00:%%x[0,0]\nU01:%%x[0,5]\n' >wide.tpl
+expect_error "template column" "template line 2: column 5 is out of range" m5.crf \
+  "$trellis" crf train --train train.txt --model m5.crf --template wide.tpl
+printf 'the DT B-NP\nc\xffat NN I-NP\n\n' >latin1.txt
+expect_error "non-UTF-8" "latin1.txt:2: invalid UTF-8" m6.crf "$trellis" crf train --train latin1.txt --model m6.crf
+expect_error "tag: wrong columns" "ragged.txt:2" out.txt "$trellis" crf tag --model model.crf ragged.txt -o out.txt
+printf 'word POS label\n' >not-a-model.crf
+expect_error "foreign model" "is not a Trellis CRF model" out2.txt \
+  "$trellis" crf tag --model not-a-model.crf train.txt -o out2.txt
+head -c 200 model.crf >truncated.crf
+expect_error "truncated model" "corrupt model file" out3.txt "$trellis" crf tag --model truncated.crf train.txt -o out3.txt
+expect_error "unknown option" "unrecognised option" m7.crf "$trellis" crf train --train train.txt --model m7.crf --bogus
+
+# CRLF input gives the same tags as LF input.
+"$trellis" crf tag --model model.crf train.txt -o lf.txt && sed 's/$/\r/' train.txt >crlf.txt &&
+  "$trellis" crf tag --model model.crf crlf.txt -o crlf.out && cmp -s lf.txt crlf.out && ok || fail "CRLF input"
+# A 10,000-token sentence trains and tags.
+awk 'BEGIN { for (i = 0; i < 10000; i++) print (i % 2 ? "cat NN I-NP" : "the DT B-NP"); print "" }' >long.txt
+"$trellis" crf train --train long.txt --model long.crf --max-iter 3 2>/dev/null &&
+  "$trellis" crf tag --model long.crf long.txt -o long.out && [ "$(grep -c . long.out)" = 10000 ] && ok ||
+  fail "10k-token sentence"
+
+echo "cli: $passed passed, $failed failed"
+[ "$failed" = 0 ]
