@@ -147,13 +147,16 @@ int train(const std::vector<std::string>& args) {
 int tag(const std::vector<std::string>& args) {
   std::string model_path, input, output;
   bool with_marginals = false, with_probability = false;
+  int64_t kbest = 0;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("model,m", po::value(&model_path)->required(), "trained model")
       ("input,i", po::value(&input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
       ("output,o", po::value(&output)->default_value("-"), "output file (- for stdout), written atomically")
       ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
-      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence");
+      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence")
+      ("kbest,n", po::value(&kbest)->default_value(0),
+       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'");
   po::positional_options_description pos;
   pos.add("input", 1);
   po::variables_map vm;
@@ -162,6 +165,22 @@ int tag(const std::vector<std::string>& args) {
   const CrfTagger model = CrfTagger::load(model_path);
   const ConllCorpus corpus = read_input(input);
   const std::vector<TokenRows> rows = model_inputs(corpus, model);
+  if (kbest > 0) {
+    if (with_marginals) throw Error("--kbest and --marginals cannot be combined");
+    const auto alternatives = model.tag_kbest(pointers(rows), kbest);
+    write_output(output, [&](std::ostream& out) {
+      for (std::size_t s = 0; s < alternatives.size(); ++s)
+        for (std::size_t n = 0; n < alternatives[s].size(); ++n) {
+          out << "@kbest\t" << n << '\t' << fixed(alternatives[s][n].probability, 6) << '\n';
+          for (std::size_t t = 0; t < alternatives[s][n].labels.size(); ++t) {
+            for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+            out << alternatives[s][n].labels[t] << '\n';
+          }
+          out << '\n';
+        }
+    });
+    return 0;
+  }
   const auto tagged = model.tag(pointers(rows), with_marginals || with_probability);
   write_output(output, [&](std::ostream& out) {
     for (std::size_t s = 0; s < tagged.size(); ++s) {

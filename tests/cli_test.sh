@@ -52,6 +52,10 @@ head -c 200 model.crf >truncated.crf
 expect_error "truncated model" "corrupt model file" out3.txt "$trellis" crf tag --model truncated.crf train.txt -o out3.txt
 expect_error "unknown option" "unrecognised option" m7.crf "$trellis" crf train --train train.txt --model m7.crf --bogus
 
+# k-best: two alternatives per sentence, the first one the Viterbi labels.
+"$trellis" crf tag --model model.crf train.txt --kbest 2 -o kbest.txt && [ "$(grep -c '^@kbest' kbest.txt)" = 4 ] &&
+  ok || fail "k-best tagging"
+
 # CRLF input gives the same tags as LF input.
 "$trellis" crf tag --model model.crf train.txt -o lf.txt && sed 's/$/\r/' train.txt >crlf.txt &&
   "$trellis" crf tag --model model.crf crlf.txt -o crlf.out && cmp -s lf.txt crlf.out && ok || fail "CRLF input"

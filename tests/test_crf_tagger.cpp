@@ -165,3 +165,23 @@ TEST(CrfTagger, CrfppTemplateModelsTrainSaveAndTag) {
   // A template column the data does not have is an error before any training.
   EXPECT_THROW(train_crf(train, nullptr, crfpp_template_features("U00:%x[0,2]\n"), o), Error);
 }
+
+TEST(CrfTagger, KBestAlternativesAreSortedProbabilities) {
+  const CrfTagger m = train_toy(nullptr, 10);
+  const LabeledSentences dev = toy_corpus(5, 9);
+  const auto best = m.tag(pointers(dev), true);
+  const auto kb = m.tag_kbest(pointers(dev), 3);
+  ASSERT_EQ(kb.size(), 5u);
+  for (std::size_t s = 0; s < kb.size(); ++s) {
+    ASSERT_EQ(kb[s].size(), 3u);
+    EXPECT_EQ(kb[s][0].labels, best[s].labels);
+    EXPECT_NEAR(kb[s][0].probability, best[s].probability, 1e-5);
+    double total = 0;
+    for (std::size_t n = 0; n < 3; ++n) {
+      if (n > 0) EXPECT_LE(kb[s][n].probability, kb[s][n - 1].probability);
+      EXPECT_NE(kb[s][n].labels, n > 0 ? kb[s][n - 1].labels : std::vector<std::string>{});
+      total += kb[s][n].probability;
+    }
+    EXPECT_LE(total, 1.0 + 1e-6);
+  }
+}

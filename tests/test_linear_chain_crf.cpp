@@ -354,3 +354,34 @@ TEST(LinearChainCRF, ManyLabelsScaledPathIsExactForAnyRange) {
     expect_close(z, reference, 1e-5, 1e-4 * scale);
   }
 }
+
+TEST(LinearChainCRF, KBestMatchesSortedEnumeration) {
+  ChainPotentials p = random_chain(5, 4, 3);
+  p.transitions[2][0] = -kInf;  // some sequences are forbidden
+  const int64_t k = 7;
+  const KBestResult r = kbest_viterbi(p, k);
+  const ViterbiResult v = viterbi(p);
+  EXPECT_TRUE(at::equal(r.paths.select(1, 0), v.path));
+  for (int64_t b = 0; b < 5; ++b) {
+    const Enumeration e = enumerate(p, b);
+    std::vector<double> sorted;
+    for (double x : e.scores)
+      if (x > -kInf) sorted.push_back(x);
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int64_t n = 0; n < k; ++n) {
+      const double got = r.scores[b][n].item<double>();
+      if (n < static_cast<int64_t>(sorted.size())) {
+        EXPECT_NEAR(got, sorted[n], 1e-10) << "b=" << b << " n=" << n;
+        // The reported path has the reported score.
+        ChainPotentials one = p;
+        one.emissions = p.emissions.narrow(0, b, 1);
+        one.lengths = p.lengths.narrow(0, b, 1);
+        EXPECT_NEAR(gold_score(one, r.paths[b][n].clamp_min(0).unsqueeze(0)).item<double>(), got, 1e-10);
+      } else {
+        EXPECT_EQ(got, -kInf);
+        EXPECT_TRUE((r.paths[b][n] == -1).all().item<bool>());
+      }
+    }
+  }
+  EXPECT_THROW(kbest_viterbi(p, 0), Error);
+}

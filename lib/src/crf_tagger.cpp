@@ -200,6 +200,33 @@ std::vector<TaggedSentence> CrfTagger::tag(const std::vector<const TokenRows*>& 
   return out;
 }
 
+std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
+                                                               int64_t k) const {
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<TaggedSentence>> out;
+  out.reserve(sentences.size());
+  for (std::size_t first = 0; first < sentences.size(); first += kTagChunk) {
+    const std::vector<const TokenRows*> chunk(sentences.begin() + first,
+                                              sentences.begin() + std::min(sentences.size(), first + kTagChunk));
+    const ChainPotentials p = potentials(encode(chunk));
+    const KBestResult kb = kbest_viterbi(p, k);
+    const at::Tensor prob = (kb.scores - log_partition(p).cpu().unsqueeze(1)).exp().to(at::kDouble);
+    const auto paths = kb.paths.accessor<int64_t, 3>();
+    const auto P = prob.accessor<double, 2>();
+    for (std::size_t b = 0; b < chunk.size(); ++b) {
+      std::vector<TaggedSentence> alternatives;
+      for (int64_t n = 0; n < k && paths[b][n][0] >= 0; ++n) {
+        TaggedSentence s;
+        for (std::size_t t = 0; t < chunk[b]->size(); ++t) s.labels.push_back(labels_[paths[b][n][t]]);
+        s.probability = P[b][n];
+        alternatives.push_back(std::move(s));
+      }
+      out.push_back(std::move(alternatives));
+    }
+  }
+  return out;
+}
+
 void CrfTagger::save(const std::string& path) const {
   Writer w;
   w.buffer().append(kMagic, sizeof kMagic);

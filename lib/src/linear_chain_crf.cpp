@@ -1,9 +1,11 @@
 #include "trellis/linear_chain_crf.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "chain_fused.h"
@@ -259,6 +261,84 @@ ViterbiResult viterbi(const ChainPotentials& p) {
   const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
   const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);
   return {onehot.argmax(2).masked_fill(~mask, -1), score.detach()};
+}
+
+namespace {
+
+// One of the k best partial paths ending in a label: its score and where it came from.
+template <class T>
+struct Ranked {
+  T score;
+  int64_t prev_label, prev_rank;
+};
+
+// Per sequence: for every position and label, the k best partial paths (sorted), then the k best ends, then the
+// backtrace of each. O(T·K²·k log k) per sequence.
+template <class T>
+void kbest_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
+               const at::Tensor& lengths, int64_t k, at::Tensor& paths, at::Tensor& scores) {
+  const int64_t B = em.size(0), K = em.size(2);
+  const auto E = em.accessor<T, 3>();
+  const auto W = trans.accessor<T, 2>();
+  const auto St = start.accessor<T, 1>(), En = end.accessor<T, 1>();
+  const auto L = lengths.accessor<int64_t, 1>();
+  auto P = paths.accessor<int64_t, 3>();
+  auto S = scores.accessor<T, 2>();
+  const auto better = [](const Ranked<T>& a, const Ranked<T>& b) {
+    if (a.score != b.score) return a.score > b.score;
+    return a.prev_label != b.prev_label ? a.prev_label < b.prev_label : a.prev_rank < b.prev_rank;
+  };
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<Ranked<T>> candidates;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t len = L[b];
+      std::vector<std::vector<std::vector<Ranked<T>>>> best(len, std::vector<std::vector<Ranked<T>>>(K));
+      for (int64_t j = 0; j < K; ++j) best[0][j] = {{St[j] + E[b][0][j], -1, -1}};
+      for (int64_t t = 1; t < len; ++t)
+        for (int64_t j = 0; j < K; ++j) {
+          candidates.clear();
+          for (int64_t i = 0; i < K; ++i)
+            for (std::size_t r = 0; r < best[t - 1][i].size(); ++r)
+              candidates.push_back({best[t - 1][i][r].score + W[i][j] + E[b][t][j], i, static_cast<int64_t>(r)});
+          const auto keep = std::min<std::size_t>(k, candidates.size());
+          std::partial_sort(candidates.begin(), candidates.begin() + keep, candidates.end(), better);
+          best[t][j].assign(candidates.begin(), candidates.begin() + keep);
+        }
+      candidates.clear();
+      for (int64_t j = 0; j < K; ++j)
+        for (std::size_t r = 0; r < best[len - 1][j].size(); ++r)
+          candidates.push_back({best[len - 1][j][r].score + En[j], j, static_cast<int64_t>(r)});
+      const auto keep = std::min<std::size_t>(k, candidates.size());
+      std::partial_sort(candidates.begin(), candidates.begin() + keep, candidates.end(), better);
+      for (std::size_t n = 0; n < keep; ++n) {
+        S[b][n] = candidates[n].score;
+        int64_t label = candidates[n].prev_label, rank = candidates[n].prev_rank;
+        for (int64_t t = len - 1; t >= 0; --t) {
+          P[b][n][t] = label;
+          const Ranked<T>& at = best[t][label][rank];
+          label = at.prev_label;
+          rank = at.prev_rank;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+KBestResult kbest_viterbi(const ChainPotentials& p, int64_t k) {
+  const Shape s = check(p);
+  if (k < 1) throw Error("kbest_viterbi: k must be at least 1, got " + std::to_string(k));
+  c10::NoGradGuard no_grad;
+  const auto cpu = [](const at::Tensor& t) { return t.detach().cpu().contiguous(); };
+  const at::Tensor em = cpu(p.emissions), trans = cpu(p.transitions), start = cpu(or_zeros(p.start, p, s.K)),
+                   end = cpu(or_zeros(p.end, p, s.K)), lengths = cpu(lengths_or_full(p, s));
+  KBestResult r{at::full({s.B, k, s.T}, -1, at::kLong), at::full({s.B, k}, kNegInf, em.options())};
+  AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "kbest_viterbi",
+                             [&] { kbest_cpu<scalar_t>(em, trans, start, end, lengths, k, r.paths, r.scores); });
+  // A path through a forbidden transition scores -inf: it is not one of the allowed sequences.
+  r.paths.masked_fill_(r.scores.isinf().unsqueeze(2), -1);
+  return r;
 }
 
 at::Tensor viterbi_score(const ChainPotentials& p) {

@@ -54,6 +54,9 @@ class CrfTagger {
   ChainPotentials potentials(const EncodedBatch& batch) const;
 
   std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
+  // The k most probable label sequences of each sentence, best first, each with its probability (no marginals);
+  // fewer when a sentence has fewer label sequences.
+  std::vector<std::vector<TaggedSentence>> tag_kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const;
 
   // Model file: self-describing (magic, format version, labels, feature set, dictionary, weights, checksum),
   // written to a temporary file and renamed. Loading a corrupt, truncated or foreign file is an Error naming it.

@@ -48,6 +48,15 @@ struct ViterbiResult {
 };
 ViterbiResult viterbi(const ChainPotentials& p);
 
+// The k best label sequences of each sequence, best first (ties: lower labels first). paths [B,k,T] int64 with -1 at
+// padding, scores [B,k]; where fewer than k sequences exist (or are allowed), the rest have score -inf and path -1.
+// Computed on the CPU (inputs on other devices are copied).
+struct KBestResult {
+  at::Tensor paths;
+  at::Tensor scores;
+};
+KBestResult kbest_viterbi(const ChainPotentials& p, int64_t k);
+
 // The best path's score [B] with autograd: its gradient is the indicator of one best path (ties go to the lowest
 // label), as used by structured perceptron and max-margin training.
 at::Tensor viterbi_score(const ChainPotentials& p);
