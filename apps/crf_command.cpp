@@ -104,7 +104,11 @@ int train(const std::vector<std::string>& args) {
       ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
       ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
-      ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations")
+      ("algorithm", po::value(&o.algorithm)->default_value("lbfgs"),
+       "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")
+      ("learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")
+      ("batch-size", po::value(&o.batch_size)->default_value(32), "sentences per minibatch")
+      ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations or epochs")
       ("tolerance", po::value(&o.tolerance)->default_value(1e-5), "stop when the objective improves by less than this fraction over 10 iterations")
       ("early-stopping", po::value(&o.early_stopping)->default_value(0), "stop after N iterations without a better dev score (0: off)")
       ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")

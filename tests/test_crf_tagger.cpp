@@ -185,3 +185,25 @@ TEST(CrfTagger, KBestAlternativesAreSortedProbabilities) {
     EXPECT_LE(total, 1.0 + 1e-6);
   }
 }
+
+TEST(CrfTagger, MinibatchOptimisersLearnTheToyTask) {
+  const LabeledSentences train = toy_corpus(60, 5), dev = toy_corpus(20, 6);
+  for (const char* algorithm : {"sgd", "adagrad", "adam"}) {
+    CrfTrainOptions o;
+    o.algorithm = algorithm;
+    o.learning_rate = std::string(algorithm) == "sgd" ? 0.01 : 0.1;
+    o.batch_size = 8;
+    o.max_iterations = 15;
+    o.c2 = 0.01;
+    o.seed = 3;
+    std::vector<double> objective;
+    CrfTrainSummary summary;
+    train_crf(train, &dev, builtin_features(), o, [&](const CrfIteration& it) { objective.push_back(it.objective); },
+              &summary);
+    EXPECT_LT(objective.back(), objective.front()) << algorithm;
+    EXPECT_EQ(summary.best_dev_f1.value_or(0), 100.0) << algorithm;
+  }
+  CrfTrainOptions bad;
+  bad.algorithm = "newton";
+  EXPECT_THROW(train_crf(train, nullptr, builtin_features(), bad), Error);
+}

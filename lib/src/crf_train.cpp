@@ -3,11 +3,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/lbfgs.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <numeric>
+#include <random>
 #include <unordered_map>
 
 #include "trellis/chunk_eval.h"
@@ -50,18 +55,16 @@ std::vector<std::string> collect_labels(const LabeledSentences& train) {
   return labels;
 }
 
-// Batches of sentences sorted by length, so padding stays small.
-std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data, const at::Device& device) {
-  std::vector<std::size_t> order(data.inputs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
+// Sentences in the given order, cut into batches of at most max_sentences sentences or about max_tokens tokens.
+std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data, const at::Device& device,
+                                         const std::vector<std::size_t>& order, std::size_t max_sentences,
+                                         int64_t max_tokens) {
   std::vector<EncodedBatch> batches;
   for (std::size_t i = 0; i < order.size();) {
     std::vector<const TokenRows*> rows;
     std::vector<const std::vector<std::string>*> gold;
     int64_t tokens = 0;
-    for (; i < order.size() && tokens < kTokensPerBatch; ++i) {
+    for (; i < order.size() && tokens < max_tokens && rows.size() < max_sentences; ++i) {
       rows.push_back(&data.inputs[order[i]]);
       gold.push_back(&data.labels[order[i]]);
       tokens += data.inputs[order[i]].size();
@@ -71,6 +74,32 @@ std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSenten
     batches.push_back(std::move(e));
   }
   return batches;
+}
+
+// Batches sorted by length, so padding stays small (full-batch objective, dev scoring).
+std::vector<EncodedBatch> length_sorted_batches(const CrfTagger& m, const LabeledSentences& data,
+                                                const at::Device& device) {
+  std::vector<std::size_t> order(data.inputs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
+  return encode_batches(m, data, device, order, std::numeric_limits<std::size_t>::max(), kTokensPerBatch);
+}
+
+// Minibatches of a seeded random partition (fixed for the run; their order is shuffled every epoch).
+std::vector<EncodedBatch> random_minibatches(const CrfTagger& m, const LabeledSentences& data,
+                                             const at::Device& device, std::size_t batch_size, std::mt19937_64& rng) {
+  std::vector<std::size_t> order(data.inputs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  return encode_batches(m, data, device, order, batch_size, std::numeric_limits<int64_t>::max());
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(const std::string& name,
+                                                                  const std::vector<at::Tensor>& params, double lr) {
+  if (name == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
+  if (name == "adagrad") return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(lr));
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));  // "adam"
 }
 
 void check_dev_labels(const CrfTagger& m, const LabeledSentences& dev) {
@@ -142,6 +171,9 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const auto t0 = Clock::now();
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   if (train.inputs.empty()) throw Error("'" + train.source + "': no training sentences");
+  if (o.algorithm != "lbfgs" && o.algorithm != "sgd" && o.algorithm != "adagrad" && o.algorithm != "adam")
+    throw Error("unknown training algorithm '" + o.algorithm + "' (lbfgs, sgd, adagrad or adam)");
+  if (o.batch_size < 1) throw Error("the minibatch size must be at least 1");
   if (o.threads > 0) at::set_num_threads(o.threads);
   at::manual_seed(o.seed);
   const at::Device device(o.device);
@@ -152,12 +184,47 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   CrfTagger model(collect_labels(train), std::move(features), std::move(extractor), columns);
   if (dev) check_dev_labels(model, *dev);
   model.to(device);
-  const std::vector<EncodedBatch> batches = encode_batches(model, train, device);
-  const std::vector<EncodedBatch> dev_batches = dev ? encode_batches(model, *dev, device) : std::vector<EncodedBatch>{};
+  const bool full_batch = o.algorithm == "lbfgs";
+  std::mt19937_64 rng(o.seed);
+  std::unique_ptr<torch::optim::Optimizer> minibatch_opt;  // created below, once the parameters require gradients
+  const std::vector<EncodedBatch> batches = full_batch ? length_sorted_batches(model, train, device)
+                                                       : random_minibatches(model, train, device, o.batch_size, rng);
+  const std::vector<EncodedBatch> dev_batches =
+      dev ? length_sorted_batches(model, *dev, device) : std::vector<EncodedBatch>{};
+  const double total_tokens = static_cast<double>(train.num_tokens());
 
   std::vector<at::Tensor> params = model.parameters();
   for (auto& p : params) p.requires_grad_();
   model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
+
+  // c2·‖θ‖² (times `share`, a minibatch's share of the data) and its gradient, added in place: no autograd graph
+  // over millions of weights.
+  auto add_l2 = [&](double share) {
+    c10::NoGradGuard no_grad;
+    at::Tensor penalty = at::zeros({}, params[0].options());
+    for (auto& p : params) {
+      penalty += share * o.c2 * p.square().sum();
+      p.mutable_grad().add_(p, 2 * share * o.c2);
+    }
+    return penalty;
+  };
+  if (!full_batch) minibatch_opt = make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
+  // One pass over the data in shuffled minibatches; returns the summed objective.
+  auto epoch = [&]() -> at::Tensor {
+    std::vector<std::size_t> order(batches.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
+    for (std::size_t i : order) {
+      const EncodedBatch& b = batches[i];
+      minibatch_opt->zero_grad();
+      const at::Tensor nll = -log_likelihood(model.potentials(b), b.tags).sum();
+      nll.backward();
+      total += nll.detach() + add_l2(b.lengths.sum().item<double>() / total_tokens);
+      minibatch_opt->step();
+    }
+    return total;
+  };
 
   torch::optim::LBFGS lbfgs(params, torch::optim::LBFGSOptions(1.0)
                                         .max_iter(1)
@@ -186,12 +253,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
       nll.backward();
       total += nll.detach();
     }
-    // c2·‖θ‖² and its gradient 2·c2·θ, in place: no autograd graph over millions of weights.
-    c10::NoGradGuard no_grad;
-    for (auto& p : params) {
-      total += o.c2 * p.square().sum();
-      p.mutable_grad().add_(p, 2 * o.c2);
-    }
+    total += add_l2(1.0);
     cached_value = total;
     cached_params.clear();
     cached_grads.clear();
@@ -209,7 +271,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   std::vector<at::Tensor> best;
   double best_score = -1;
   for (int it = 1; it <= o.max_iterations; ++it) {
-    const double f = lbfgs.step(objective).item<double>();
+    const double f = (full_batch ? lbfgs.step(objective) : epoch()).item<double>();
     double gnorm = 0;
     for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
     CrfIteration rec{it, f, std::sqrt(gnorm), elapsed(), std::nullopt, std::nullopt};
@@ -238,7 +300,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
       if ((before - f) / std::max(std::abs(f), 1e-12) < o.tolerance) sum.converged = stop = true;
     }
     // A line search that found no lower point leaves nothing to gain (and each further one costs many evaluations).
-    if (history.size() > 1 && !(f < history[history.size() - 2])) sum.converged = stop = true;
+    if (full_batch && history.size() > 1 && !(f < history[history.size() - 2])) sum.converged = stop = true;
     if (stop) break;
   }
   at::NoGradGuard no_grad;

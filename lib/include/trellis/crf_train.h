@@ -23,6 +23,11 @@ struct LabeledSentences {
 LabeledSentences split_labels(const ConllCorpus& corpus, int label_column = -1);
 
 struct CrfTrainOptions {
+  // "lbfgs": full-batch L-BFGS (an iteration is one L-BFGS step); "sgd", "adagrad", "adam": minibatches of
+  // batch_size sentences (an iteration is one epoch; the L2 term is shared out over the minibatches).
+  std::string algorithm = "lbfgs";
+  double learning_rate = 0.05;  // minibatch algorithms
+  std::size_t batch_size = 32;  // sentences per minibatch
   int max_iterations = 100;
   double c2 = 1.0;            // L2: the objective is -log-likelihood + c2·‖θ‖² (CRFsuite's convention)
   double tolerance = 1e-5;    // stop when the objective improved by less than this fraction over `period` iterations
@@ -31,7 +36,7 @@ struct CrfTrainOptions {
   std::string device = "cpu";
   int threads = 0;            // CPU threads; 0 keeps LibTorch's default
   int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
-  uint64_t seed = 0;
+  uint64_t seed = 0;         // minibatch partition and epoch order
 };
 
 struct CrfIteration {
