@@ -1,6 +1,7 @@
 #include "trellis/crf_tagger.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <fstream>
@@ -115,38 +116,51 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
   EncodedBatch e;
   e.batch = static_cast<int64_t>(sentences.size());
   for (const TokenRows* s : sentences) e.max_length = std::max<int64_t>(e.max_length, s->size());
-  std::vector<int64_t> ids, offsets, positions, lengths, tags;
-  if (gold) tags.assign(e.batch * e.max_length, 0);
-  std::vector<std::string> feats;
-  for (int64_t b = 0; b < e.batch; ++b) {
-    const TokenRows& rows = *sentences[b];
-    if (rows.empty()) throw Error("sentence " + std::to_string(b) + " is empty");
-    if (gold && (*gold)[b]->size() != rows.size())
-      throw Error("sentence " + std::to_string(b) + ": " + std::to_string(rows.size()) + " tokens but " +
-                  std::to_string((*gold)[b]->size()) + " labels");
-    lengths.push_back(rows.size());
-    for (std::size_t t = 0; t < rows.size(); ++t) {
-      if (rows[t].size() != input_columns_)
-        throw Error("sentence " + std::to_string(b) + ", token " + std::to_string(t) + ": expected " +
-                    std::to_string(input_columns_) + " input columns, found " + std::to_string(rows[t].size()));
-      feats.clear();
-      extractor_->extract(rows, t, feats);
-      offsets.push_back(ids.size());
-      positions.push_back(b * e.max_length + t);
-      for (const std::string& f : feats)
-        if (const auto it = feature_ids_.find(f); it != feature_ids_.end()) ids.push_back(it->second);
-      if (gold) {
-        const std::string& label = (*(*gold)[b])[t];
-        const int64_t y = label_id(label);
-        if (y < 0)
-          throw Error("sentence " + std::to_string(b) + ", token " + std::to_string(t) + ": label '" + label +
-                      "' was not seen in training");
-        tags[b * e.max_length + t] = y;
+  // Feature extraction (string work) runs for the sentences in parallel; the results are concatenated in order.
+  std::vector<std::vector<int64_t>> ids(e.batch), counts(e.batch);
+  std::vector<int64_t> tags(gold ? e.batch * e.max_length : 0, 0);
+  at::parallel_for(0, e.batch, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<std::string> feats;
+    for (int64_t b = b0; b < b1; ++b) {
+      const TokenRows& rows = *sentences[b];
+      if (rows.empty()) throw Error("sentence " + std::to_string(b) + " is empty");
+      if (gold && (*gold)[b]->size() != rows.size())
+        throw Error("sentence " + std::to_string(b) + ": " + std::to_string(rows.size()) + " tokens but " +
+                    std::to_string((*gold)[b]->size()) + " labels");
+      for (std::size_t t = 0; t < rows.size(); ++t) {
+        if (rows[t].size() != input_columns_)
+          throw Error("sentence " + std::to_string(b) + ", token " + std::to_string(t) + ": expected " +
+                      std::to_string(input_columns_) + " input columns, found " + std::to_string(rows[t].size()));
+        feats.clear();
+        extractor_->extract(rows, t, feats);
+        const std::size_t before = ids[b].size();
+        for (const std::string& f : feats)
+          if (const auto it = feature_ids_.find(f); it != feature_ids_.end()) ids[b].push_back(it->second);
+        counts[b].push_back(static_cast<int64_t>(ids[b].size() - before));
+        if (gold) {
+          const std::string& label = (*(*gold)[b])[t];
+          const int64_t y = label_id(label);
+          if (y < 0)
+            throw Error("sentence " + std::to_string(b) + ", token " + std::to_string(t) + ": label '" + label +
+                        "' was not seen in training");
+          tags[b * e.max_length + t] = y;
+        }
       }
     }
+  });
+  std::vector<int64_t> flat, offsets, positions, lengths;
+  for (int64_t b = 0; b < e.batch; ++b) {
+    lengths.push_back(static_cast<int64_t>(counts[b].size()));
+    int64_t offset = static_cast<int64_t>(flat.size());
+    for (std::size_t t = 0; t < counts[b].size(); ++t) {
+      positions.push_back(b * e.max_length + static_cast<int64_t>(t));
+      offsets.push_back(offset);
+      offset += counts[b][t];
+    }
+    flat.insert(flat.end(), ids[b].begin(), ids[b].end());
   }
   const auto tensor = [](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong); };
-  e.feature_ids = tensor(ids);
+  e.feature_ids = tensor(flat);
   e.offsets = tensor(offsets);
   e.positions = tensor(positions);
   e.lengths = tensor(lengths);

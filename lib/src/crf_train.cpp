@@ -26,22 +26,41 @@ constexpr int64_t kTokensPerBatch = 16384;  // the objective is summed over leng
 using Clock = std::chrono::steady_clock;
 
 std::vector<std::string> build_dictionary(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
-  std::unordered_map<std::string, int64_t> counts;
-  std::vector<std::string> order;  // first-seen order keeps models deterministic
-  std::vector<std::string> feats;
-  for (const TokenRows& rows : train.inputs)
-    for (std::size_t t = 0; t < rows.size(); ++t) {
-      feats.clear();
-      fx.extract(rows, t, feats);
-      for (auto& f : feats) {
-        auto [it, fresh] = counts.emplace(f, 0);
-        if (fresh) order.push_back(f);
-        ++it->second;
+  // Contiguous ranges of sentences are counted in parallel; merging the ranges in order keeps the first-seen order
+  // of a serial pass, so models stay deterministic whatever the thread count.
+  struct Counts {
+    std::unordered_map<std::string, int64_t> count;
+    std::vector<std::string> order;
+  };
+  const int64_t n = static_cast<int64_t>(train.inputs.size());
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<Counts> part(ranges);
+  at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::string> feats;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t s = n * r / ranges; s < n * (r + 1) / ranges; ++s) {
+        const TokenRows& rows = train.inputs[s];
+        for (std::size_t t = 0; t < rows.size(); ++t) {
+          feats.clear();
+          fx.extract(rows, t, feats);
+          for (auto& f : feats) {
+            auto [it, fresh] = part[r].count.emplace(f, 0);
+            if (fresh) part[r].order.push_back(f);
+            ++it->second;
+          }
+        }
       }
+  });
+  Counts all = std::move(part[0]);
+  for (int64_t r = 1; r < ranges; ++r)
+    for (auto& f : part[r].order) {
+      auto [it, fresh] = all.count.emplace(f, 0);
+      if (fresh) all.order.push_back(f);
+      it->second += part[r].count[f];
     }
   std::vector<std::string> kept;
-  for (auto& f : order)
-    if (counts[f] >= min_count) kept.push_back(std::move(f));
+  for (auto& f : all.order)
+    if (all.count[f] >= min_count) kept.push_back(std::move(f));
   return kept;
 }
 
