@@ -27,13 +27,14 @@ using Clock = std::chrono::steady_clock;
 
 std::vector<std::string> build_dictionary(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
   // Contiguous ranges of sentences are counted in parallel; merging the ranges in order keeps the first-seen order
-  // of a serial pass, so models stay deterministic whatever the thread count.
+  // of a serial pass, so models stay deterministic whatever the thread count. At most four ranges: each merge
+  // re-hashes most of the dictionary, which outweighed the parallel counting on a 16-core host.
   struct Counts {
     std::unordered_map<std::string, int64_t> count;
     std::vector<std::string> order;
   };
   const int64_t n = static_cast<int64_t>(train.inputs.size());
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), int64_t(4), n}));
   std::vector<Counts> part(ranges);
   at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
     std::vector<std::string> feats;
