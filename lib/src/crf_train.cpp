@@ -206,7 +206,6 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   model.to(device);
   const bool full_batch = o.algorithm == "lbfgs";
   std::mt19937_64 rng(o.seed);
-  std::unique_ptr<torch::optim::Optimizer> minibatch_opt;  // created below, once the parameters require gradients
   const std::vector<EncodedBatch> batches = full_batch ? length_sorted_batches(model, train, device)
                                                        : random_minibatches(model, train, device, o.batch_size, rng);
   const std::vector<EncodedBatch> dev_batches =
@@ -228,7 +227,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     }
     return penalty;
   };
-  if (!full_batch) minibatch_opt = make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
+  const std::unique_ptr<torch::optim::Optimizer> minibatch_opt =
+      full_batch ? nullptr : make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
   // One pass over the data in shuffled minibatches; returns the summed objective.
   auto epoch = [&]() -> at::Tensor {
     std::vector<std::size_t> order(batches.size());
