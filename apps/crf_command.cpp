@@ -230,17 +230,10 @@ int eval(const std::vector<std::string>& args) {
     bool has_labels = false;
     const std::vector<TokenRows> rows = model_inputs(c, model, &has_labels);
     if (!has_labels) throw Error("'" + c.source + "' has no label column to evaluate against");
-    for (const ConllSentence& sentence : c.sentences)
-      for (std::size_t t = 0; t < sentence.rows.size(); ++t)
-        if (model.label_id(sentence.rows[t].back()) < 0)
-          throw ParseError(c.source, sentence.first_line + t,
-                           "label '" + sentence.rows[t].back() + "' does not occur in the model's training data");
+    const LabeledSentences gold = split_labels(c);
+    check_known_labels(model, gold);
     const auto tagged = model.tag(pointers(rows));
-    for (std::size_t s = 0; s < tagged.size(); ++s) {
-      std::vector<std::string> gold;
-      for (const auto& row : c.sentences[s].rows) gold.push_back(row.back());
-      ev.add_sentence(gold, tagged[s].labels);
-    }
+    for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(gold.labels[s], tagged[s].labels);
   }
   std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
   if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();  // chunk labels: conlleval's report

@@ -122,14 +122,6 @@ std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(const std::str
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));  // "adam"
 }
 
-void check_dev_labels(const CrfTagger& m, const LabeledSentences& dev) {
-  for (std::size_t s = 0; s < dev.labels.size(); ++s)
-    for (std::size_t t = 0; t < dev.labels[s].size(); ++t)
-      if (m.label_id(dev.labels[s][t]) < 0)
-        throw ParseError(dev.source, (s < dev.first_lines.size() ? dev.first_lines[s] : 0) + t,
-                         "label '" + dev.labels[s][t] + "' does not occur in the training data");
-}
-
 // Scores the model on batches encoded once (features are not extracted again every iteration).
 ChunkEvaluation evaluate(const CrfTagger& m, const std::vector<EncodedBatch>& batches) {
   c10::NoGradGuard no_grad;
@@ -152,6 +144,14 @@ ChunkEvaluation evaluate(const CrfTagger& m, const std::vector<EncodedBatch>& ba
 }
 
 }  // namespace
+
+void check_known_labels(const CrfTagger& m, const LabeledSentences& data) {
+  for (std::size_t s = 0; s < data.labels.size(); ++s)
+    for (std::size_t t = 0; t < data.labels[s].size(); ++t)
+      if (m.label_id(data.labels[s][t]) < 0)
+        throw ParseError(data.source, (s < data.first_lines.size() ? data.first_lines[s] : 0) + t,
+                         "label '" + data.labels[s][t] + "' does not occur in the training data");
+}
 
 std::size_t LabeledSentences::num_tokens() const {
   std::size_t n = 0;
@@ -202,7 +202,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   extractor->validate(columns, train.source);
   std::vector<std::string> features = build_dictionary(train, *extractor, o.min_feature_count);
   CrfTagger model(collect_labels(train), std::move(features), std::move(extractor), columns);
-  if (dev) check_dev_labels(model, *dev);
+  if (dev) check_known_labels(model, *dev);
   model.to(device);
   const bool full_batch = o.algorithm == "lbfgs";
   std::mt19937_64 rng(o.seed);

@@ -22,6 +22,9 @@ struct LabeledSentences {
 // Takes column `label_column` (negative counts from the end: -1 is the last) as the label.
 LabeledSentences split_labels(const ConllCorpus& corpus, int label_column = -1);
 
+// A label the model was not trained on is an error naming its file and line.
+void check_known_labels(const CrfTagger& model, const LabeledSentences& data);
+
 struct CrfTrainOptions {
   // "lbfgs": full-batch L-BFGS (an iteration is one L-BFGS step); "sgd", "adagrad", "adam": minibatches of
   // batch_size sentences (an iteration is one epoch; the L2 term is shared out over the minibatches).
