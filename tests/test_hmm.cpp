@@ -88,7 +88,7 @@ TEST(HMM, ViterbiMatchesEnumeration) {
 
 TEST(HMM, SamplingIsSeededAndFollowsTheModel) {
   const CategoricalHMM m = CategoricalHMM::random(3, 4, 4);
-  const HMMSample a = sample(m, 4000, 6, 11), b = sample(m, 4000, 6, 11), c = sample(m, 4000, 6, 12);
+  const HMMSample a = sample(m, 4000, 6, 6, 11), b = sample(m, 4000, 6, 6, 11), c = sample(m, 4000, 6, 6, 12);
   EXPECT_TRUE(at::equal(a.observations, b.observations));
   EXPECT_FALSE(at::equal(a.observations, c.observations));
   const at::Tensor first = at::bincount(a.states.select(1, 0), {}, 3).to(at::kDouble) / 4000;
@@ -130,13 +130,13 @@ TEST(HMM, BaumWelchStepEqualsEnumeratedExpectedCountsAndNeverDecreases) {
       }
     }
   }
-  const BaumWelchResult one = baum_welch(m, d.obs, d.lengths, {1, 0.0, 0.0});
+  const auto one = baum_welch(m, d.obs, d.lengths, {1, 0.0, {0.0}});
   expect_close(one.model.log_start.exp(), start / start.sum());
   expect_close(one.model.log_transitions.exp(), trans / trans.sum(1, true));
   expect_close(one.model.log_emissions.exp(), emit / emit.sum(1, true));
 
-  const HMMSample data = sample(CategoricalHMM::random(3, 5, 6), 50, 20, 7);
-  const BaumWelchResult r = baum_welch(CategoricalHMM::random(3, 5, 8), data.observations, {}, {50, 1e-8, 0.0});
+  const HMMSample data = sample(CategoricalHMM::random(3, 5, 6), 50, 20, 20, 7);
+  const auto r = baum_welch(CategoricalHMM::random(3, 5, 8), data.observations, {}, {50, 1e-8, {0.0}});
   ASSERT_GT(r.log_likelihood.size(), 3u);
   for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-9);
 }
@@ -163,4 +163,90 @@ TEST(HMMCuda, MatchesCpu) {
   expect_close(log_likelihood(g, d.obs.to(cuda), d.lengths.to(cuda)), log_likelihood(m, d.obs, d.lengths), 1e-10, 1e-10);
   expect_close(posteriors(g, d.obs.to(cuda), d.lengths), posteriors(m, d.obs, d.lengths), 1e-10, 1e-10);
   EXPECT_TRUE(at::equal(viterbi(g, d.obs.to(cuda), d.lengths).path.cpu(), viterbi(m, d.obs, d.lengths).path));
+}
+
+namespace {
+
+// log N(x; μ, diag σ²) written out term by term (float64), independent of the library's GEMM form.
+double gaussian_log_density(const GaussianHMM& m, const at::Tensor& x, int64_t k) {
+  double s = 0;
+  for (int64_t f = 0; f < m.num_features(); ++f) {
+    const double v = m.variances[k][f].item<double>(), d = x[f].item<double>() - m.means[k][f].item<double>();
+    s += -0.5 * (std::log(2 * M_PI * v) + d * d / v);
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST(GaussianHMM, LogLikelihoodAndViterbiMatchEnumeration) {
+  const GaussianHMM m = GaussianHMM::random(3, 4, 21);
+  const at::Tensor x = randn({4, 5, 4}, at::kDouble, 2.0), lengths = at::tensor({5, 1, 3, 4}, at::kLong);
+  const at::Tensor scores = m.emission_scores(x, lengths);
+  for (int64_t b = 0; b < 4; ++b)
+    for (int64_t t = 0; t < lengths[b].item<int64_t>(); ++t)
+      for (int64_t k = 0; k < 3; ++k) EXPECT_NEAR(scores[b][t][k].item<double>(), gaussian_log_density(m, x[b][t], k), 1e-10);
+  const at::Tensor ll = log_likelihood(m, x, lengths);
+  const ViterbiResult v = viterbi(m, x, lengths);
+  const ChainPotentials p = m.potentials(x, lengths);
+  for (int64_t b = 0; b < 4; ++b) {
+    const Enumeration e = enumerate(p, b);
+    EXPECT_NEAR(ll[b].item<double>(), e.log_partition(), 1e-10);
+    EXPECT_NEAR(v.score[b].item<double>(), e.scores[e.best()], 1e-10);
+    for (std::size_t t = 0; t < e.paths[e.best()].size(); ++t) EXPECT_EQ(v.path[b][t].item<int64_t>(), e.paths[e.best()][t]);
+  }
+}
+
+TEST(GaussianHMM, EStepMatchesEnumerationAndMStepIsHmmlearnsUpdate) {
+  const GaussianHMM m = GaussianHMM::random(2, 3, 22);
+  const at::Tensor x = randn({3, 4, 3}, at::kDouble, 2.0), lengths = at::tensor({4, 2, 3}, at::kLong);
+  const ChainPotentials p = m.potentials(x, lengths);
+  at::Tensor start = at::zeros({2}, at::kDouble), trans = at::zeros({2, 2}, at::kDouble), w = at::zeros({2}, at::kDouble),
+             first = at::zeros({2, 3}, at::kDouble), second = at::zeros({2, 3}, at::kDouble);
+  double total = 0;
+  for (int64_t b = 0; b < 3; ++b) {
+    const Enumeration e = enumerate(p, b);
+    const double z = e.log_partition();
+    total += z;
+    for (std::size_t n = 0; n < e.paths.size(); ++n) {
+      const double g = std::exp(e.scores[n] - z);
+      const auto& s = e.paths[n];
+      start[s[0]] += g;
+      for (std::size_t t = 0; t < s.size(); ++t) {
+        w[s[t]] += g;
+        first[s[t]] += g * x[b][t];
+        second[s[t]] += g * x[b][t] * x[b][t];
+        if (t > 0) trans[s[t - 1]][s[t]] += g;
+      }
+    }
+  }
+  // Statistics of two batches add up to those of the whole (what streaming EM relies on).
+  GaussianHMM::Statistics s = expected_statistics(m, x.slice(0, 0, 1), lengths.slice(0, 0, 1));
+  s += expected_statistics(m, x.slice(0, 1), lengths.slice(0, 1));
+  EXPECT_NEAR(s.log_likelihood, total, 1e-9);
+  expect_close(s.start, start);
+  expect_close(s.transitions, trans);
+  expect_close(s.weight, w);
+  expect_close(s.first, first);
+  expect_close(s.second, second);
+  const GaussianHMM next = m.maximise(s, {0.0, 1e-2});
+  const at::Tensor mu = first / w.unsqueeze(1);
+  expect_close(next.means, mu);
+  expect_close(next.variances, (1e-2 + second - 2 * mu * first + mu * mu * w.unsqueeze(1)) / w.unsqueeze(1));
+  expect_close(next.log_transitions.exp(), trans / trans.sum(1, true));
+}
+
+TEST(GaussianHMM, SamplesRecoverTheModelAndEmNeverDecreases) {
+  const GaussianHMM m = GaussianHMM::random(3, 2, 23);
+  const HMMSample a = sample(m, 3000, 5, 15, 24), b = sample(m, 3000, 5, 15, 24);
+  EXPECT_TRUE(at::equal(a.observations, b.observations));
+  EXPECT_EQ(a.observations.size(2), 2);
+  const GaussianHMM fit = m.maximise(labelled_statistics(m, a.observations, a.states, a.lengths), {0.0, 0.0});
+  expect_close(fit.means, m.means, 0, 0.05);
+  expect_close(fit.variances, m.variances, 0, 0.08);
+  expect_close(fit.log_transitions.exp(), m.log_transitions.exp(), 0, 0.03);
+  const HMMSample small = sample(m, 30, 5, 25, 25);
+  const auto r = baum_welch(GaussianHMM::random(3, 2, 26), small.observations, small.lengths, {30, 1e-9, {}});
+  ASSERT_GT(r.log_likelihood.size(), 3u);
+  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-7);
 }

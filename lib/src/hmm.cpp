@@ -5,33 +5,42 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cmath>
+
 #include "trellis/error.h"
 
 namespace trellis {
 namespace {
 
-void check_model(const CategoricalHMM& m) {
-  if (!m.log_start.defined() || !m.log_transitions.defined() || !m.log_emissions.defined())
-    throw Error("HMM: log_start, log_transitions and log_emissions are all required");
-  const int64_t K = m.log_transitions.size(0);
-  if (m.log_transitions.dim() != 2 || m.log_transitions.size(1) != K || m.log_start.dim() != 1 ||
-      m.log_start.size(0) != K || m.log_emissions.dim() != 2 || m.log_emissions.size(0) != K)
-    throw Error("HMM: expected log_start [K], log_transitions [K,K], log_emissions [K,V]; got " +
-                c10::str(m.log_start.sizes(), ", ", m.log_transitions.sizes(), ", ", m.log_emissions.sizes()));
+void check_chain(const at::Tensor& start, const at::Tensor& transitions, const char* what) {
+  if (!start.defined() || !transitions.defined()) throw Error(std::string(what) + ": log_start and log_transitions are required");
+  const int64_t K = transitions.size(0);
+  if (transitions.dim() != 2 || transitions.size(1) != K || start.dim() != 1 || start.size(0) != K)
+    throw Error(std::string(what) + ": expected log_start [K] and log_transitions [K,K]; got " +
+                c10::str(start.sizes(), ", ", transitions.sizes()));
+}
+
+at::Tensor lengths_or_full(const at::Tensor& observations, const at::Tensor& lengths) {
+  return lengths.defined() ? lengths.to(observations.device(), at::kLong)
+                           : at::full({observations.size(0)}, observations.size(1),
+                                      observations.options().dtype(at::kLong));
 }
 
 at::Tensor valid_mask(const at::Tensor& observations, const at::Tensor& lengths) {
-  const int64_t T = observations.size(1);
-  const auto l = lengths.defined() ? lengths.to(observations.device(), at::kLong)
-                                   : at::full({observations.size(0)}, T, observations.options().dtype(at::kLong));
-  return at::arange(T, l.options()).unsqueeze(0) < l.unsqueeze(1);
+  const at::Tensor l = lengths_or_full(observations, lengths);
+  return at::arange(observations.size(1), l.options()).unsqueeze(0) < l.unsqueeze(1);
+}
+
+std::string index_of(const at::Tensor& bad) {
+  const at::Tensor i = bad.nonzero()[0].cpu();
+  return "[" + std::to_string(i[0].item<int64_t>()) + "][" + std::to_string(i[1].item<int64_t>()) + "]";
 }
 
 // Rows of counts normalised to log-probabilities; a row with no mass keeps `fallback` (or becomes uniform).
 at::Tensor normalise_rows(const at::Tensor& counts, const at::Tensor& fallback) {
   const at::Tensor total = counts.sum(-1, true);
   const at::Tensor uniform = at::full_like(counts, -std::log(static_cast<double>(counts.size(-1))));
-  return at::where(total > 0, (counts / total).log(), fallback.defined() ? fallback : uniform);
+  return at::where(total > 0, (counts / total).log(), fallback.defined() ? fallback.to(counts.dtype()) : uniform);
 }
 
 at::Tensor dirichlet_rows(int64_t rows, int64_t cols, at::Generator& gen) {
@@ -39,7 +48,38 @@ at::Tensor dirichlet_rows(int64_t rows, int64_t cols, at::Generator& gen) {
   return (g / g.sum(-1, true)).log();
 }
 
+// Start and transition counts of labelled sequences, and their one-hot posteriors [B,T,K].
+struct LabelCounts {
+  at::Tensor start, transitions, one_hot;
+};
+LabelCounts label_counts(const at::Tensor& states, const at::Tensor& lengths, int64_t K, const at::TensorOptions& opt) {
+  if (!states.defined() || states.dim() != 2) throw Error("HMM: states must be a [B,T] tensor");
+  const at::Tensor st = states.to(opt.device(), at::kLong);
+  const at::Tensor mask = valid_mask(st, lengths);
+  const at::Tensor bad = mask & ((st < 0) | (st >= K));
+  if (bad.any().item<bool>())
+    throw Error("HMM: state " + index_of(bad) + " is outside [0, " + std::to_string(K) + ")");
+  const at::Tensor ids = st.masked_fill(~mask, 0);
+  const auto count = [&](const at::Tensor& x, int64_t n) { return at::bincount(x, {}, n).to(opt.dtype()); };
+  const at::Tensor pairs = (ids.slice(1, 0, -1) * K + ids.slice(1, 1)).masked_select(mask.slice(1, 1));
+  return {count(ids.select(1, 0), K), count(pairs, K * K).view({K, K}),
+          at::one_hot(ids, K).to(opt.dtype()) * mask.unsqueeze(-1).to(opt.dtype())};
+}
+
+template <class HMM>
+ChainPotentials chain(const HMM& m, const at::Tensor& observations, const at::Tensor& lengths) {
+  m.check();
+  ChainPotentials p;
+  p.emissions = m.emission_scores(observations, lengths);
+  p.transitions = m.log_transitions;
+  p.start = m.log_start;
+  if (lengths.defined()) p.lengths = lengths;
+  return p;
+}
+
 }  // namespace
+
+// ---- categorical emissions ----
 
 CategoricalHMM CategoricalHMM::random(int64_t num_states, int64_t num_symbols, uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -47,111 +87,265 @@ CategoricalHMM CategoricalHMM::random(int64_t num_states, int64_t num_symbols, u
           dirichlet_rows(num_states, num_symbols, gen)};
 }
 
-ChainPotentials CategoricalHMM::potentials(const at::Tensor& observations, const at::Tensor& lengths) const {
-  check_model(*this);
+void CategoricalHMM::check() const {
+  check_chain(log_start, log_transitions, "categorical HMM");
+  if (!log_emissions.defined() || log_emissions.dim() != 2 || log_emissions.size(0) != num_states())
+    throw Error("categorical HMM: expected log_emissions [K,V] with K = " + std::to_string(num_states()));
+}
+
+CategoricalHMM CategoricalHMM::to(const at::TensorOptions& o) const {
+  return {log_start.to(o), log_transitions.to(o), log_emissions.to(o)};
+}
+
+at::Tensor CategoricalHMM::emission_scores(const at::Tensor& observations, const at::Tensor& lengths) const {
   if (!observations.defined() || observations.dim() != 2) throw Error("HMM: observations must be a [B,T] tensor");
   const int64_t V = num_symbols();
   const at::Tensor obs = observations.to(log_emissions.device(), at::kLong);
   const at::Tensor mask = valid_mask(obs, lengths);
   const at::Tensor bad = mask & ((obs < 0) | (obs >= V));
   if (bad.any().item<bool>()) {
-    const at::Tensor at_ = bad.nonzero()[0].cpu();
-    const int64_t b = at_[0].item<int64_t>(), t = at_[1].item<int64_t>();
-    throw Error("HMM: observation [" + std::to_string(b) + "][" + std::to_string(t) + "] = " +
-                std::to_string(obs[b][t].item<int64_t>()) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+    const at::Tensor i = bad.nonzero()[0].cpu();
+    throw Error("HMM: observation " + index_of(bad) + " = " +
+                std::to_string(obs[i[0].item<int64_t>()][i[1].item<int64_t>()].item<int64_t>()) +
+                " is outside the vocabulary [0, " + std::to_string(V) + ")");
   }
-  const at::Tensor ids = obs.masked_fill(~mask, 0);
-  ChainPotentials p;
-  p.emissions = log_emissions.t().index_select(0, ids.flatten()).view({obs.size(0), obs.size(1), num_states()});
-  p.transitions = log_transitions;
-  p.start = log_start;
-  if (lengths.defined()) p.lengths = lengths;
-  return p;
+  const at::Tensor ids = obs.masked_fill(~mask, 0).flatten();
+  return log_emissions.t().index_select(0, ids).view({obs.size(0), obs.size(1), num_states()});
 }
 
-at::Tensor log_likelihood(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+ChainPotentials CategoricalHMM::potentials(const at::Tensor& observations, const at::Tensor& lengths) const {
+  return chain(*this, observations, lengths);
+}
+
+at::Tensor CategoricalHMM::sample_emissions(const at::Tensor& states, at::Generator& gen) const {
+  return at::multinomial(log_emissions.detach().cpu().to(at::kDouble).exp().index_select(0, states), 1, true, gen)
+      .squeeze(1);
+}
+
+CategoricalHMM::Statistics& CategoricalHMM::Statistics::operator+=(const Statistics& o) {
+  start = start.defined() ? start + o.start : o.start;
+  transitions = transitions.defined() ? transitions + o.transitions : o.transitions;
+  emissions = emissions.defined() ? emissions + o.emissions : o.emissions;
+  log_likelihood += o.log_likelihood;
+  return *this;
+}
+
+void CategoricalHMM::accumulate_emissions(Statistics& stats, const at::Tensor& posteriors,
+                                          const at::Tensor& observations) const {
+  const int64_t K = num_states(), V = num_symbols();
+  const at::Tensor ids = observations.to(posteriors.device(), at::kLong).clamp(0, V - 1).flatten();
+  // Padding has zero posterior, so its (clamped) id adds nothing.
+  const at::Tensor counts = at::zeros({V, K}, posteriors.options()).index_add_(0, ids, posteriors.reshape({-1, K})).t();
+  stats.emissions = stats.emissions.defined() ? stats.emissions + counts : counts;
+}
+
+CategoricalHMM CategoricalHMM::maximise(const Statistics& s, const MStepOptions& o) const {
+  return {normalise_rows(s.start + o.smoothing, log_start.detach()),
+          normalise_rows(s.transitions + o.smoothing, log_transitions.detach()),
+          normalise_rows(s.emissions + o.smoothing, log_emissions.detach())};
+}
+
+// ---- diagonal-Gaussian emissions ----
+
+GaussianHMM GaussianHMM::random(int64_t num_states, int64_t num_features, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor start = dirichlet_rows(1, num_states, gen).squeeze(0), trans = dirichlet_rows(num_states, num_states, gen);
+  at::Tensor means = at::empty({num_states, num_features}, at::kDouble).normal_(0.0, 3.0, gen);
+  at::Tensor vars = at::empty({num_states, num_features}, at::kDouble).uniform_(0.5, 2.0, gen);
+  return {start, trans, means, vars};
+}
+
+void GaussianHMM::check() const {
+  check_chain(log_start, log_transitions, "Gaussian HMM");
+  const int64_t K = num_states();
+  if (!means.defined() || !variances.defined() || means.dim() != 2 || means.size(0) != K ||
+      variances.sizes() != means.sizes())
+    throw Error("Gaussian HMM: expected means and variances [K,F] with K = " + std::to_string(K));
+}
+
+GaussianHMM GaussianHMM::to(const at::TensorOptions& o) const {
+  return {log_start.to(o), log_transitions.to(o), means.to(o), variances.to(o)};
+}
+
+at::Tensor GaussianHMM::emission_scores(const at::Tensor& observations, const at::Tensor& lengths) const {
+  if (!observations.defined() || observations.dim() != 3 || observations.size(2) != num_features())
+    throw Error("Gaussian HMM: observations must be a [B,T,F] tensor with F = " + std::to_string(num_features()));
+  const at::Tensor x = observations.to(means.options());
+  // log N(x; μ, diag σ²) = -½ (F log 2π + Σ log σ² + Σ μ²/σ² - 2 x·(μ/σ²) + x²·(1/σ²)): two GEMMs, as hmmlearn.
+  const at::Tensor precision = variances.reciprocal();
+  const at::Tensor constant =
+      num_features() * std::log(2 * M_PI) + variances.log().sum(1) + (means * means * precision).sum(1);
+  const at::Tensor quad = at::matmul(x * x, precision.t()) - 2 * at::matmul(x, (means * precision).t());
+  const at::Tensor scores = -0.5 * (quad + constant);
+  if (!lengths.defined()) return scores;
+  return scores * valid_mask(x, lengths).unsqueeze(-1).to(scores.dtype());  // padding may hold anything finite
+}
+
+ChainPotentials GaussianHMM::potentials(const at::Tensor& observations, const at::Tensor& lengths) const {
+  return chain(*this, observations, lengths);
+}
+
+at::Tensor GaussianHMM::sample_emissions(const at::Tensor& states, at::Generator& gen) const {
+  const at::Tensor mu = means.detach().cpu().to(at::kDouble).index_select(0, states);
+  const at::Tensor sd = variances.detach().cpu().to(at::kDouble).index_select(0, states).sqrt();
+  return mu + sd * at::empty_like(mu).normal_(0.0, 1.0, gen);
+}
+
+GaussianHMM::Statistics& GaussianHMM::Statistics::operator+=(const Statistics& o) {
+  const auto add = [](at::Tensor& a, const at::Tensor& b) { a = a.defined() ? a + b : b; };
+  add(start, o.start);
+  add(transitions, o.transitions);
+  add(weight, o.weight);
+  add(first, o.first);
+  add(second, o.second);
+  log_likelihood += o.log_likelihood;
+  return *this;
+}
+
+void GaussianHMM::accumulate_emissions(Statistics& stats, const at::Tensor& posteriors,
+                                       const at::Tensor& observations) const {
+  const int64_t K = num_states(), F = num_features();
+  const at::Tensor g = posteriors.reshape({-1, K});
+  // Padding rows have zero posterior but may hold non-finite garbage: zero them so 0·x stays 0.
+  const at::Tensor x = observations.to(g.options()).reshape({-1, F}).nan_to_num(0, 0, 0) * (g.sum(1, true) > 0);
+  Statistics s{{}, {}, g.sum(0), at::matmul(g.t(), x), at::matmul(g.t(), x * x)};
+  const auto add = [](at::Tensor& a, const at::Tensor& b) { a = a.defined() ? a + b : b; };
+  add(stats.weight, s.weight);
+  add(stats.first, s.first);
+  add(stats.second, s.second);
+}
+
+GaussianHMM GaussianHMM::maximise(const Statistics& s, const MStepOptions& o) const {
+  const at::Tensor denom = s.weight.unsqueeze(1);
+  const at::Tensor mu = at::where(denom > 0, s.first / denom.clamp_min(1e-300), means.detach());
+  // hmmlearn's diagonal update (means_weight = 0, covars_weight = 1).
+  const at::Tensor sq = s.second - 2 * mu * s.first + mu * mu * denom;
+  const at::Tensor var = (o.covars_prior + sq) / denom.clamp_min(1e-5);
+  return {normalise_rows(s.start + o.smoothing, log_start.detach()),
+          normalise_rows(s.transitions + o.smoothing, log_transitions.detach()), mu,
+          at::where(denom > 0, var, variances.detach())};
+}
+
+// ---- generic inference and training ----
+
+template <class HMM>
+at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   return log_partition(hmm.potentials(observations, lengths));
 }
 
-ForwardBackward forward_backward(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+template <class HMM>
+ForwardBackward forward_backward(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   const ChainPotentials p = hmm.potentials(observations, lengths);
   return {forward_log_alphas(p), backward_log_betas(p), log_partition(p)};
 }
 
-at::Tensor posteriors(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+template <class HMM>
+at::Tensor posteriors(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   return marginals(hmm.potentials(observations, lengths)).nodes;
 }
 
-ViterbiResult viterbi(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+template <class HMM>
+ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   return viterbi(hmm.potentials(observations, lengths));
 }
 
-HMMSample sample(const CategoricalHMM& hmm, int64_t num_sequences, int64_t length, uint64_t seed) {
-  check_model(hmm);
-  if (num_sequences < 1 || length < 1) throw Error("HMM sample: need at least one sequence of length >= 1");
+template <class HMM>
+typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+  c10::AutoGradMode grad_on(true);
+  ChainPotentials p = hmm.potentials(observations, lengths);
+  p.emissions = p.emissions.detach().requires_grad_();
+  p.start = p.start.detach().requires_grad_();
+  p.transitions = p.transitions.detach().requires_grad_();
+  const at::Tensor total = log_partition(p).sum();
+  // d total / d log-potential = expected number of times it is used: the E-step.
+  const auto g = torch::autograd::grad({total}, {p.start, p.transitions, p.emissions});
+  typename HMM::Statistics s;
+  s.start = g[0];
+  s.transitions = g[1];
+  s.log_likelihood = total.item<double>();
+  hmm.accumulate_emissions(s, g[2], observations);
+  return s;
+}
+
+template <class HMM>
+typename HMM::Statistics labelled_statistics(const HMM& shape, const at::Tensor& observations, const at::Tensor& states,
+                                             const at::Tensor& lengths) {
+  shape.check();
+  const LabelCounts c = label_counts(states, lengths, shape.num_states(), shape.log_transitions.options());
+  shape.emission_scores(observations, lengths);  // validates the observations (ids, shapes) with their index
+  typename HMM::Statistics s;
+  s.start = c.start;
+  s.transitions = c.transitions;
+  shape.accumulate_emissions(s, c.one_hot, observations);
+  return s;
+}
+
+template <class HMM>
+HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int64_t max_length, uint64_t seed) {
+  hmm.check();
+  if (num_sequences < 1 || min_length < 1 || max_length < min_length)
+    throw Error("HMM sample: need at least one sequence and 1 <= min_length <= max_length");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor lengths = at::randint(min_length, max_length + 1, {num_sequences}, gen, at::kLong);
   const at::Tensor start = hmm.log_start.detach().cpu().to(at::kDouble).exp();
   const at::Tensor trans = hmm.log_transitions.detach().cpu().to(at::kDouble).exp();
-  const at::Tensor emit = hmm.log_emissions.detach().cpu().to(at::kDouble).exp();
-  std::vector<at::Tensor> states, obs;
+  std::vector<at::Tensor> states;
   at::Tensor s = at::multinomial(start.expand({num_sequences, -1}), 1, true, gen).squeeze(1);
-  for (int64_t t = 0; t < length; ++t) {
+  for (int64_t t = 0; t < max_length; ++t) {
     if (t > 0) s = at::multinomial(trans.index_select(0, s), 1, true, gen).squeeze(1);
     states.push_back(s);
-    obs.push_back(at::multinomial(emit.index_select(0, s), 1, true, gen).squeeze(1));
   }
-  return {at::stack(states, 1), at::stack(obs, 1)};
+  const at::Tensor mask = at::arange(max_length, at::kLong).unsqueeze(0) < lengths.unsqueeze(1);
+  const at::Tensor st = at::stack(states, 1);
+  at::Tensor obs = hmm.sample_emissions(st.flatten(), gen);
+  obs = obs.view(obs.dim() == 1 ? at::IntArrayRef{num_sequences, max_length}
+                                : at::IntArrayRef{num_sequences, max_length, obs.size(1)});
+  obs = obs * (obs.dim() == 3 ? mask.unsqueeze(-1) : mask).to(obs.dtype());
+  return {st.masked_fill(~mask, -1), obs, lengths};
 }
 
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t K, int64_t V, double smoothing) {
-  if (!observations.defined() || !states.defined() || observations.sizes() != states.sizes() || observations.dim() != 2)
-    throw Error("HMM fit: observations and states must be [B,T] tensors of the same shape");
   if (smoothing < 0) throw Error("HMM fit: smoothing must be >= 0");
-  const at::Tensor obs = observations.cpu().to(at::kLong), st = states.cpu().to(at::kLong);
-  const at::Tensor mask = valid_mask(obs, lengths.defined() ? lengths.cpu() : lengths);
-  const at::Tensor bad_s = mask & ((st < 0) | (st >= K)), bad_o = mask & ((obs < 0) | (obs >= V));
-  for (const auto& [bad, what, n] : {std::tuple{bad_s, "state", K}, std::tuple{bad_o, "observation", V}})
-    if (bad.any().item<bool>()) {
-      const at::Tensor at_ = bad.nonzero()[0];
-      throw Error(std::string("HMM fit: ") + what + " [" + std::to_string(at_[0].item<int64_t>()) + "][" +
-                  std::to_string(at_[1].item<int64_t>()) + "] is outside [0, " + std::to_string(n) + ")");
-    }
-  const auto count = [](const at::Tensor& ids, int64_t n) { return at::bincount(ids, {}, n).to(at::kDouble); };
-  const at::Tensor start = count(st.select(1, 0), K) + smoothing;
-  const at::Tensor pairs = mask.slice(1, 1);
-  const at::Tensor trans =
-      count((st.slice(1, 0, -1) * K + st.slice(1, 1)).masked_select(pairs), K * K).view({K, K}) + smoothing;
-  const at::Tensor emit = count((st * V + obs).masked_select(mask), K * V).view({K, V}) + smoothing;
-  return {normalise_rows(start, {}), normalise_rows(trans, {}), normalise_rows(emit, {})};
+  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
+  return shape.maximise(labelled_statistics(shape, observations, states, lengths), {smoothing});
 }
 
-BaumWelchResult baum_welch(const CategoricalHMM& initial, const at::Tensor& observations, const at::Tensor& lengths,
-                           const BaumWelchOptions& options) {
-  check_model(initial);
-  if (options.smoothing < 0) throw Error("Baum-Welch: smoothing must be >= 0");
+template <class HMM>
+BaumWelchResult<HMM> baum_welch(const HMM& initial, const at::Tensor& observations, const at::Tensor& lengths,
+                                const BaumWelchOptions& options) {
+  initial.check();
+  if (options.m_step.smoothing < 0) throw Error("Baum-Welch: smoothing must be >= 0");
   const double tokens = valid_mask(observations, lengths).sum().item<double>();
-  c10::AutoGradMode grad_on(true);
-  BaumWelchResult result{initial, {}, false};
+  BaumWelchResult<HMM> result{initial, {}, false};
   for (int it = 0; it < options.max_iterations; ++it) {
-    CategoricalHMM m{result.model.log_start.detach().requires_grad_(),
-                     result.model.log_transitions.detach().requires_grad_(),
-                     result.model.log_emissions.detach().requires_grad_()};
-    const at::Tensor total = log_likelihood(m, observations, lengths).sum();
-    // d total / d log θ = expected number of times θ is used: the E-step.
-    const auto counts = torch::autograd::grad({total}, {m.log_start, m.log_transitions, m.log_emissions});
-    const double ll = total.item<double>();
-    if (!result.log_likelihood.empty() && ll - result.log_likelihood.back() < options.tolerance * tokens) {
-      result.log_likelihood.push_back(ll);
+    const typename HMM::Statistics s = expected_statistics(result.model, observations, lengths);
+    const double ll = s.log_likelihood;
+    const bool converged =
+        !result.log_likelihood.empty() && ll - result.log_likelihood.back() < options.tolerance * tokens;
+    result.log_likelihood.push_back(ll);
+    if (converged) {
       result.converged = true;
       break;
     }
-    result.log_likelihood.push_back(ll);
-    result.model = {normalise_rows(counts[0] + options.smoothing, m.log_start.detach()),
-                    normalise_rows(counts[1] + options.smoothing, m.log_transitions.detach()),
-                    normalise_rows(counts[2] + options.smoothing, m.log_emissions.detach())};
+    result.model = result.model.maximise(s, options.m_step);
   }
   return result;
 }
+
+#define TRELLIS_INSTANTIATE_HMM(HMM)                                                                            \
+  template at::Tensor log_likelihood<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                  \
+  template ForwardBackward forward_backward<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);           \
+  template at::Tensor posteriors<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                      \
+  template ViterbiResult viterbi<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                      \
+  template HMM::Statistics expected_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);        \
+  template HMM::Statistics labelled_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,         \
+                                                    const at::Tensor&);                                       \
+  template HMMSample sample<HMM>(const HMM&, int64_t, int64_t, int64_t, uint64_t);                            \
+  template BaumWelchResult<HMM> baum_welch<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,             \
+                                                const BaumWelchOptions&);
+TRELLIS_INSTANTIATE_HMM(CategoricalHMM)
+TRELLIS_INSTANTIATE_HMM(GaussianHMM)
+#undef TRELLIS_INSTANTIATE_HMM
 
 }  // namespace trellis

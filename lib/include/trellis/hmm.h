@@ -1,5 +1,7 @@
-// Hidden Markov model with categorical emissions. Inference reuses the linear-chain dynamic program: an HMM is a
-// chain whose potentials are log-probabilities (start, transitions, and the emission of each observed symbol).
+// Hidden Markov models with categorical or diagonal-Gaussian emissions. Inference reuses the linear-chain dynamic
+// program: an HMM is a chain whose potentials are log-probabilities (start, transitions, and the log-density of each
+// observation under each state). Training's E-step is the gradient of the log-likelihood with respect to those
+// potentials, so no T×K×K tensor is ever built.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -10,6 +12,13 @@
 
 namespace trellis {
 
+// M-step settings, hmmlearn's conventions (so that EM from the same start reaches the same model).
+struct MStepOptions {
+  double smoothing = 0.0;      // added to every expected start, transition and categorical emission count
+  double covars_prior = 1e-2;  // Gaussian: variance = (covars_prior + Σγ(x-μ)²) / Σγ, keeps variances above zero
+};
+
+// Observations: int64-convertible symbol ids [B,T] in [0,V) (padding may hold anything).
 struct CategoricalHMM {
   at::Tensor log_start;        // [K]   log P(s_0 = k)
   at::Tensor log_transitions;  // [K,K] log P(s_t = j | s_{t-1} = i)
@@ -20,51 +29,114 @@ struct CategoricalHMM {
 
   // A random model (rows drawn from a Dirichlet(1)), float64 on the CPU.
   static CategoricalHMM random(int64_t num_states, int64_t num_symbols, uint64_t seed);
-
-  // Chain potentials for observations [B,T] (int64 ids in [0,V) up to each length; padding may hold anything).
+  void check() const;
+  CategoricalHMM to(const at::TensorOptions& options) const;
+  // log P(o_t | s_t = k), [B,T,K]; zero at padding.
+  at::Tensor emission_scores(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
   ChainPotentials potentials(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
+  at::Tensor sample_emissions(const at::Tensor& states, at::Generator& gen) const;  // [n] -> [n]
+
+  // Expected (or, from labels, observed) sufficient statistics, summed over sequences.
+  struct Statistics {
+    at::Tensor start, transitions;  // [K], [K,K]
+    at::Tensor emissions;           // [K,V]
+    double log_likelihood = 0;      // of the sequences accumulated (E-step only)
+    Statistics& operator+=(const Statistics& other);
+  };
+  // Adds Σ_t posteriors[b,t,k] · [o_t = v] to stats (posteriors [B,T,K], zero at padding).
+  void accumulate_emissions(Statistics& stats, const at::Tensor& posteriors, const at::Tensor& observations) const;
+  CategoricalHMM maximise(const Statistics& stats, const MStepOptions& options = {}) const;
 };
 
+// Observations: feature vectors [B,T,F] (float32/float64).
+struct GaussianHMM {
+  at::Tensor log_start;        // [K]
+  at::Tensor log_transitions;  // [K,K]
+  at::Tensor means;            // [K,F]
+  at::Tensor variances;        // [K,F] diagonal covariances, > 0
+
+  int64_t num_states() const { return log_transitions.size(0); }
+  int64_t num_features() const { return means.size(1); }
+
+  // A random model: Dirichlet(1) start and transition rows, means ~ N(0, 3²), variances ~ U(0.5, 2).
+  static GaussianHMM random(int64_t num_states, int64_t num_features, uint64_t seed);
+  void check() const;
+  GaussianHMM to(const at::TensorOptions& options) const;
+  at::Tensor emission_scores(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
+  ChainPotentials potentials(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
+  at::Tensor sample_emissions(const at::Tensor& states, at::Generator& gen) const;  // [n] -> [n,F]
+
+  struct Statistics {
+    at::Tensor start, transitions;  // [K], [K,K]
+    at::Tensor weight;              // [K]   Σ_t γ_t(k)
+    at::Tensor first, second;       // [K,F] Σ_t γ_t(k) x_t and Σ_t γ_t(k) x_t²
+    double log_likelihood = 0;
+    Statistics& operator+=(const Statistics& other);
+  };
+  void accumulate_emissions(Statistics& stats, const at::Tensor& posteriors, const at::Tensor& observations) const;
+  GaussianHMM maximise(const Statistics& stats, const MStepOptions& options = {}) const;
+};
+
+// The functions below are defined for HMM = CategoricalHMM and GaussianHMM. Sequences are [B,T] (or [B,T,F])
+// padded batches with lengths [B] (undefined: all T).
+
 // log P(observations) per sequence, [B]; differentiable w.r.t. the model's tensors.
-at::Tensor log_likelihood(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
+template <class HMM>
+at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
 
 struct ForwardBackward {
   at::Tensor log_alpha;       // [B,T,K] log P(o_0..o_t, s_t = k)
   at::Tensor log_beta;        // [B,T,K] log P(o_{t+1}.. | s_t = k)
   at::Tensor log_likelihood;  // [B]
 };
-ForwardBackward forward_backward(const CategoricalHMM& hmm, const at::Tensor& observations,
-                                 const at::Tensor& lengths = {});
+template <class HMM>
+ForwardBackward forward_backward(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
 
 // P(s_t = k | observations), [B,T,K], zero at padding.
-at::Tensor posteriors(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
+template <class HMM>
+at::Tensor posteriors(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
 
 // Most probable state sequence and its joint log-probability.
-ViterbiResult viterbi(const CategoricalHMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
+template <class HMM>
+ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
+
+// E-step for one batch: expected statistics and the batch's total log-likelihood.
+template <class HMM>
+typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations,
+                                             const at::Tensor& lengths = {});
+// Observed statistics of labelled sequences (states [B,T] in [0,K)), for supervised maximum likelihood:
+// hmm.maximise(labelled_statistics(...)) with MStepOptions::smoothing as additive (Laplace) smoothing.
+template <class HMM>
+typename HMM::Statistics labelled_statistics(const HMM& shape, const at::Tensor& observations, const at::Tensor& states,
+                                             const at::Tensor& lengths = {});
 
 struct HMMSample {
-  at::Tensor states;        // [B,T] int64
-  at::Tensor observations;  // [B,T] int64
+  at::Tensor states;        // [B,T] int64, -1 at padding
+  at::Tensor observations;  // [B,T] int64 or [B,T,F], zero at padding
+  at::Tensor lengths;       // [B]
 };
-HMMSample sample(const CategoricalHMM& hmm, int64_t num_sequences, int64_t length, uint64_t seed);
+// num_sequences sequences with lengths drawn uniformly from [min_length, max_length].
+template <class HMM>
+HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int64_t max_length, uint64_t seed);
 
-// Maximum-likelihood estimate from labelled sequences with additive (Laplace) smoothing of every count.
+// Maximum-likelihood estimate of a categorical HMM from labelled sequences with additive (Laplace) smoothing.
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t num_states, int64_t num_symbols, double smoothing = 1.0);
 
 struct BaumWelchOptions {
   int max_iterations = 100;
   double tolerance = 1e-6;  // stop when the total log-likelihood gains less than this (relative to the token count)
-  double smoothing = 0.0;   // added to every expected count before normalising
+  MStepOptions m_step;
 };
+template <class HMM>
 struct BaumWelchResult {
-  CategoricalHMM model;
+  HMM model;
   std::vector<double> log_likelihood;  // total log-likelihood of the data before each update
   bool converged = false;
 };
-// EM from `initial`. The E-step's expected counts are the gradient of the total log-likelihood with respect to the
-// log-parameters, so no T×K×K tensor is ever built.
-BaumWelchResult baum_welch(const CategoricalHMM& initial, const at::Tensor& observations, const at::Tensor& lengths = {},
-                           const BaumWelchOptions& options = {});
+// EM from `initial` on sequences held in memory (trellis hmm fit streams batches from files with the same pieces).
+template <class HMM>
+BaumWelchResult<HMM> baum_welch(const HMM& initial, const at::Tensor& observations, const at::Tensor& lengths = {},
+                                const BaumWelchOptions& options = {});
 
 }  // namespace trellis
