@@ -7,6 +7,7 @@
 namespace trellis::cli {
 
 int crf_main(const std::vector<std::string>& args);
+int hmm_main(const std::vector<std::string>& args);
 int bench_main(const std::vector<std::string>& args);
 
 }  // namespace trellis::cli

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <map>
 
+#include "cli_util.h"
 #include "commands.h"
 #include "trellis/atomic_file.h"
 #include "trellis/chunk_eval.h"
@@ -29,26 +30,6 @@ commands:
 
 'trellis crf <command> --help' describes each command's options.
 )";
-
-// Parses args into vm. Returns -1 to go on, 0 after printing help, 2 on a usage error.
-int parse(const std::vector<std::string>& args, const po::options_description& desc, po::variables_map& vm,
-          const std::string& usage, const po::positional_options_description* positional = nullptr) {
-  try {
-    po::command_line_parser parser(args);
-    parser.options(desc);
-    if (positional) parser.positional(*positional);
-    po::store(parser.run(), vm);
-    if (vm.count("help")) {
-      std::cout << usage << "\n" << desc;
-      return 0;
-    }
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::cerr << "trellis crf: " << e.what() << "\n" << usage << "\n" << desc;
-    return 2;
-  }
-  return -1;
-}
 
 ConllCorpus read_input(const std::string& path) {
   return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
@@ -85,11 +66,6 @@ void write_output(const std::string& path, const std::function<void(std::ostream
   }
 }
 
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
 
 int train(const std::vector<std::string>& args) {
   CrfTrainOptions o;
@@ -115,7 +91,7 @@ int train(const std::vector<std::string>& args) {
       ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
       ("seed", po::value(&o.seed)->default_value(0), "random seed");
   po::variables_map vm;
-  if (int rc = parse(args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
     return rc;
 
   auto extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
@@ -164,7 +140,7 @@ int tag(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("input", 1);
   po::variables_map vm;
-  if (int rc = parse(args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
 
   const CrfTagger model = CrfTagger::load(model_path);
   const ConllCorpus corpus = read_input(input);
@@ -210,7 +186,7 @@ int eval(const std::vector<std::string>& args) {
       ("tagged", po::value(&tagged_path), "already tagged file: ... gold predicted (conlleval's layout)");
   po::variables_map vm;
   const std::string usage = "usage: trellis crf eval (--model FILE --gold FILE | --tagged FILE)";
-  if (int rc = parse(args, desc, vm, usage); rc >= 0) return rc;
+  if (int rc = parse("crf", args, desc, vm, usage); rc >= 0) return rc;
   if (tagged_path.empty() == (model_path.empty() || gold_path.empty())) {
     std::cerr << "trellis crf eval: give either --model and --gold, or --tagged\n" << usage << "\n";
     return 2;
@@ -249,7 +225,7 @@ int dump(const std::vector<std::string>& args) {
   po::positional_options_description pos;
   pos.add("model", 1);
   po::variables_map vm;
-  if (int rc = parse(args, desc, vm, "usage: trellis crf dump [--model] FILE [--top N]", &pos); rc >= 0) return rc;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf dump [--model] FILE [--top N]", &pos); rc >= 0) return rc;
   const CrfTagger m = CrfTagger::load(model_path);
   const auto& L = m.labels();
   const int64_t K = L.size();

@@ -12,6 +12,7 @@ constexpr const char* kUsage = R"(usage: trellis <command> [options]
 
 commands:
   crf     train, tag, evaluate and inspect linear-chain CRF taggers (trellis crf --help)
+  hmm     HMM training, inference and sampling on HDF5 datasets (trellis hmm --help)
   bench   time Trellis beside plain LibTorch and cuBLAS on the same work (trellis bench --help)
 
 options:
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   try {
     if (args[0] == "crf") return trellis::cli::crf_main(rest);
+    if (args[0] == "hmm") return trellis::cli::hmm_main(rest);
     if (args[0] == "bench") return trellis::cli::bench_main(rest);
   } catch (const std::exception& e) {
     std::cerr << "trellis: error: " << e.what() << "\n";

@@ -48,6 +48,19 @@ at::Tensor dirichlet_rows(int64_t rows, int64_t cols, at::Generator& gen) {
   return (g / g.sum(-1, true)).log();
 }
 
+// Rows of log-probabilities [R,C] as one increasing array: row r's cumulative distribution shifted by r, so that
+// draw() samples any rows' categorical distributions with one 1-d search instead of an [n,C] gather.
+at::Tensor flat_cdf(const at::Tensor& log_probs) {
+  at::Tensor c = log_probs.detach().cpu().to(at::kDouble).exp().cumsum(1);
+  c.select(1, c.size(1) - 1).fill_(1.0);
+  return (c + at::arange(c.size(0), c.options()).unsqueeze(1)).flatten();
+}
+
+at::Tensor draw(const at::Tensor& cdf, int64_t cols, const at::Tensor& rows, at::Generator& gen) {
+  const at::Tensor u = at::empty({rows.size(0)}, at::kDouble).uniform_(0.0, 1.0, gen) + rows.to(at::kDouble);
+  return (at::searchsorted(cdf, u, /*out_int32=*/false, /*right=*/true) - rows * cols).clamp(0, cols - 1);
+}
+
 // Start and transition counts of labelled sequences, and their one-hot posteriors [B,T,K].
 struct LabelCounts {
   at::Tensor start, transitions, one_hot;
@@ -118,8 +131,7 @@ ChainPotentials CategoricalHMM::potentials(const at::Tensor& observations, const
 }
 
 at::Tensor CategoricalHMM::sample_emissions(const at::Tensor& states, at::Generator& gen) const {
-  return at::multinomial(log_emissions.detach().cpu().to(at::kDouble).exp().index_select(0, states), 1, true, gen)
-      .squeeze(1);
+  return draw(flat_cdf(log_emissions), num_symbols(), states, gen);
 }
 
 CategoricalHMM::Statistics& CategoricalHMM::Statistics::operator+=(const Statistics& o) {
@@ -287,12 +299,12 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
     throw Error("HMM sample: need at least one sequence and 1 <= min_length <= max_length");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor lengths = at::randint(min_length, max_length + 1, {num_sequences}, gen, at::kLong);
-  const at::Tensor start = hmm.log_start.detach().cpu().to(at::kDouble).exp();
-  const at::Tensor trans = hmm.log_transitions.detach().cpu().to(at::kDouble).exp();
+  const int64_t K = hmm.num_states();
+  const at::Tensor start = flat_cdf(hmm.log_start.unsqueeze(0)), trans = flat_cdf(hmm.log_transitions);
   std::vector<at::Tensor> states;
-  at::Tensor s = at::multinomial(start.expand({num_sequences, -1}), 1, true, gen).squeeze(1);
+  at::Tensor s = draw(start, K, at::zeros({num_sequences}, at::kLong), gen);
   for (int64_t t = 0; t < max_length; ++t) {
-    if (t > 0) s = at::multinomial(trans.index_select(0, s), 1, true, gen).squeeze(1);
+    if (t > 0) s = draw(trans, K, s, gen);
     states.push_back(s);
   }
   const at::Tensor mask = at::arange(max_length, at::kLong).unsqueeze(0) < lengths.unsqueeze(1);

@@ -28,6 +28,13 @@ auto h5(const std::string& path, F&& f) {
   }
 }
 
+// Called inside h5(): a missing or non-HDF5 file gets a plain message instead of an HDF5 error stack.
+H5::H5File open_readonly(const std::string& path) {
+  if (access(path.c_str(), R_OK) != 0) throw Error("cannot open '" + path + "': " + std::strerror(errno));
+  if (H5::H5File::isHdf5(path.c_str()) <= 0) throw Error(path + ": not an HDF5 file");
+  return H5::H5File(path, H5F_ACC_RDONLY);
+}
+
 bool exists(const H5::H5File& file, const std::string& name) { return H5Lexists(file.getId(), name.c_str(), H5P_DEFAULT) > 0; }
 
 std::vector<hsize_t> dims_of(const H5::DataSet& ds) {
@@ -96,13 +103,11 @@ at::Tensor read_doubles(const H5::H5File& file, const std::string& path, const s
   const std::vector<int64_t> got(d.begin(), d.end());
   if (ds.getTypeClass() != H5T_FLOAT && ds.getTypeClass() != H5T_INTEGER)
     throw Error(path + ": dataset '" + name + "' must hold numbers");
-  if (got.size() != shape.size() || (!shape.empty() && shape[0] >= 0 && got != shape))
-    throw Error(path + ": dataset '" + name + "' has shape " + c10::str(at::IntArrayRef(got)) + ", expected " +
-                c10::str(at::IntArrayRef(shape)) + " (-1: any)");
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    if (shape[i] >= 0 && got[i] != shape[i])
+  bool fits = got.size() == shape.size();
+  for (std::size_t i = 0; fits && i < shape.size(); ++i) fits = shape[i] < 0 || got[i] == shape[i];
+  if (!fits)
       throw Error(path + ": dataset '" + name + "' has shape " + c10::str(at::IntArrayRef(got)) + ", expected " +
-                  c10::str(at::IntArrayRef(shape)));
+                  c10::str(at::IntArrayRef(shape)) + " (-1: any size)");
   at::Tensor t = at::empty(got, at::kDouble);
   ds.read(t.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
   return t;
@@ -216,9 +221,7 @@ class Appendable {
 
 HMMModelFile load_hmm(const std::string& path) {
   return h5(path, [&] {
-    if (access(path.c_str(), R_OK) != 0) throw Error("cannot open '" + path + "': " + std::strerror(errno));
-    if (H5::H5File::isHdf5(path.c_str()) <= 0) throw Error(path + ": not an HDF5 file");
-    const H5::H5File f(path, H5F_ACC_RDONLY);
+    const H5::H5File f = open_readonly(path);
     if (read_string_attribute(f, path, "format") != "trellis-hmm")
       throw Error(path + ": not a Trellis HMM model (attribute 'format' is not \"trellis-hmm\")");
     const H5::Group root = f.openGroup("/");
@@ -289,6 +292,12 @@ void save_hmm(const std::string& path, const HMMModelFile& m) {
   out.commit();
 }
 
+std::vector<std::string> read_string_dataset(const std::string& path, const std::string& name) {
+  return h5(path, [&] {
+    return read_strings(open_readonly(path), path, name);
+  });
+}
+
 // ---- datasets ----
 
 struct HMMDataset::Impl {
@@ -338,9 +347,7 @@ HMMDataset::HMMDataset(const std::string& path) : impl_(std::make_unique<Impl>()
   Impl& d = *impl_;
   d.path = path;
   h5(path, [&] {
-    if (access(path.c_str(), R_OK) != 0) throw Error("cannot open '" + path + "': " + std::strerror(errno));
-    if (H5::H5File::isHdf5(path.c_str()) <= 0) throw Error(path + ": not an HDF5 file");
-    d.file.openFile(path, H5F_ACC_RDONLY);
+    d.file = open_readonly(path);
     for (const char* name : {"offsets", "observations"})
       if (!exists(d.file, name)) throw Error(path + ": missing dataset '/" + std::string(name) + "'");
     const H5::DataSet off = d.file.openDataSet("offsets");
@@ -561,5 +568,35 @@ void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tens
 }
 
 void HMMInferenceWriter::commit() { impl_->out.commit(); }
+
+// ---- evaluation ----
+
+LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions) {
+  if (!data.has_labels()) throw Error(data.path() + ": no '/labels' dataset to score against");
+  return h5(predictions, [&] {
+    const H5::H5File f = open_readonly(predictions);
+    if (!exists(f, "states") || !exists(f, "offsets")) throw Error(predictions + ": missing '/states' or '/offsets'");
+    const H5::DataSet off = f.openDataSet("offsets"), states = f.openDataSet("states");
+    std::vector<int64_t> o(dims_of(off).at(0));
+    off.read(o.data(), H5::PredType::NATIVE_INT64);
+    if (o != data.offsets())
+      throw Error(predictions + ": its '/offsets' differ from those of " + data.path() + " (predictions of other data?)");
+    const H5::DataSet labels = H5::H5File(data.path(), H5F_ACC_RDONLY).openDataSet("labels");
+    LabelAccuracy acc;
+    constexpr int64_t kChunk = 1 << 20;
+    for (int64_t begin = 0; begin < o.back(); begin += kChunk) {
+      const hsize_t start = begin, count = std::min(kChunk, o.back() - begin);
+      std::vector<int64_t> a(count), b(count);
+      H5::DataSpace sa = states.getSpace(), sb = labels.getSpace();
+      sa.selectHyperslab(H5S_SELECT_SET, &count, &start);
+      sb.selectHyperslab(H5S_SELECT_SET, &count, &start);
+      states.read(a.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sa);
+      labels.read(b.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sb);
+      for (hsize_t i = 0; i < count; ++i) acc.correct += a[i] == b[i];
+      acc.tokens += count;
+    }
+    return acc;
+  });
+}
 
 }  // namespace trellis

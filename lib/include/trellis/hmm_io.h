@@ -24,6 +24,9 @@ struct HMMModelFile {
 HMMModelFile load_hmm(const std::string& path);
 void save_hmm(const std::string& path, const HMMModelFile& file);
 
+// A 1-d string dataset (e.g. "vocabulary", "label_names") of any HDF5 file; empty when the file has none.
+std::vector<std::string> read_string_dataset(const std::string& path, const std::string& name);
+
 // A batch of consecutive sequences, padded.
 struct SequenceBatch {
   int64_t first = 0;        // index of the batch's first sequence in the dataset
@@ -94,5 +97,12 @@ class HMMInferenceWriter {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+struct LabelAccuracy {
+  int64_t tokens = 0, correct = 0;
+  double accuracy() const { return tokens ? 100.0 * correct / tokens : 0.0; }
+};
+// Token accuracy of `predictions` (an infer output's /states) against the dataset's /labels.
+LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions);
 
 }  // namespace trellis

@@ -1,0 +1,76 @@
+#include "cli_util.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "trellis/error.h"
+
+namespace po = boost::program_options;
+
+namespace trellis::cli {
+
+int parse(const std::string& command, const std::vector<std::string>& args, const po::options_description& desc,
+          po::variables_map& vm, const std::string& usage, const po::positional_options_description* positional) {
+  try {
+    po::command_line_parser parser(args);
+    parser.options(desc);
+    if (positional) parser.positional(*positional);
+    po::store(parser.run(), vm);
+    if (vm.count("help")) {
+      std::cout << usage << "\n" << desc;
+      return 0;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << "trellis " << command << ": " << e.what() << "\n" << usage << "\n" << desc;
+    return 2;
+  }
+  return -1;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+int64_t parse_bytes(const std::string& text) {
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  const double scale = unit.empty() ? 1 : unit == "k" || unit == "K" ? 1e3 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
+  if (used == 0 || scale < 0 || v <= 0) throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
+  return static_cast<int64_t>(v * scale);
+}
+
+Progress::Progress(std::string label, int64_t total, std::string unit, double interval)
+    : label_(std::move(label)), unit_(std::move(unit)), total_(total), interval_(interval),
+      start_(std::chrono::steady_clock::now()), last_(start_) {}
+
+double Progress::seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+void Progress::update(int64_t done) {
+  done_ = done;
+  const auto now = std::chrono::steady_clock::now();
+  if (std::chrono::duration<double>(now - last_).count() >= interval_) {
+    last_ = now;
+    print();
+  }
+}
+
+void Progress::finish() { print(); }
+
+void Progress::print() {
+  const double s = seconds();
+  std::cerr << label_ << ": " << done_ << "/" << total_ << " " << unit_ << " (" << fixed(100.0 * done_ / std::max<int64_t>(total_, 1), 1)
+            << "%), " << fixed(s, 1) << " s, " << fixed(s > 0 ? done_ / s : 0, 0) << " " << unit_ << "/s\n";
+}
+
+}  // namespace trellis::cli

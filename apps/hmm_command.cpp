@@ -1,0 +1,278 @@
+// trellis hmm init|sample|fit|infer|convert|eval: option parsing and reporting only; the work is in the library.
+#include <ATen/ATen.h>
+
+#include <boost/program_options.hpp>
+#include <iostream>
+
+#include "cli_util.h"
+#include "commands.h"
+#include "trellis/conll.h"
+#include "trellis/error.h"
+#include "trellis/hmm_tasks.h"
+
+namespace po = boost::program_options;
+
+namespace trellis::cli {
+namespace {
+
+constexpr const char* kHmmUsage = R"(usage: trellis hmm <command> [options]
+
+commands:
+  fit       Baum-Welch EM (random restarts or a given start), or supervised maximum likelihood from labels
+  infer     per-sequence log-likelihood, Viterbi paths and optional state posteriors, streamed in batches
+  sample    generate a dataset from a model (hidden states stored as labels)
+  init      write a random model
+  convert   CoNLL column file to the HDF5 dataset layout, with a vocabulary and unknown-word classes
+  eval      token accuracy of inferred states against a dataset's labels
+
+Files are HDF5 (layout: docs/hmm-format.md). 'trellis hmm <command> --help' describes each command's options.
+)";
+
+// Options every command that computes shares.
+struct RunFlags {
+  HMMRunOptions run;
+  std::string precision, budget;
+  void add(po::options_description& desc) {
+    desc.add_options()
+        ("device", po::value(&run.device)->default_value("cpu"), "cpu or cuda")
+        ("threads", po::value(&run.threads)->default_value(0), "CPU threads (0: all)")
+        ("precision", po::value(&precision)->default_value("float64"), "float64 or float32")
+        ("memory-budget", po::value(&budget)->default_value("1G"),
+         "working memory for one batch (e.g. 512M, 4G); larger datasets stream through in batches");
+  }
+  HMMRunOptions resolve() {
+    if (precision != "float64" && precision != "float32")
+      throw Error("--precision must be float64 or float32, not '" + precision + "'");
+    run.dtype = precision == "float32" ? at::kFloat : at::kDouble;
+    run.memory_budget = parse_bytes(budget);
+    return run;
+  }
+};
+
+std::string describe(const HMMModelFile& m) {
+  return std::visit(
+      [](const auto& h) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(h)>, CategoricalHMM>)
+          return std::to_string(h.num_states()) + " states, categorical emissions over " +
+                 std::to_string(h.num_symbols()) + " symbols";
+        else
+          return std::to_string(h.num_states()) + " states, diagonal-Gaussian emissions of " +
+                 std::to_string(h.num_features()) + " features";
+      },
+      m.model);
+}
+
+int init(const std::vector<std::string>& args) {
+  int64_t K = 0, V = 0, F = 0;
+  uint64_t seed = 0;
+  std::string output;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("states,k", po::value(&K)->required(), "number of hidden states")
+      ("symbols,v", po::value(&V)->default_value(0), "categorical emissions over this many symbols")
+      ("features,f", po::value(&F)->default_value(0), "diagonal-Gaussian emissions of this many features")
+      ("seed", po::value(&seed)->default_value(0), "random seed")
+      ("output,o", po::value(&output)->required(), "model file to write");
+  po::variables_map vm;
+  const std::string usage = "usage: trellis hmm init --states K (--symbols V | --features F) --output MODEL.h5";
+  if (int rc = parse("hmm init", args, desc, vm, usage); rc >= 0) return rc;
+  if (K < 1 || (V > 0) == (F > 0)) throw Error("init: give --states >= 1 and exactly one of --symbols, --features");
+  HMMModelFile m{CategoricalHMM::random(K, std::max<int64_t>(V, 1), seed)};
+  if (F > 0) m.model = GaussianHMM::random(K, F, seed);
+  save_hmm(output, m);
+  std::cerr << "wrote " << output << ": " << describe(m) << "\n";
+  return 0;
+}
+
+int sample_cmd(const std::vector<std::string>& args) {
+  std::string model_path, output;
+  int64_t n = 0, length = 0, min_length = 0;
+  uint64_t seed = 0;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path)->required(), "model file")
+      ("output,o", po::value(&output)->required(), "dataset to write")
+      ("sequences,n", po::value(&n)->required(), "number of sequences")
+      ("length,l", po::value(&length)->required(), "longest sequence length")
+      ("min-length", po::value(&min_length)->default_value(0), "shortest length (default: --length); lengths are uniform in between")
+      ("seed", po::value(&seed)->default_value(0), "random seed");
+  po::variables_map vm;
+  if (int rc = parse("hmm sample", args, desc, vm, "usage: trellis hmm sample --model MODEL.h5 --output DATA.h5 --sequences N --length L"); rc >= 0)
+    return rc;
+  const HMMModelFile m = load_hmm(model_path);
+  Progress progress("sample", n, "sequences");
+  sample_dataset(m, output, n, min_length ? min_length : length, length, seed,
+                 [&](int64_t done, int64_t) { progress.update(done); });
+  progress.finish();
+  std::cerr << "wrote " << output << "\n";
+  return 0;
+}
+
+int infer(const std::vector<std::string>& args) {
+  std::string model_path, data_path, output;
+  bool with_posteriors = false;
+  RunFlags flags;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path)->required(), "model file")
+      ("data,d", po::value(&data_path)->required(), "dataset")
+      ("output,o", po::value(&output)->required(), "results file (written to a temporary file, then renamed)")
+      ("posteriors", po::bool_switch(&with_posteriors), "also write state posteriors [total_T, K] (float32, compressed)");
+  flags.add(desc);
+  po::variables_map vm;
+  if (int rc = parse("hmm infer", args, desc, vm, "usage: trellis hmm infer --model MODEL.h5 --data DATA.h5 --output OUT.h5 [options]"); rc >= 0)
+    return rc;
+  const HMMRunOptions run = flags.resolve();
+  const HMMModelFile m = load_hmm(model_path);
+  HMMDataset data(data_path);
+  std::cerr << "model: " << describe(m) << "; data: " << data.num_sequences() << " sequences, " << data.num_tokens()
+            << " tokens; batches of up to " << batch_tokens(m, data.num_features(), with_posteriors, run)
+            << " positions on " << run.device << "\n";
+  Progress progress("infer", data.num_tokens(), "tokens");
+  const InferSummary s = infer_dataset(m, data, output, with_posteriors, run,
+                                       [&](int64_t, int64_t tokens) { progress.update(tokens); });
+  std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood " << fixed(s.log_likelihood, 4)
+            << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  " << fixed(s.seconds, 3) << " s  "
+            << fixed(s.tokens / s.seconds, 0) << " tokens/s\n";
+  std::cerr << "wrote " << output << "\n";
+  return 0;
+}
+
+int fit(const std::vector<std::string>& args) {
+  std::string data_path, output, init_path;
+  HMMFitOptions f;
+  RunFlags flags;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("data,d", po::value(&data_path)->required(), "training dataset")
+      ("output,o", po::value(&output)->required(), "model file to write")
+      ("states,k", po::value(&f.states)->default_value(0), "number of states (EM without --init; supervised: default from the labels)")
+      ("symbols,v", po::value(&f.symbols)->default_value(0), "vocabulary size V (default: the data's vocabulary, or largest id + 1)")
+      ("supervised", po::bool_switch(&f.supervised), "maximum likelihood from the dataset's /labels instead of EM")
+      ("init", po::value(&init_path), "EM from this model instead of random starts")
+      ("restarts", po::value(&f.restarts)->default_value(1), "random starts; the highest final log-likelihood wins")
+      ("seed", po::value(&f.seed)->default_value(0), "random seed of the starts")
+      ("max-iterations", po::value(&f.em.max_iterations)->default_value(100), "EM iterations at most")
+      ("tolerance", po::value(&f.em.tolerance)->default_value(1e-4),
+       "stop when the log-likelihood per token gains less than this (0: run every iteration)")
+      ("smoothing", po::value(&f.em.m_step.smoothing)->default_value(0.0),
+       "added to every start, transition and emission count (supervised: Laplace smoothing)")
+      ("covars-prior", po::value(&f.em.m_step.covars_prior)->default_value(1e-2),
+       "Gaussian: variance = (prior + sum g (x-mu)^2) / sum g, as hmmlearn");
+  flags.add(desc);
+  po::variables_map vm;
+  if (int rc = parse("hmm fit", args, desc, vm, "usage: trellis hmm fit --data DATA.h5 --output MODEL.h5 (--states K | --init MODEL.h5 | --supervised) [options]"); rc >= 0)
+    return rc;
+  const HMMRunOptions run = flags.resolve();
+  if (!init_path.empty()) f.initial = load_hmm(init_path);
+  HMMDataset data(data_path);
+  std::cerr << "data: " << data.num_sequences() << " sequences, " << data.num_tokens() << " tokens\n";
+  const HMMModelFile m = fit_dataset(data, f, run, [&](const EMIteration& it) {
+    std::cerr << (f.restarts > 1 ? "restart " + std::to_string(it.restart) + "  " : "") << "iter " << it.iteration
+              << "  log-likelihood " << fixed(it.log_likelihood, 4) << "  per token " << fixed(it.log_likelihood / it.tokens, 6)
+              << "  " << fixed(it.seconds, 2) << " s\n";
+  });
+  save_hmm(output, m);
+  std::cerr << "wrote " << output << ": " << describe(m);
+  if (!m.log_likelihood_history.empty())
+    std::cerr << "; " << m.log_likelihood_history.size() << " EM iterations, final log-likelihood "
+              << fixed(m.log_likelihood_history.back(), 4);
+  std::cerr << "\n";
+  return 0;
+}
+
+int convert(const std::vector<std::string>& args) {
+  std::string input, output, from, unknown, comments;
+  int word_column = 0, label_column = -1;
+  int64_t min_count = 1;
+  bool no_labels = false;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("input,i", po::value(&input)->required(), "CoNLL column file")
+      ("output,o", po::value(&output)->required(), "dataset to write")
+      ("word-column", po::value(&word_column)->default_value(0), "column of the observed word (negative: from the end)")
+      ("label-column", po::value(&label_column)->default_value(-1), "column of the label (negative: from the end)")
+      ("no-labels", po::bool_switch(&no_labels), "the file has no label column to store")
+      ("vocabulary-from", po::value(&from),
+       "reuse the vocabulary and label names of this HDF5 file (the training set's dataset or model)")
+      ("min-count", po::value(&min_count)->default_value(2),
+       "words seen fewer times become unknown-word classes (new vocabularies only)")
+      ("unknown", po::value(&unknown)->default_value("signatures"),
+       "unknown words: signatures (classes by shape and suffix), single (one <unk>) or error")
+      ("comment-prefix", po::value(&comments)->default_value(""), "skip lines starting with this (e.g. '#' for CoNLL-U)");
+  po::variables_map vm;
+  if (int rc = parse("hmm convert", args, desc, vm, "usage: trellis hmm convert --input FILE --output DATA.h5 [options]"); rc >= 0)
+    return rc;
+  Vocabulary words;
+  std::vector<std::string> labels;
+  if (!from.empty()) {
+    words = Vocabulary::from_symbols(read_string_dataset(from, "vocabulary"));
+    if (words.size() == 0) throw Error(from + ": has no '/vocabulary' dataset to reuse");
+    labels = read_string_dataset(from, "label_names");
+    if (labels.empty()) labels = read_string_dataset(from, "state_names");
+    if (labels.empty() && !no_labels) throw Error(from + ": has no '/label_names' (or '/state_names') to reuse");
+  } else {
+    const Vocabulary::Unknown scheme = unknown == "signatures" ? Vocabulary::Unknown::signatures
+                                       : unknown == "single"   ? Vocabulary::Unknown::single
+                                       : unknown == "error"    ? Vocabulary::Unknown::error
+                                                               : throw Error("--unknown must be signatures, single or error");
+    ConllReadOptions ro;
+    ro.comment_prefix = comments;
+    const ConllCorpus corpus = read_conll(input, ro);
+    const int n = static_cast<int>(corpus.num_columns);
+    const int wc = word_column < 0 ? n + word_column : word_column, lc = label_column < 0 ? n + label_column : label_column;
+    if (wc < 0 || wc >= n || (!no_labels && (lc < 0 || lc >= n)))
+      throw Error(input + ": has " + std::to_string(n) + " columns; --word-column/--label-column are outside them");
+    std::vector<std::string> tokens;
+    std::unordered_map<std::string, bool> seen;
+    for (const auto& s : corpus.sentences)
+      for (const auto& row : s.rows) {
+        tokens.push_back(row[wc]);
+        if (!no_labels && !seen[row[lc]]) seen[row[lc]] = true, labels.push_back(row[lc]);
+      }
+    words = Vocabulary::build(tokens, min_count, scheme);
+  }
+  const ConversionSummary s =
+      convert_conll(input, output, words, word_column, no_labels ? nullptr : &labels, label_column, comments);
+  std::cerr << "wrote " << output << ": " << s.sentences << " sequences, " << s.tokens << " tokens ("
+            << s.unknown_tokens << " not in the vocabulary: " << fixed(100.0 * s.unknown_tokens / std::max<int64_t>(s.tokens, 1), 2)
+            << "%), vocabulary " << words.size() << " symbols";
+  if (!no_labels) std::cerr << ", " << labels.size() << " labels";
+  std::cerr << "\n";
+  return 0;
+}
+
+int eval(const std::vector<std::string>& args) {
+  std::string data_path, predictions;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("data,d", po::value(&data_path)->required(), "dataset with /labels")
+      ("predictions,p", po::value(&predictions)->required(), "output of trellis hmm infer on that dataset");
+  po::variables_map vm;
+  if (int rc = parse("hmm eval", args, desc, vm, "usage: trellis hmm eval --data DATA.h5 --predictions OUT.h5"); rc >= 0)
+    return rc;
+  HMMDataset data(data_path);
+  const LabelAccuracy a = score_predictions(data, predictions);
+  std::cout << "tokens " << a.tokens << "  correct " << a.correct << "  accuracy " << fixed(a.accuracy(), 2) << "%\n";
+  return 0;
+}
+
+}  // namespace
+
+int hmm_main(const std::vector<std::string>& args) {
+  if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+    std::cout << kHmmUsage;
+    return args.empty() ? 2 : 0;
+  }
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "fit") return fit(rest);
+  if (args[0] == "infer") return infer(rest);
+  if (args[0] == "sample") return sample_cmd(rest);
+  if (args[0] == "init") return init(rest);
+  if (args[0] == "convert") return convert(rest);
+  if (args[0] == "eval") return eval(rest);
+  std::cerr << "trellis hmm: unknown command '" << args[0] << "'\n" << kHmmUsage;
+  return 2;
+}
+
+}  // namespace trellis::cli

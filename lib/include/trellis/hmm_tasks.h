@@ -1,0 +1,70 @@
+// Whole-dataset HMM work on HDF5 files, in batches sized to a memory budget: inference, EM and supervised training,
+// sampling, and conversion of CoNLL column files. The trellis command line is a thin front end to these.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trellis/hmm_io.h"
+#include "trellis/vocabulary.h"
+
+namespace trellis {
+
+struct HMMRunOptions {
+  std::string device = "cpu";          // "cpu" or "cuda"
+  at::ScalarType dtype = at::kDouble;  // precision of the computation (the model is kept in float64)
+  int64_t memory_budget = int64_t(1) << 30;  // bytes for one batch's working tensors
+  int threads = 0;                     // CPU threads (0: LibTorch's default)
+};
+
+// Tokens per batch that keep one batch's working tensors within options.memory_budget.
+int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& options);
+
+// Called after each batch with the totals so far.
+using BatchProgress = std::function<void(int64_t sequences, int64_t tokens)>;
+
+struct InferSummary {
+  int64_t sequences = 0, tokens = 0;
+  double log_likelihood = 0;  // total over the dataset
+  double seconds = 0;
+};
+// Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
+InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
+                           const HMMRunOptions& options, const BatchProgress& progress = {});
+
+struct HMMFitOptions {
+  bool supervised = false;  // maximum likelihood from /labels instead of EM
+  int64_t states = 0;       // K (0: from the initial model, or the labels' names or largest id)
+  int64_t symbols = 0;      // V for categorical data (0: the vocabulary's size, or the largest id + 1)
+  std::optional<HMMModelFile> initial;  // EM start; otherwise random starts
+  int restarts = 1;         // random starts; the one reaching the highest log-likelihood is kept
+  uint64_t seed = 0;
+  BaumWelchOptions em;
+};
+struct EMIteration {
+  int restart = 0, iteration = 0;
+  double log_likelihood = 0;  // total, before this iteration's update
+  int64_t tokens = 0;
+  double seconds = 0;
+};
+HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRunOptions& options,
+                         const std::function<void(const EMIteration&)>& on_iteration = {});
+
+// `num_sequences` sequences with lengths uniform in [min_length, max_length], hidden states as /labels.
+void sample_dataset(const HMMModelFile& model, const std::string& output, int64_t num_sequences, int64_t min_length,
+                    int64_t max_length, uint64_t seed, const BatchProgress& progress = {});
+
+// CoNLL column files to the dataset layout: the word column through `words`, the label column (if any) through
+// `labels` (label names in id order; a label not among them is an error naming file:line).
+struct ConversionSummary {
+  int64_t sentences = 0, tokens = 0, unknown_tokens = 0;
+};
+ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
+                                int word_column, const std::vector<std::string>* labels, int label_column,
+                                const std::string& comment_prefix = "");
+
+}  // namespace trellis

@@ -1,0 +1,41 @@
+// Symbol vocabularies for categorical models: an id per known word, and for the rest either one unknown symbol or
+// "signature" classes (capitalisation, digits, hyphen, common English suffixes) that rare training words teach the
+// model about, the classic unknown-word model of HMM taggers. Plain C++17.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace trellis {
+
+class Vocabulary {
+ public:
+  enum class Unknown { error, single, signatures };
+
+  // From every training token: words seen at least min_count times get their own id; with Unknown::single or
+  // ::signatures the rarer ones are counted under "<unk>" or their signature instead.
+  static Vocabulary build(const std::vector<std::string>& tokens, int64_t min_count, Unknown unknown);
+  // As stored in a file: symbols named "<unk>" or "<unk-...>" are the unknown classes, which sets the scheme.
+  static Vocabulary from_symbols(std::vector<std::string> symbols);
+
+  // The id of a word; an unknown word maps to its class, or is -1 with Unknown::error.
+  int64_t id(const std::string& word) const;
+  bool known(const std::string& word) const { return index_.count(word) > 0 && !is_unknown_class(word); }
+  const std::vector<std::string>& symbols() const { return symbols_; }
+  int64_t size() const { return static_cast<int64_t>(symbols_.size()); }
+  Unknown unknown() const { return unknown_; }
+
+  static bool is_unknown_class(const std::string& symbol);
+
+ private:
+  std::vector<std::string> symbols_;
+  std::unordered_map<std::string, int64_t> index_;
+  Unknown unknown_ = Unknown::error;
+  int64_t add(const std::string& symbol);
+};
+
+// The signature class of a word, e.g. "<unk-Cap-ing>", "<unk-num>", "<unk-lc-s>".
+std::string unknown_signature(const std::string& word);
+
+}  // namespace trellis

@@ -1,0 +1,310 @@
+#include "trellis/hmm_tasks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <type_traits>
+
+#include "trellis/conll.h"
+#include "trellis/error.h"
+
+namespace trellis {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+at::TensorOptions run_options(const HMMRunOptions& o) {
+  if (o.device != "cpu" && o.device != "cuda") throw Error("device must be cpu or cuda, not '" + o.device + "'");
+  if (o.device == "cuda" && !at::hasCUDA()) throw Error("--device cuda: no CUDA device is available");
+  if (o.dtype != at::kFloat && o.dtype != at::kDouble) throw Error("HMM computations run in float32 or float64");
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  return at::TensorOptions().dtype(o.dtype).device(at::Device(o.device));
+}
+
+int64_t states_of(const HMMModelFile& m) {
+  return std::visit([](const auto& hmm) { return hmm.num_states(); }, m.model);
+}
+
+// The model must fit the data: emission kind, vocabulary size or feature count.
+void check_fits(const HMMModelFile& file, HMMDataset& data) {
+  std::visit(
+      [&](const auto& m) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(m)>, CategoricalHMM>) {
+          if (!data.categorical())
+            throw Error(data.path() + ": holds feature vectors (F = " + std::to_string(data.num_features()) +
+                        "), but the model has categorical emissions");
+          data.expect_symbols(m.num_symbols());
+        } else {
+          if (data.categorical())
+            throw Error(data.path() + ": holds categorical ids, but the model has Gaussian emissions");
+          if (data.num_features() != m.num_features())
+            throw Error(data.path() + ": observations have F = " + std::to_string(data.num_features()) +
+                        " features, the model has " + std::to_string(m.num_features()));
+        }
+      },
+      file.model);
+}
+
+// Largest id in /observations (categorical) or /labels, by one streaming pass.
+int64_t largest_id(HMMDataset& data, bool labels, int64_t max_tokens) {
+  int64_t top = -1;
+  for (const auto& [first, count] : data.batches(max_tokens)) {
+    const SequenceBatch b = data.read(first, count, labels);
+    top = std::max(top, (labels ? b.labels : b.observations).max().item<int64_t>());
+  }
+  return top;
+}
+
+template <class Stats>
+Stats to_double(Stats s) {
+  for (at::Tensor* t : {&s.start, &s.transitions}) *t = t->to(at::kDouble);
+  if constexpr (std::is_same_v<Stats, CategoricalHMM::Statistics>) {
+    s.emissions = s.emissions.to(at::kDouble);
+  } else {
+    for (at::Tensor* t : {&s.weight, &s.first, &s.second}) *t = t->to(at::kDouble);
+  }
+  return s;
+}
+
+// A random EM start. Gaussian means are observation rows picked at random, variances the data's, so that every
+// state starts on the data (hmmlearn uses k-means for this).
+template <class HMM>
+HMM random_start(const HMM& shape, HMMDataset& data, uint64_t seed, double covars_prior) {
+  if constexpr (std::is_same_v<HMM, CategoricalHMM>) {
+    return CategoricalHMM::random(shape.num_states(), shape.num_symbols(), seed);
+  } else {
+    GaussianHMM m = GaussianHMM::random(shape.num_states(), shape.num_features(), seed);
+    const SequenceBatch b = data.read(0, std::min<int64_t>(data.num_sequences(), 1000));
+    const at::Tensor x = b.observations.to(at::kDouble).reshape({-1, shape.num_features()}).index_select(
+        0, (at::arange(b.observations.size(1)).unsqueeze(0) < b.lengths.unsqueeze(1)).flatten().nonzero().squeeze(1));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    m.means = x.index_select(0, at::randint(0, x.size(0), {shape.num_states()}, gen, at::kLong));
+    m.variances = (x.var(0, /*unbiased=*/false) + covars_prior).unsqueeze(0).expand_as(m.means).contiguous();
+    return m;
+  }
+}
+
+}  // namespace
+
+int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o) {
+  const int64_t K = states_of(model), elt = at::elementSize(o.dtype);
+  // Per position: emission scores and their temporaries, Viterbi backpointers and path; with posteriors (or an
+  // E-step) the saved forward messages, gradients and the float32 copy written out; the observations as read,
+  // padded and converted.
+  const int64_t bytes = (4 * elt + 8) * K + (with_posteriors ? (6 * elt + 4) * K : 0) + 4 * elt * num_features + 64;
+  const int64_t tokens = o.memory_budget / bytes;
+  if (tokens < 1) throw Error("the memory budget is too small for even one position of the model");
+  return tokens;
+}
+
+InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
+                           const HMMRunOptions& o, const BatchProgress& progress) {
+  const at::TensorOptions opt = run_options(o);
+  check_fits(model, data);
+  const auto start = Clock::now();
+  const int64_t max_tokens = batch_tokens(model, data.num_features(), with_posteriors, o);
+  InferSummary sum;
+  std::visit(
+      [&](const auto& stored) {
+        const auto m = stored.to(opt);
+        HMMInferenceWriter out(output, data.offsets(), m.num_states(), with_posteriors);
+        for (const auto& [first, count] : data.batches(max_tokens)) {
+          const SequenceBatch b = data.read(first, count);
+          const at::Tensor lengths = b.lengths.to(opt.device());
+          const ChainPotentials p = m.potentials(b.observations.to(opt.device()), lengths);
+          at::Tensor ll, nodes;
+          if (with_posteriors) {
+            const Marginals mg = marginals(p);
+            ll = mg.log_partition.detach();
+            nodes = mg.nodes;
+          }
+          c10::NoGradGuard no_grad;
+          if (!with_posteriors) ll = log_partition(p);
+          const ViterbiResult v = viterbi(p);
+          out.append(ll, v.score, v.path, b.lengths, nodes);
+          sum.sequences += count;
+          sum.tokens += b.lengths.sum().item<int64_t>();
+          sum.log_likelihood += ll.sum().item<double>();
+          if (progress) progress(sum.sequences, sum.tokens);
+        }
+        out.commit();
+      },
+      model.model);
+  sum.seconds = since(start);
+  return sum;
+}
+
+HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRunOptions& o,
+                         const std::function<void(const EMIteration&)>& on_iteration) {
+  const at::TensorOptions opt = run_options(o);
+  const at::TensorOptions f64 = opt.dtype(at::kDouble);
+  HMMModelFile out{CategoricalHMM{}, data.label_names(), data.vocabulary(), {}};
+  const int64_t scan_tokens = std::max<int64_t>(1, o.memory_budget / 64);
+
+  // The model's shape: K states, and V symbols or F features.
+  int64_t K = fit.states, V = fit.symbols;
+  if (fit.initial) {
+    check_fits(*fit.initial, data);
+    if (K && K != states_of(*fit.initial))
+      throw Error("--states " + std::to_string(K) + " differs from the initial model's " +
+                  std::to_string(states_of(*fit.initial)) + " states");
+    K = states_of(*fit.initial);
+    if (const auto* c = std::get_if<CategoricalHMM>(&fit.initial->model)) V = c->num_symbols();
+    if (out.state_names.empty()) out.state_names = fit.initial->state_names;
+  }
+  if (fit.supervised) {
+    if (!data.has_labels()) throw Error(data.path() + ": supervised training needs a '/labels' dataset");
+    if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens) + 1 : int64_t(out.state_names.size());
+    data.expect_labels(K);
+  }
+  if (!K) throw Error("the number of states is needed: give --states or an initial model");
+  if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens) + 1 : int64_t(out.vocabulary.size());
+  if (data.categorical()) data.expect_symbols(V);
+  if (int64_t(out.state_names.size()) != K) out.state_names.clear();
+  if (int64_t(out.vocabulary.size()) != V) out.vocabulary.clear();
+  const int64_t F = data.num_features();
+  HMMModelFile shape_file{CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)}};
+  if (!data.categorical())
+    shape_file.model = GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
+  const auto ranges = data.batches(batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
+
+  std::visit(
+      [&](const auto& shape) {
+        using HMM = std::decay_t<decltype(shape)>;
+        using Stats = typename HMM::Statistics;
+        if (fit.supervised) {
+          Stats total;
+          for (const auto& [first, count] : ranges) {
+            const SequenceBatch b = data.read(first, count, true);
+            total += to_double(labelled_statistics(shape.to(opt), b.observations.to(opt.device()),
+                                                   b.labels.to(opt.device()), b.lengths.to(opt.device())));
+          }
+          out.model = shape.maximise(total, fit.em.m_step).to(at::TensorOptions().dtype(at::kDouble));
+          return;
+        }
+        double best = -std::numeric_limits<double>::infinity();
+        for (int r = 0; r < std::max(1, fit.restarts); ++r) {
+          HMM m = fit.initial ? std::get<HMM>(fit.initial->model).to(f64)
+                              : random_start(shape, data, fit.seed + r, fit.em.m_step.covars_prior).to(f64);
+          std::vector<double> history;
+          for (int it = 0; it < fit.em.max_iterations; ++it) {
+            const auto t0 = Clock::now();
+            const HMM work = m.to(opt);
+            Stats total;
+            int64_t tokens = 0;
+            for (const auto& [first, count] : ranges) {
+              const SequenceBatch b = data.read(first, count);
+              total += to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
+              tokens += b.lengths.sum().item<int64_t>();
+            }
+            if (on_iteration) on_iteration({r, it, total.log_likelihood, tokens, since(t0)});
+            const bool converged = !history.empty() && total.log_likelihood - history.back() < fit.em.tolerance * tokens;
+            history.push_back(total.log_likelihood);
+            if (converged && fit.em.tolerance > 0) break;
+            m = m.maximise(total, fit.em.m_step);
+          }
+          if (history.back() > best) {
+            best = history.back();
+            out.model = m.to(at::TensorOptions().dtype(at::kDouble).device(at::kCPU));
+            out.log_likelihood_history = history;
+          }
+        }
+      },
+      shape_file.model);
+  return out;
+}
+
+void sample_dataset(const HMMModelFile& model, const std::string& output, int64_t num_sequences, int64_t min_length,
+                    int64_t max_length, uint64_t seed, const BatchProgress& progress) {
+  if (num_sequences < 1 || min_length < 1 || max_length < min_length)
+    throw Error("sample: need --sequences >= 1 and 1 <= --min-length <= --length");
+  std::visit(
+      [&](const auto& m) {
+        int64_t F = 0;
+        if constexpr (std::is_same_v<std::decay_t<decltype(m)>, GaussianHMM>) F = m.num_features();
+        HMMDatasetWriter out(output, F, true);
+        if (!model.vocabulary.empty()) out.write_strings("vocabulary", model.vocabulary);
+        if (!model.state_names.empty()) out.write_strings("label_names", model.state_names);
+        // About a million positions per batch; each batch has its own seed, so the output does not depend on memory.
+        const int64_t per_batch = std::max<int64_t>(1, (int64_t(1) << 20) / max_length);
+        int64_t done = 0, tokens = 0;
+        for (int64_t batch = 0; done < num_sequences; ++batch) {
+          const int64_t n = std::min(per_batch, num_sequences - done);
+          const HMMSample s = sample(m, n, min_length, max_length, seed * 1000003 + batch);
+          out.append(s.observations, s.lengths, s.states);
+          done += n;
+          tokens += s.lengths.sum().item<int64_t>();
+          if (progress) progress(done, tokens);
+        }
+        out.commit();
+      },
+      model.model);
+}
+
+ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
+                                int word_column, const std::vector<std::string>* labels, int label_column,
+                                const std::string& comment_prefix) {
+  ConllReadOptions ro;
+  ro.comment_prefix = comment_prefix;
+  const ConllCorpus corpus = read_conll(conll_path, ro);
+  const int ncol = static_cast<int>(corpus.num_columns);
+  const auto column = [&](int c, const char* what) {
+    const int i = c < 0 ? ncol + c : c;
+    if (i < 0 || i >= ncol)
+      throw Error(conll_path + ": has " + std::to_string(ncol) + " columns; there is no " + what + " column " +
+                  std::to_string(c));
+    return i;
+  };
+  const int wc = column(word_column, "word");
+  const int lc = labels ? column(label_column, "label") : -1;
+  std::unordered_map<std::string, int64_t> label_id;
+  if (labels)
+    for (std::size_t i = 0; i < labels->size(); ++i) label_id[(*labels)[i]] = i;
+
+  HMMDatasetWriter out(output, 0, labels != nullptr);
+  out.write_strings("vocabulary", words.symbols());
+  if (labels) out.write_strings("label_names", *labels);
+  ConversionSummary sum;
+  constexpr std::size_t kBatch = 4096;  // sentences per write
+  for (std::size_t s0 = 0; s0 < corpus.sentences.size(); s0 += kBatch) {
+    const std::size_t s1 = std::min(corpus.sentences.size(), s0 + kBatch);
+    std::size_t T = 0;
+    for (std::size_t s = s0; s < s1; ++s) T = std::max(T, corpus.sentences[s].rows.size());
+    const int64_t B = s1 - s0;
+    at::Tensor ids = at::zeros({B, int64_t(T)}, at::kLong), tags = at::zeros({B, int64_t(T)}, at::kLong),
+               lengths = at::empty({B}, at::kLong);
+    auto I = ids.accessor<int64_t, 2>();
+    auto L = tags.accessor<int64_t, 2>();
+    for (std::size_t s = s0; s < s1; ++s) {
+      const ConllSentence& sent = corpus.sentences[s];
+      lengths[s - s0] = int64_t(sent.rows.size());
+      for (std::size_t t = 0; t < sent.rows.size(); ++t) {
+        const std::string& w = sent.rows[t][wc];
+        const int64_t id = words.id(w);
+        if (id < 0)
+          throw ParseError(conll_path, sent.first_line + t,
+                           "word '" + w + "' is not in the vocabulary (which has no unknown-word classes)");
+        sum.unknown_tokens += !words.known(w);
+        I[s - s0][t] = id;
+        if (labels) {
+          const auto it = label_id.find(sent.rows[t][lc]);
+          if (it == label_id.end())
+            throw ParseError(conll_path, sent.first_line + t, "label '" + sent.rows[t][lc] + "' is not one of the " +
+                                                                 std::to_string(labels->size()) + " known labels");
+          L[s - s0][t] = it->second;
+        }
+      }
+    }
+    out.append(ids, lengths, labels ? tags : at::Tensor());
+    sum.sentences += B;
+    sum.tokens += lengths.sum().item<int64_t>();
+  }
+  out.commit();
+  return sum;
+}
+
+}  // namespace trellis
