@@ -28,3 +28,8 @@ if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.s
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q torch==2.11.0 numpy
 fi
+# hmmlearn and h5py: the side-by-side HMM agreement test (tests/, scripts/hmmlearn_compare.py).
+if ! "$venv/bin/python" -c 'import hmmlearn, h5py' 2>/dev/null; then
+  echo "[setup] installing hmmlearn==0.3.3 and h5py into $venv"
+  "$venv/bin/python" -m pip install -q hmmlearn==0.3.3 h5py
+fi

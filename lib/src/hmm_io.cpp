@@ -54,7 +54,8 @@ std::vector<std::string> read_strings(const H5::H5File& file, const std::string&
   std::vector<std::string> out(d[0]);
   if (type.isVariableStr()) {
     std::vector<char*> raw(d[0]);
-    const H5::StrType mem(H5::PredType::C_S1, H5T_VARIABLE);
+    H5::StrType mem(H5::PredType::C_S1, H5T_VARIABLE);
+    mem.setCset(type.getCset());  // HDF5 does not convert between ASCII and UTF-8 sets
     ds.read(raw.data(), mem);
     for (std::size_t i = 0; i < raw.size(); ++i) out[i] = raw[i] ? raw[i] : "";
     H5Dvlen_reclaim(mem.getId(), ds.getSpace().getId(), H5P_DEFAULT, raw.data());
