@@ -79,15 +79,12 @@ std::string unknown_signature(const std::string& word) {
   if (lower) {
     std::string lc(word);
     std::transform(lc.begin(), lc.end(), lc.begin(), [](unsigned char c) { return std::tolower(c); });
-    static const char* suffixes[] = {"ing", "ed", "ion", "er", "est", "ly", "ity", "y", "al", "able", "ible", "ive",
-                                     "ous", "ic", "ful", "less", "ment", "ness", "ist", "ism", "ize", "ise", "ant",
-                                     "ent", "ary", "s"};
-    for (const char* s : suffixes) {
-      const std::size_t n = std::char_traits<char>::length(s);
-      if (lc.size() > n + 2 && lc.compare(lc.size() - n, n, s) == 0 && !(n == 1 && (lc.back() == 's') &&
-                                                                          (lc.compare(lc.size() - 2, 2, "ss") == 0)))
-        return sig + "-" + s + ">";
-    }
+    // The last three letters (two for short words) carry most of English morphology; the id lookup backs off to
+    // the shape alone when a suffix class was never seen. ASCII only, so that a class name stays valid UTF-8.
+    const std::size_t n = lc.size() > 4 ? 3 : lc.size() > 2 ? 2 : 0;
+    const std::string suffix = lc.substr(lc.size() - n);
+    if (n && std::all_of(suffix.begin(), suffix.end(), [](unsigned char c) { return c < 0x80; }))
+      return sig + "-~" + suffix + ">";
   }
   return sig + ">";
 }

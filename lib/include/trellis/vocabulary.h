@@ -1,6 +1,6 @@
 // Symbol vocabularies for categorical models: an id per known word, and for the rest either one unknown symbol or
-// "signature" classes (capitalisation, digits, hyphen, common English suffixes) that rare training words teach the
-// model about, the classic unknown-word model of HMM taggers. Plain C++17.
+// "signature" classes (capitalisation, digits, hyphen, last letters) that rare training words teach the model about,
+// the classic unknown-word model of HMM taggers. Plain C++17.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -35,7 +35,7 @@ class Vocabulary {
   int64_t add(const std::string& symbol);
 };
 
-// The signature class of a word, e.g. "<unk-Cap-ing>", "<unk-num>", "<unk-lc-s>".
+// The signature class of a word, e.g. "<unk-Cap-~ing>", "<unk-num>", "<unk-lc-dash-~ted>".
 std::string unknown_signature(const std::string& word);
 
 }  // namespace trellis
