@@ -7,6 +7,7 @@ trellis=$1
 work=$2
 py=$3
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+"$py" -c 'import h5py, numpy' 2>/dev/null || { echo "SKIP: $py cannot import h5py and numpy"; exit 77; }
 passed=0 failed=0
 ok() { passed=$((passed + 1)); }
 fail() { echo "FAIL: $*"; failed=$((failed + 1)); }

@@ -1,0 +1,138 @@
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "test_util.h"
+#include "trellis/hmm_tasks.h"
+
+using namespace trellis;
+using namespace trellis::testing;
+
+namespace {
+
+std::string scratch(const std::string& name) {
+  return "/tmp/trellis_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+}  // namespace
+
+TEST(HMMFiles, ModelsRoundTripThroughHdf5) {
+  const std::string path = scratch("model.h5");
+  HMMModelFile c{CategoricalHMM::random(3, 7, 1), {"a", "b", "c"}, {}, {-3.5, -2.25}};
+  save_hmm(path, c);
+  const HMMModelFile c2 = load_hmm(path);
+  const auto& m = std::get<CategoricalHMM>(c2.model);
+  const auto& m0 = std::get<CategoricalHMM>(c.model);
+  expect_close(m.log_emissions, m0.log_emissions);
+  expect_close(m.log_transitions, m0.log_transitions);
+  EXPECT_EQ(c2.state_names, c.state_names);
+  EXPECT_EQ(c2.log_likelihood_history, c.log_likelihood_history);
+  save_hmm(path, {GaussianHMM::random(2, 4, 2)});
+  const auto g = std::get<GaussianHMM>(load_hmm(path).model);
+  expect_close(g.variances, GaussianHMM::random(2, 4, 2).variances);
+  std::remove(path.c_str());
+}
+
+TEST(HMMFiles, DatasetsRoundTripAndBatchesRespectTheBudget) {
+  const std::string path = scratch("data.h5");
+  const HMMSample s = sample(CategoricalHMM::random(3, 9, 3), 40, 1, 25, 4);
+  {
+    HMMDatasetWriter w(path, 0, true);
+    w.append(s.observations.slice(0, 0, 15), s.lengths.slice(0, 0, 15), s.states.slice(0, 0, 15));
+    w.append(s.observations.slice(0, 15), s.lengths.slice(0, 15), s.states.slice(0, 15));
+    w.write_strings("vocabulary", {"a", "b", "c", "d", "e", "f", "g", "h", "ü"});
+    w.commit();
+  }
+  HMMDataset d(path);
+  EXPECT_TRUE(d.categorical());
+  EXPECT_EQ(d.num_sequences(), 40);
+  EXPECT_EQ(d.num_tokens(), s.lengths.sum().item<int64_t>());
+  EXPECT_EQ(d.vocabulary().back(), "ü");
+  int64_t next = 0;
+  for (const auto& [first, count] : d.batches(60)) {
+    EXPECT_EQ(first, next);
+    next += count;
+    const SequenceBatch b = d.read(first, count, true);
+    EXPECT_TRUE(count == 1 || b.observations.numel() <= 60);
+    EXPECT_TRUE(at::equal(b.lengths, s.lengths.slice(0, first, first + count)));
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t L = b.lengths[i].item<int64_t>();
+      EXPECT_TRUE(at::equal(b.observations[i].slice(0, 0, L), s.observations[first + i].slice(0, 0, L)));
+      EXPECT_TRUE(at::equal(b.labels[i].slice(0, 0, L), s.states[first + i].slice(0, 0, L)));
+    }
+  }
+  EXPECT_EQ(next, 40);
+  std::remove(path.c_str());
+}
+
+TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
+  const std::string path = scratch("never.h5");
+  { HMMDatasetWriter w(path, 2, false); }
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
+TEST(Vocabulary, RareWordsTrainSignaturesThatUnknownWordsBackOffTo) {
+  const Vocabulary v = Vocabulary::build({"the", "the", "Running", "cats", "cats", "42"}, 2, Vocabulary::Unknown::signatures);
+  EXPECT_TRUE(v.known("the"));
+  EXPECT_FALSE(v.known("Running"));
+  EXPECT_EQ(v.id("Jumping"), v.id("Running"));  // the same class: <unk-Cap-~ing>
+  EXPECT_EQ(unknown_signature("Running"), "<unk-Cap-~ing>");
+  EXPECT_EQ(unknown_signature("1,000"), "<unk-num>");
+  EXPECT_EQ(v.id("7"), v.id("42"));
+  EXPECT_EQ(v.id("Walked"), v.id("Running"));  // neither <unk-Cap-~ked> nor <unk-Cap> exists: the first class
+  const Vocabulary again = Vocabulary::from_symbols(v.symbols());
+  EXPECT_EQ(again.unknown(), Vocabulary::Unknown::signatures);
+  EXPECT_EQ(again.id("Jumping"), v.id("Jumping"));
+  const Vocabulary strict = Vocabulary::build({"a", "b"}, 1, Vocabulary::Unknown::error);
+  EXPECT_EQ(strict.id("c"), -1);
+  EXPECT_EQ(Vocabulary::build({"a"}, 2, Vocabulary::Unknown::single).id("zzz"), 0);
+}
+
+TEST(HMMCuda, GaussianAndLargeKMatchCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  const at::Device cuda(at::kCUDA);
+  const GaussianHMM g = GaussianHMM::random(6, 5, 30);
+  const HMMSample s = sample(g, 16, 1, 40, 31);
+  const auto gc = g.to(at::TensorOptions().device(cuda));
+  expect_close(log_likelihood(gc, s.observations.to(cuda), s.lengths).cpu(), log_likelihood(g, s.observations, s.lengths),
+               1e-9, 1e-9);
+  expect_close(posteriors(gc, s.observations.to(cuda), s.lengths).cpu(), posteriors(g, s.observations, s.lengths), 1e-9,
+               1e-9);
+  for (int64_t K : {64, 300}) {
+    const CategoricalHMM m = CategoricalHMM::random(K, 50, 32);
+    const HMMSample c = sample(m, 8, 1, 30, 33);
+    for (const auto dtype : {at::kDouble, at::kFloat}) {
+      const auto mc = m.to(at::TensorOptions().device(cuda).dtype(dtype));
+      const double tol = dtype == at::kDouble ? 1e-9 : 1e-3;
+      expect_close(log_likelihood(mc, c.observations.to(cuda), c.lengths).cpu().to(at::kDouble),
+                   log_likelihood(m, c.observations, c.lengths), tol, tol);
+      const ViterbiResult a = viterbi(mc, c.observations.to(cuda), c.lengths), b = viterbi(m, c.observations, c.lengths);
+      expect_close(a.score.cpu().to(at::kDouble), b.score, tol, tol);
+      if (dtype == at::kDouble) EXPECT_TRUE(at::equal(a.path.cpu(), b.path));
+    }
+  }
+}
+
+TEST(HMMCuda, StreamedInferenceAndEmMatchCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  const std::string data = scratch("cuda_data.h5"), a = scratch("cpu_out.h5"), b = scratch("cuda_out.h5");
+  const HMMModelFile model{CategoricalHMM::random(8, 20, 40)};
+  sample_dataset(model, data, 300, 1, 50, 41);
+  HMMDataset d(data);
+  HMMRunOptions cpu, gpu;
+  cpu.memory_budget = gpu.memory_budget = 200000;  // several batches
+  gpu.device = "cuda";
+  const InferSummary x = infer_dataset(model, d, a, true, cpu), y = infer_dataset(model, d, b, true, gpu);
+  EXPECT_NEAR(x.log_likelihood, y.log_likelihood, 1e-8 * std::abs(x.log_likelihood));
+  const LabelAccuracy p = score_predictions(d, a), q = score_predictions(d, b);
+  EXPECT_EQ(p.correct, q.correct);
+  HMMFitOptions fit;
+  fit.initial = HMMModelFile{CategoricalHMM::random(8, 20, 42)};
+  fit.em.max_iterations = 5;
+  fit.em.tolerance = 0;
+  const HMMModelFile e = fit_dataset(d, fit, cpu), f = fit_dataset(d, fit, gpu);
+  ASSERT_EQ(e.log_likelihood_history.size(), 5u);
+  for (std::size_t i = 0; i < 5; ++i)
+    EXPECT_NEAR(e.log_likelihood_history[i], f.log_likelihood_history[i], 1e-8 * std::abs(e.log_likelihood_history[i]));
+  for (const auto& p : {data, a, b}) std::remove(p.c_str());
+}
