@@ -43,9 +43,18 @@ Vocabulary Vocabulary::from_symbols(std::vector<std::string> symbols) {
   return v;
 }
 
+bool Vocabulary::known(const std::string& word) const {
+  const int64_t i = id(word);
+  return i >= 0 && !is_unknown_class(symbols_[i]);
+}
+
 int64_t Vocabulary::id(const std::string& word) const {
   if (const auto it = index_.find(word); it != index_.end() && !is_unknown_class(word)) return it->second;
   if (unknown_ == Unknown::error) return -1;
+  // A capitalised form of a known word (sentence-initial "The") is that word.
+  std::string lower(word);
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (const auto it = index_.find(lower); it != index_.end() && lower != word) return it->second;
   if (unknown_ == Unknown::signatures) {
     // A signature never seen in training backs off to a more general one: drop its last part until one is known.
     std::string sig = unknown_signature(word);

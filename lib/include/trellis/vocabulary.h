@@ -21,7 +21,8 @@ class Vocabulary {
 
   // The id of a word; an unknown word maps to its class, or is -1 with Unknown::error.
   int64_t id(const std::string& word) const;
-  bool known(const std::string& word) const { return index_.count(word) > 0 && !is_unknown_class(word); }
+  // Whether the word maps to a word of the vocabulary (itself or its lowercase form), not to an unknown class.
+  bool known(const std::string& word) const;
   const std::vector<std::string>& symbols() const { return symbols_; }
   int64_t size() const { return static_cast<int64_t>(symbols_.size()); }
   Unknown unknown() const { return unknown_; }
