@@ -149,6 +149,8 @@ int fit(const std::vector<std::string>& args) {
       ("states,k", po::value(&f.states)->default_value(0), "number of states (EM without --init; supervised: default from the labels)")
       ("symbols,v", po::value(&f.symbols)->default_value(0), "vocabulary size V (default: the data's vocabulary, or largest id + 1)")
       ("supervised", po::bool_switch(&f.supervised), "maximum likelihood from the dataset's /labels instead of EM")
+      ("order", po::value(&f.order)->default_value(1),
+       "supervised: 1 (bigram) or 2 (trigram: states are label pairs, transitions interpolated as in TnT)")
       ("init", po::value(&init_path), "EM from this model instead of random starts")
       ("restarts", po::value(&f.restarts)->default_value(1), "random starts; the highest final log-likelihood wins")
       ("seed", po::value(&f.seed)->default_value(0), "random seed of the starts")

@@ -51,6 +51,11 @@ printf 'the DT\nbird NN\nsang VBD\n\n' >dev.txt
 "$trellis" hmm fit -d train.h5 -o pos.h5 --supervised --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m pos.h5 -d dev.h5 -o pred.h5 >/dev/null 2>&1 &&
   "$trellis" hmm eval -d dev.h5 -p pred.h5 | grep -q "accuracy" && ok || fail "supervised POS round trip"
+"$trellis" hmm fit -d train.h5 -o pos2.h5 --supervised --order 2 --smoothing 0.1 2>/dev/null &&
+  "$trellis" hmm infer -m pos2.h5 -d train.h5 -o pred2.h5 >/dev/null 2>&1 &&
+  "$trellis" hmm eval -d train.h5 -p pred2.h5 | grep -q "accuracy 100.00%" && ok || fail "second-order model round trip"
+expect_error "second order without labels" "--order must be 1, or 2 with --supervised" m.h5 \
+  "$trellis" hmm fit -d train.h5 -o m.h5 --states 3 --order 2
 printf 'the DT\ncat XX\n\n' >badlabel.txt
 expect_error "unknown label" "badlabel.txt:2: label 'XX'" bl.h5 \
   "$trellis" hmm convert -i badlabel.txt -o bl.h5 --vocabulary-from train.h5

@@ -323,6 +323,69 @@ CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& 
   return shape.maximise(labelled_statistics(shape, observations, states, lengths), {smoothing});
 }
 
+TrigramCounts& TrigramCounts::operator+=(const TrigramCounts& o) {
+  for (auto [a, b] : {std::pair{&unigrams, &o.unigrams}, {&bigrams, &o.bigrams}, {&trigrams, &o.trigrams},
+                      {&emissions, &o.emissions}})
+    *a = a->defined() ? *a + *b : *b;
+  return *this;
+}
+
+TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& labels, const at::Tensor& lengths,
+                             int64_t K, int64_t V) {
+  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
+  const CategoricalHMM::Statistics s = labelled_statistics(shape, observations, labels, lengths);  // validates
+  const at::Tensor l = labels.cpu().to(at::kLong);
+  const at::Tensor mask = valid_mask(l, lengths.defined() ? lengths.cpu() : lengths);
+  // Each sequence preceded by the start symbol K (twice, for the first trigram's context).
+  const at::Tensor x = at::cat({at::full({l.size(0), 2}, K, at::kLong), l.masked_fill(~mask, 0)}, 1);
+  const at::Tensor m = at::cat({at::ones({l.size(0), 2}, at::kBool), mask}, 1);
+  const auto count = [](const at::Tensor& ids, int64_t n) { return at::bincount(ids, {}, n).to(at::kDouble); };
+  const at::Tensor a = x.slice(1, 0, -2), b = x.slice(1, 1, -1), c = x.slice(1, 2), valid = m.slice(1, 2);
+  TrigramCounts t;
+  t.unigrams = s.emissions.sum(1);
+  t.bigrams = count((b * K + c).masked_select(valid), (K + 1) * K).view({K + 1, K});
+  // (start, start, c) is the start distribution, already in bigrams' row K: only real-context trigrams here.
+  const at::Tensor tri = valid & (b < K);
+  t.trigrams = count(((a * K + b) * K + c).masked_select(tri), (K + 1) * K * K).view({K + 1, K, K});
+  t.emissions = s.emissions;
+  return t;
+}
+
+CategoricalHMM second_order_hmm(const TrigramCounts& n, double emission_smoothing) {
+  const int64_t K = n.unigrams.size(0);
+  // TnT's deleted interpolation: each trigram's count goes to the estimate that best predicts it held out.
+  const at::Tensor c3 = n.trigrams, c2ab = n.bigrams.unsqueeze(2);                 // [K+1,K,1]
+  const at::Tensor c2bc = n.bigrams.slice(0, 0, K).unsqueeze(0), c1b = n.unigrams.view({1, K, 1});
+  const at::Tensor c1c = n.unigrams.view({1, 1, K});
+  const double N = n.unigrams.sum().item<double>();
+  const auto held_out = [](const at::Tensor& num, const at::Tensor& den) {
+    return at::where(den > 1, (num - 1) / (den - 1).clamp_min(1), at::zeros_like(num));
+  };
+  const at::Tensor r3 = held_out(c3, c2ab.expand_as(c3)), r2 = held_out(c2bc.expand_as(c3), c1b.expand_as(c3));
+  const at::Tensor r1 = (c1c.expand_as(c3) - 1) / (N - 1);
+  const at::Tensor seen = c3 > 0;
+  const at::Tensor w3 = seen & (r3 >= r2) & (r3 >= r1), w2 = seen & ~w3 & (r2 >= r1), w1 = seen & ~w3 & ~w2;
+  at::Tensor lambda = at::stack({(c3 * w1).sum(), (c3 * w2).sum(), (c3 * w3).sum()});
+  lambda = lambda / lambda.sum();
+  const auto rows = [](const at::Tensor& c) { return c / c.sum(-1, true).clamp_min(1e-300); };
+  const at::Tensor p3 = rows(c3), p2 = rows(n.bigrams.slice(0, 0, K)).unsqueeze(0), p1 = (n.unigrams / N).view({1, 1, K});
+  const at::Tensor mix = lambda[2] * p3 + lambda[1] * p2 + lambda[0] * p1;
+  // [K+1,K,K]: P(c | a, b). Contexts never seen lack the trigram part (renormalised) or, with a zero unigram weight,
+  // everything (uniform).
+  const at::Tensor total = mix.sum(-1, true);
+  const at::Tensor p = at::where(total > 0, mix / total.clamp_min(1e-300), at::full_like(mix, 1.0 / K));
+  // Pair states (a,b), a in [0,K] (K: start): (a,b) -> (b,c) with probability p[a][b][c].
+  const int64_t S = (K + 1) * K;
+  at::Tensor trans = at::zeros({K + 1, K, K + 1, K}, at::kDouble);
+  const at::Tensor bi = at::arange(K);
+  trans.index_put_({at::indexing::Slice(), bi, bi}, p);  // p[a][b][c] at (a,b) -> (b,c)
+  trans = trans.view({S, S});
+  at::Tensor start = at::zeros({K + 1, K}, at::kDouble);
+  start[K] = (lambda[2] + lambda[1]) * rows(n.bigrams[K]) + lambda[0] * n.unigrams / N;  // P(b | start)
+  const at::Tensor emit = normalise_rows(n.emissions + emission_smoothing, {});
+  return {start.flatten().log(), trans.log(), emit.repeat({K + 1, 1})};
+}
+
 template <class HMM>
 BaumWelchResult<HMM> baum_welch(const HMM& initial, const at::Tensor& observations, const at::Tensor& lengths,
                                 const BaumWelchOptions& options) {

@@ -254,6 +254,10 @@ HMMModelFile load_hmm(const std::string& path) {
     if (!out.state_names.empty() && static_cast<int64_t>(out.state_names.size()) != K)
       throw Error(path + ": 'state_names' has " + std::to_string(out.state_names.size()) + " entries for " +
                   std::to_string(K) + " states");
+    if (exists(f, "state_labels")) {
+      const at::Tensor l = read_doubles(f, path, "state_labels", {K}).to(at::kLong);
+      out.state_labels.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + K);
+    }
     if (exists(f, "log_likelihood_history")) {
       const at::Tensor h = read_doubles(f, path, "log_likelihood_history", {-1});
       out.log_likelihood_history.assign(h.data_ptr<double>(), h.data_ptr<double>() + h.numel());
@@ -287,6 +291,11 @@ void save_hmm(const std::string& path, const HMMModelFile& m) {
         m.model);
     write_strings(f, "state_names", m.state_names);
     write_strings(f, "vocabulary", m.vocabulary);
+    if (!m.state_labels.empty()) {
+      const hsize_t n = m.state_labels.size();
+      f.createDataSet("state_labels", H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
+          .write(m.state_labels.data(), H5::PredType::NATIVE_INT64);
+    }
     if (!m.log_likelihood_history.empty())
       write_doubles(f, "log_likelihood_history", at::tensor(m.log_likelihood_history, at::kDouble));
   });
@@ -531,28 +540,32 @@ void HMMDatasetWriter::commit() {
 struct HMMInferenceWriter::Impl {
   TemporaryH5 out;
   Appendable log_likelihood, viterbi, states;
-  std::unique_ptr<Appendable> posteriors;
-  int64_t K;
+  std::unique_ptr<Appendable> posteriors, labels;
+  at::Tensor state_labels;
 
-  Impl(const std::string& path, const std::vector<int64_t>& offsets, int64_t k, bool with_posteriors)
+  Impl(const std::string& path, const std::vector<int64_t>& offsets, int64_t k, bool with_posteriors,
+       const std::vector<int64_t>& state_label_ids)
       : out(path),
         log_likelihood(h5(path, [&] { return Appendable(out.file(), "log_likelihood", H5::PredType::IEEE_F64LE, 0, false); })),
         viterbi(h5(path, [&] { return Appendable(out.file(), "viterbi_log_prob", H5::PredType::IEEE_F64LE, 0, false); })),
-        states(h5(path, [&] { return Appendable(out.file(), "states", H5::PredType::STD_I32LE, 0, false); })),
-        K(k) {
+        states(h5(path, [&] { return Appendable(out.file(), "states", H5::PredType::STD_I32LE, 0, false); })) {
     h5(path, [&] {
       const hsize_t n = offsets.size();
       out.file().createDataSet("offsets", H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
           .write(offsets.data(), H5::PredType::NATIVE_INT64);
       if (with_posteriors)
         posteriors = std::make_unique<Appendable>(out.file(), "posteriors", H5::PredType::IEEE_F32LE, k, true);
+      if (!state_label_ids.empty()) {
+        labels = std::make_unique<Appendable>(out.file(), "labels", H5::PredType::STD_I32LE, 0, false);
+        state_labels = at::tensor(state_label_ids, at::kLong);
+      }
     });
   }
 };
 
 HMMInferenceWriter::HMMInferenceWriter(const std::string& path, const std::vector<int64_t>& offsets, int64_t K,
-                                       bool with_posteriors)
-    : impl_(std::make_unique<Impl>(path, offsets, K, with_posteriors)) {}
+                                       bool with_posteriors, const std::vector<int64_t>& state_labels)
+    : impl_(std::make_unique<Impl>(path, offsets, K, with_posteriors, state_labels)) {}
 HMMInferenceWriter::~HMMInferenceWriter() = default;
 
 void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob,
@@ -563,7 +576,9 @@ void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tens
   h5(w.out.path(), [&] {
     w.log_likelihood.append(log_likelihood.detach().cpu().to(at::kDouble));
     w.viterbi.append(viterbi_log_prob.detach().cpu().to(at::kDouble));
-    w.states.append(unpad(paths, lengths).to(at::kInt).squeeze(1));
+    const at::Tensor path = unpad(paths, lengths).squeeze(1);
+    w.states.append(path.to(at::kInt));
+    if (w.labels) w.labels->append(w.state_labels.index_select(0, path).to(at::kInt));
     if (w.posteriors) w.posteriors->append(unpad(posteriors, lengths).to(at::kFloat));
   });
 }
@@ -577,7 +592,7 @@ LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions
   return h5(predictions, [&] {
     const H5::H5File f = open_readonly(predictions);
     if (!exists(f, "states") || !exists(f, "offsets")) throw Error(predictions + ": missing '/states' or '/offsets'");
-    const H5::DataSet off = f.openDataSet("offsets"), states = f.openDataSet("states");
+    const H5::DataSet off = f.openDataSet("offsets"), states = f.openDataSet(exists(f, "labels") ? "labels" : "states");
     std::vector<int64_t> o(dims_of(off).at(0));
     off.read(o.data(), H5::PredType::NATIVE_INT64);
     if (o != data.offsets())

@@ -111,7 +111,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
   std::visit(
       [&](const auto& stored) {
         const auto m = stored.to(opt);
-        HMMInferenceWriter out(output, data.offsets(), m.num_states(), with_posteriors);
+        HMMInferenceWriter out(output, data.offsets(), m.num_states(), with_posteriors, model.state_labels);
         for (const auto& [first, count] : data.batches(max_tokens)) {
           const SequenceBatch b = data.read(first, count);
           const at::Tensor lengths = b.lengths.to(opt.device());
@@ -142,7 +142,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
                          const std::function<void(const EMIteration&)>& on_iteration) {
   const at::TensorOptions opt = run_options(o);
   const at::TensorOptions f64 = opt.dtype(at::kDouble);
-  HMMModelFile out{CategoricalHMM{}, data.label_names(), data.vocabulary(), {}};
+  HMMModelFile out{CategoricalHMM{}, data.label_names(), data.vocabulary(), {}, {}};
   const int64_t scan_tokens = std::max<int64_t>(1, o.memory_budget / 64);
 
   // The model's shape: K states, and V symbols or F features.
@@ -161,6 +161,8 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens) + 1 : int64_t(out.state_names.size());
     data.expect_labels(K);
   }
+  if (fit.order != 1 && (fit.order != 2 || !fit.supervised))
+    throw Error("--order must be 1, or 2 with --supervised (second-order models are estimated from labels)");
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
   if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens) + 1 : int64_t(out.vocabulary.size());
   if (data.categorical()) data.expect_symbols(V);
@@ -176,6 +178,27 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
       [&](const auto& shape) {
         using HMM = std::decay_t<decltype(shape)>;
         using Stats = typename HMM::Statistics;
+        if (fit.supervised && fit.order == 2) {
+          if constexpr (std::is_same_v<HMM, CategoricalHMM>) {
+            TrigramCounts total;
+            for (const auto& [first, count] : ranges) {
+              const SequenceBatch b = data.read(first, count, true);
+              total += trigram_counts(b.observations, b.labels, b.lengths, K, V);
+            }
+            out.model = second_order_hmm(total, fit.em.m_step.smoothing);
+            std::vector<std::string> names;
+            for (int64_t s = 0; s < (K + 1) * K; ++s) {
+              const int64_t a = s / K, b = pair_label(s, K);
+              out.state_labels.push_back(b);
+              if (!out.state_names.empty())
+                names.push_back((a == K ? std::string("<s>") : out.state_names[a]) + " " + out.state_names[b]);
+            }
+            out.state_names = names;
+          } else {
+            throw Error("second-order models need categorical observations");
+          }
+          return;
+        }
         if (fit.supervised) {
           Stats total;
           for (const auto& [first, count] : ranges) {

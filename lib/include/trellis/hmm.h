@@ -123,6 +123,23 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t num_states, int64_t num_symbols, double smoothing = 1.0);
 
+// Second-order (trigram) HMM taggers, run as first-order HMMs over (previous, current) label pairs: state a·K + b
+// for labels a, b in [0,K), and K·K + b for a sequence's first label b. Only pair-consistent transitions
+// (a,b) -> (b,c) are allowed (-inf elsewhere) and every pair emits like its current label.
+struct TrigramCounts {
+  at::Tensor unigrams;   // [K]
+  at::Tensor bigrams;    // [K+1,K]: row K is the sequence start
+  at::Tensor trigrams;   // [K+1,K,K]: [a][b][c], a = K for the sequence start
+  at::Tensor emissions;  // [K,V]
+  TrigramCounts& operator+=(const TrigramCounts& other);
+};
+TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& labels, const at::Tensor& lengths,
+                             int64_t num_labels, int64_t num_symbols);
+// Transitions interpolate trigram, bigram and unigram estimates with TnT's deleted-interpolation weights; emissions
+// get additive smoothing.
+CategoricalHMM second_order_hmm(const TrigramCounts& counts, double emission_smoothing);
+inline int64_t pair_label(int64_t state, int64_t num_labels) { return state % num_labels; }
+
 struct BaumWelchOptions {
   int max_iterations = 100;
   double tolerance = 1e-6;  // stop when the total log-likelihood gains less than this (relative to the token count)

@@ -19,6 +19,7 @@ struct HMMModelFile {
   std::vector<std::string> state_names;         // optional (empty)
   std::vector<std::string> vocabulary;          // optional (empty)
   std::vector<double> log_likelihood_history;   // total log-likelihood before each EM update; optional
+  std::vector<int64_t> state_labels;            // optional: the label each state stands for (second-order models)
 };
 // Tensors come back as float64 on the CPU.
 HMMModelFile load_hmm(const std::string& path);
@@ -85,8 +86,9 @@ class HMMDatasetWriter {
 // Writes what `trellis hmm infer` computes, in the dataset's order.
 class HMMInferenceWriter {
  public:
+  // With state_labels (see HMMModelFile), /labels gets the label of each Viterbi state as well.
   HMMInferenceWriter(const std::string& path, const std::vector<int64_t>& offsets, int64_t num_states,
-                     bool with_posteriors);
+                     bool with_posteriors, const std::vector<int64_t>& state_labels = {});
   ~HMMInferenceWriter();
   // One batch: log_likelihood and viterbi_log_prob [B], paths [B,T], lengths [B], posteriors [B,T,K].
   void append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,
@@ -102,7 +104,7 @@ struct LabelAccuracy {
   int64_t tokens = 0, correct = 0;
   double accuracy() const { return tokens ? 100.0 * correct / tokens : 0.0; }
 };
-// Token accuracy of `predictions` (an infer output's /states) against the dataset's /labels.
+// Token accuracy of `predictions` (an infer output's /labels, or /states) against the dataset's /labels.
 LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions);
 
 }  // namespace trellis

@@ -38,6 +38,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
 
 struct HMMFitOptions {
   bool supervised = false;  // maximum likelihood from /labels instead of EM
+  int order = 1;            // supervised only: 2 for a second-order (trigram) model over label pairs
   int64_t states = 0;       // K (0: from the initial model, or the labels' names or largest id)
   int64_t symbols = 0;      // V for categorical data (0: the vocabulary's size, or the largest id + 1)
   std::optional<HMMModelFile> initial;  // EM start; otherwise random starts
