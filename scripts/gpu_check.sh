@@ -44,7 +44,7 @@ if [ -x "$build/apps/trellis" ] && "$build/apps/trellis" bench --help >/dev/null
   cat "$out/bench.log"
 fi
 if [ -x "$build/apps/trellis" ]; then
-  step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda cpu
+  step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
   cat "$out/hmm_bench.log"
 fi
 exit $status
