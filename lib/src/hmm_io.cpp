@@ -237,7 +237,9 @@ HMMModelFile load_hmm(const std::string& path) {
     if (K < 1) throw Error(path + ": the model has no states");
     const at::Tensor log_start = log_probability_rows(start, path, "startprob");
     const at::Tensor log_trans = log_probability_rows(read_doubles(f, path, "transmat", {K, K}), path, "transmat");
-    HMMModelFile out{CategoricalHMM{}, read_strings(f, path, "state_names"), read_strings(f, path, "vocabulary"), {}};
+    HMMModelFile out;
+    out.state_names = read_strings(f, path, "state_names");
+    out.vocabulary = read_strings(f, path, "vocabulary");
     if (emission == "categorical") {
       const at::Tensor e = read_doubles(f, path, "emissionprob", {K, -1});
       out.model = CategoricalHMM{log_start, log_trans, log_probability_rows(e, path, "emissionprob")};

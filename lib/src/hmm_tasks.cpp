@@ -142,7 +142,9 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
                          const std::function<void(const EMIteration&)>& on_iteration) {
   const at::TensorOptions opt = run_options(o);
   const at::TensorOptions f64 = opt.dtype(at::kDouble);
-  HMMModelFile out{CategoricalHMM{}, data.label_names(), data.vocabulary(), {}, {}};
+  HMMModelFile out;
+  out.state_names = data.label_names();
+  out.vocabulary = data.vocabulary();
   const int64_t scan_tokens = std::max<int64_t>(1, o.memory_budget / 64);
 
   // The model's shape: K states, and V symbols or F features.
@@ -169,8 +171,10 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   if (int64_t(out.state_names.size()) != K) out.state_names.clear();
   if (int64_t(out.vocabulary.size()) != V) out.vocabulary.clear();
   const int64_t F = data.num_features();
-  HMMModelFile shape_file{CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)}};
-  if (!data.categorical())
+  HMMModelFile shape_file;
+  if (data.categorical())
+    shape_file.model = CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)};
+  else
     shape_file.model = GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
   const auto ranges = data.batches(batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
 
