@@ -3,23 +3,10 @@
 # (and line where there is one) and writes nothing under the output's name; CRLF files and 10k-token sentences work.
 # Usage: cli_test.sh TRELLIS_BINARY WORK_DIR
 set -uo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cli_harness.sh" || exit 1
 trellis=$1
 work=$2
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
-passed=0 failed=0
-ok() { passed=$((passed + 1)); }
-fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
-
-# expect_error NAME NEEDLE OUTPUT_FILE COMMAND...: non-zero exit, NEEDLE in stderr, OUTPUT_FILE not created.
-expect_error() {
-  local name=$1 needle=$2 output=$3
-  shift 3
-  if "$@" >stdout.txt 2>stderr.txt; then fail "$name: exit code 0"; return; fi
-  if ! grep -qF -- "$needle" stderr.txt; then fail "$name: stderr lacks '$needle': $(cat stderr.txt)"; return; fi
-  if [ -e "$output" ]; then fail "$name: $output was written"; return; fi
-  if ls "$output".tmp.* >/dev/null 2>&1; then fail "$name: a temporary file was left"; return; fi
-  ok
-}
 
 printf 'the DT B-NP\ncat NN I-NP\nsat VBD B-VP\n\na DT B-NP\ndog NN I-NP\n\n' >train.txt
 printf 'Uw:%%x[0,0]\nUp:%%x[0,1]\nB\n' >good.tpl

@@ -3,24 +3,12 @@
 # and index, and nothing appears under the output's name (not even when the error comes after batches were written).
 # Usage: hmm_cli_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with h5py and numpy, to write the bad files)
 set -uo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cli_harness.sh" || exit 1
 trellis=$1
 work=$2
 py=$3
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
 "$py" -c 'import h5py, numpy' 2>/dev/null || { echo "SKIP: $py cannot import h5py and numpy"; exit 77; }
-passed=0 failed=0
-ok() { passed=$((passed + 1)); }
-fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
-
-expect_error() {  # NAME NEEDLE OUTPUT_FILE COMMAND...
-  local name=$1 needle=$2 output=$3
-  shift 3
-  if "$@" >stdout.txt 2>stderr.txt; then fail "$name: exit code 0"; return; fi
-  if ! grep -qF -- "$needle" stderr.txt; then fail "$name: stderr lacks '$needle': $(cat stderr.txt)"; return; fi
-  if [ -e "$output" ]; then fail "$name: $output was written"; return; fi
-  if ls "$output".tmp.* >/dev/null 2>&1; then fail "$name: a temporary file was left"; return; fi
-  ok
-}
 
 # Good path: random model, sample, infer, EM, supervised fit.
 "$trellis" hmm init --states 3 --symbols 6 --seed 1 -o cat.h5 2>/dev/null && ok || fail "init categorical"

@@ -35,6 +35,21 @@ H5::H5File open_readonly(const std::string& path) {
   return H5::H5File(path, H5F_ACC_RDONLY);
 }
 
+const H5::PredType& native_type(at::ScalarType t) {
+  switch (t) {
+    case at::kInt: return H5::PredType::NATIVE_INT32;
+    case at::kLong: return H5::PredType::NATIVE_INT64;
+    case at::kFloat: return H5::PredType::NATIVE_FLOAT;
+    case at::kDouble: return H5::PredType::NATIVE_DOUBLE;
+    default: throw Error("HDF5: no native type for " + std::string(c10::toString(t)));
+  }
+}
+
+void write_int64s(H5::H5File& file, const std::string& name, const std::vector<int64_t>& values) {
+  const hsize_t n = values.size();
+  file.createDataSet(name, H5::PredType::STD_I64LE, H5::DataSpace(1, &n)).write(values.data(), H5::PredType::NATIVE_INT64);
+}
+
 bool exists(const H5::H5File& file, const std::string& name) { return H5Lexists(file.getId(), name.c_str(), H5P_DEFAULT) > 0; }
 
 std::vector<hsize_t> dims_of(const H5::DataSet& ds) {
@@ -201,13 +216,7 @@ class Appendable {
   }
   void append(const at::Tensor& t) {
     const at::Tensor c = t.contiguous();
-    const H5::PredType& mem = c.scalar_type() == at::kInt    ? H5::PredType::NATIVE_INT32
-                              : c.scalar_type() == at::kLong ? H5::PredType::NATIVE_INT64
-                              : c.scalar_type() == at::kFloat ? H5::PredType::NATIVE_FLOAT
-                                                              : H5::PredType::NATIVE_DOUBLE;
-    TORCH_CHECK(c.scalar_type() == at::kInt || c.scalar_type() == at::kLong || c.scalar_type() == at::kFloat ||
-                c.scalar_type() == at::kDouble);
-    append(c.data_ptr(), c.size(0), mem);
+    append(c.data_ptr(), c.size(0), native_type(c.scalar_type()));
   }
   hsize_t rows() const { return rows_; }
 
@@ -293,11 +302,7 @@ void save_hmm(const std::string& path, const HMMModelFile& m) {
         m.model);
     write_strings(f, "state_names", m.state_names);
     write_strings(f, "vocabulary", m.vocabulary);
-    if (!m.state_labels.empty()) {
-      const hsize_t n = m.state_labels.size();
-      f.createDataSet("state_labels", H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
-          .write(m.state_labels.data(), H5::PredType::NATIVE_INT64);
-    }
+    if (!m.state_labels.empty()) write_int64s(f, "state_labels", m.state_labels);
     if (!m.log_likelihood_history.empty())
       write_doubles(f, "log_likelihood_history", at::tensor(m.log_likelihood_history, at::kDouble));
   });
@@ -332,10 +337,7 @@ struct HMMDataset::Impl {
                                                                            static_cast<hsize_t>(width)};
     H5::DataSpace space = ds.getSpace();
     space.selectHyperslab(H5S_SELECT_SET, count, start);
-    const H5::PredType& mem = type == at::kLong    ? H5::PredType::NATIVE_INT64
-                              : type == at::kFloat ? H5::PredType::NATIVE_FLOAT
-                                                   : H5::PredType::NATIVE_DOUBLE;
-    ds.read(out.data_ptr(), mem, H5::DataSpace(rank, count), space);
+    ds.read(out.data_ptr(), native_type(type), H5::DataSpace(rank, count), space);
     return out;
   }
 
@@ -531,11 +533,7 @@ void HMMDatasetWriter::write_strings(const std::string& name, const std::vector<
 
 void HMMDatasetWriter::commit() {
   Impl& w = *impl_;
-  h5(w.out.path(), [&] {
-    const hsize_t n = w.offsets.size();
-    w.out.file().createDataSet("offsets", H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
-        .write(w.offsets.data(), H5::PredType::NATIVE_INT64);
-  });
+  h5(w.out.path(), [&] { write_int64s(w.out.file(), "offsets", w.offsets); });
   w.out.commit();
 }
 
@@ -552,9 +550,7 @@ struct HMMInferenceWriter::Impl {
         viterbi(h5(path, [&] { return Appendable(out.file(), "viterbi_log_prob", H5::PredType::IEEE_F64LE, 0, false); })),
         states(h5(path, [&] { return Appendable(out.file(), "states", H5::PredType::STD_I32LE, 0, false); })) {
     h5(path, [&] {
-      const hsize_t n = offsets.size();
-      out.file().createDataSet("offsets", H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
-          .write(offsets.data(), H5::PredType::NATIVE_INT64);
+      write_int64s(out.file(), "offsets", offsets);
       if (with_posteriors)
         posteriors = std::make_unique<Appendable>(out.file(), "posteriors", H5::PredType::IEEE_F32LE, k, true);
       if (!state_label_ids.empty()) {
