@@ -1,0 +1,52 @@
+// The LLM output head: log-sum-exp over the vocabulary of the logits x·Wᵀ (+ bias), per-token log-probabilities and
+// the linear cross-entropy loss with its gradients, computed a slab of rows at a time so that the N×V logits are never
+// allocated whole. CPU and CUDA tensors; float32 and float64, and bfloat16/float16 inputs with float32 accumulation.
+//
+// x is [..., D] (leading dimensions are flattened to N rows), weight [V, D], bias [V] or undefined, targets [...] of
+// integer type with values in [0, V) or ignore_index. Logits are formed in float32 (float64 for float64 inputs) and,
+// with a softcap c, replaced by c·tanh(logit / c) (Gemma's soft-capping). Results are float32 (float64 for float64).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace trellis {
+
+enum class Reduction { none, sum, mean };
+// "none", "sum" or "mean"; anything else is an error naming the value.
+Reduction parse_reduction(const std::string& name);
+
+struct HeadOptions {
+  at::Tensor bias;                      // [V], the dtype of x; undefined for none
+  std::optional<double> softcap;        // c > 0: logits become c·tanh(logit / c)
+  int64_t ignore_index = -100;          // targets equal to it are skipped (loss 0, no gradient, not counted)
+  // Bytes of float32 logits held at once (a slab of rows × V); smaller saves memory, larger feeds the GEMM better.
+  int64_t chunk_bytes = int64_t(256) << 20;
+};
+
+struct LossOptions {
+  Reduction reduction = Reduction::mean;  // mean: over the targets that are not ignore_index
+  double label_smoothing = 0;             // ε: loss = (1-ε)·NLL + ε·(mean over the vocabulary of -log p)
+  double z_loss = 0;                      // adds z_loss·lse² per counted token (PaLM's z-loss)
+};
+
+// log Σ_v exp(logit_v) per row: [...]. No autograd state.
+at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
+
+struct TokenLogprobs {
+  at::Tensor logprobs;  // [...]: log p(target); 0 where the target is ignore_index
+  at::Tensor entropy;   // [...]: -Σ_v p_v log p_v of each row; undefined unless asked for
+};
+// The inference path: log-probabilities of the targets (and optionally each row's entropy), no autograd state.
+TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                             const HeadOptions& head = {}, bool with_entropy = false);
+
+// Cross-entropy of the targets under softmax(x·Wᵀ + b), with autograd for x, weight and bias. With a mean or sum
+// reduction the gradients are formed in the same pass as the loss (the logits are needed for both), so backward only
+// scales them; with no reduction, backward recomputes the logits slab by slab.
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                const HeadOptions& head = {}, const LossOptions& loss = {});
+
+}  // namespace trellis

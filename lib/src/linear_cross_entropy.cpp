@@ -1,0 +1,325 @@
+// The linear head a slab of rows at a time: logits of rows [r0, r1) against the whole vocabulary (one GEMM into the
+// accumulation type), the per-row statistics the results need (log-sum-exp through the tree-reduced kernel, the target
+// logit, the logit sum for label smoothing, the expected logit for the entropy), and for training the gradient of the
+// loss with respect to those logits, which two more GEMMs turn into dx rows (complete per slab) and a dW accumulation.
+// The same code runs on CPU and CUDA tensors; on CUDA the GEMMs take bfloat16/float16 operands straight to float32.
+#include "trellis/linear_cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+#include <cmath>
+
+#include "trellis/error.h"
+#include "trellis/semiring_ops.h"
+
+namespace trellis {
+
+Reduction parse_reduction(const std::string& name) {
+  if (name == "none") return Reduction::none;
+  if (name == "sum") return Reduction::sum;
+  if (name == "mean") return Reduction::mean;
+  throw Error("linear head: reduction '" + name + "' is not one of none, sum, mean");
+}
+
+namespace {
+
+// Validated, flattened inputs and the slab size.
+struct Head {
+  at::Tensor x, weight, bias, targets;  // [N,D], [V,D], [V] or undefined, [N] int64 or undefined
+  std::optional<double> softcap;
+  int64_t ignore_index = -100;
+  at::ScalarType acc = at::kFloat;  // the type logits and statistics are formed in
+  std::vector<int64_t> row_shape;   // x's leading dimensions, the shape of per-row results
+  int64_t rows_per_slab = 1;
+
+  int64_t rows() const { return x.size(0); }
+  int64_t vocabulary() const { return weight.size(0); }
+  bool mixed() const { return x.scalar_type() != acc; }
+};
+
+bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
+
+Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, const HeadOptions& o) {
+  TORCH_CHECK(x.defined() && weight.defined(), "linear head: x and weight are required");
+  if (x.dim() < 1) throw Error("linear head: x must have at least one dimension (its last is D)");
+  if (weight.dim() != 2)
+    throw Error(c10::str("linear head: weight must be [V, D], got ", weight.sizes()));
+  if (weight.size(0) < 1) throw Error("linear head: the vocabulary (weight's first dimension) is empty");
+  if (x.size(-1) != weight.size(1))
+    throw Error(c10::str("linear head: x has D=", x.size(-1), " but weight is ", weight.sizes()));
+  if (!supported(x.scalar_type()) || x.scalar_type() != weight.scalar_type())
+    throw Error(c10::str("linear head: x and weight must share one of float32, float64, bfloat16, float16; got ",
+                         x.scalar_type(), " and ", weight.scalar_type()));
+  if (x.device() != weight.device())
+    throw Error(c10::str("linear head: x is on ", x.device(), " but weight on ", weight.device()));
+  Head h;
+  h.acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  h.row_shape = x.sizes().vec();
+  h.row_shape.pop_back();
+  h.x = x.reshape({-1, x.size(-1)}).contiguous();
+  h.weight = weight.contiguous();
+  const int64_t V = weight.size(0);
+  if (o.bias.defined()) {
+    if (o.bias.dim() != 1 || o.bias.size(0) != V)
+      throw Error(c10::str("linear head: bias must be [V] = [", V, "], got ", o.bias.sizes()));
+    if (o.bias.scalar_type() != x.scalar_type() || o.bias.device() != x.device())
+      throw Error("linear head: bias must have x's dtype and device");
+    h.bias = o.bias.contiguous();
+  }
+  if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0))
+    throw Error(c10::str("linear head: softcap must be a positive number, got ", *o.softcap));
+  h.softcap = o.softcap;
+  h.ignore_index = o.ignore_index;
+  if (targets.defined()) {
+    if (!at::isIntegralType(targets.scalar_type(), /*includeBool=*/false))
+      throw Error(c10::str("linear head: targets must be integers, got ", targets.scalar_type()));
+    if (targets.sizes().vec() != h.row_shape)
+      throw Error(c10::str("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
+    if (targets.device() != x.device()) throw Error("linear head: targets must be on x's device");
+    h.targets = targets.reshape({-1}).to(at::kLong);
+    const at::Tensor bad = (h.targets != o.ignore_index) & ((h.targets < 0) | (h.targets >= V));
+    if (bad.any().item<bool>()) {
+      const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+      throw Error(c10::str("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
+                           " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index, ")"));
+    }
+  }
+  const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
+  h.rows_per_slab = std::max<int64_t>(1, o.chunk_bytes / bytes);
+  return h;
+}
+
+// a·b in the accumulation type. CUDA GEMMs read bfloat16/float16 operands and write float32 directly; on the CPU the
+// operands are converted (the CPU path is the reference, not the fast one).
+at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b, at::ScalarType acc) {
+  if (a.scalar_type() == acc && b.scalar_type() == acc) return at::mm(a, b);
+  if (a.is_cuda()) return at::mm(a, b, acc);
+  return at::mm(a.to(acc), b.to(acc));
+}
+
+// c += a·b with c in the accumulation type.
+void addmm_acc_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == c.scalar_type() && b.scalar_type() == c.scalar_type()) c.addmm_(a, b);
+  else if (a.is_cuda()) at::addmm_out(c, c, a, b, c.scalar_type());
+  else c.addmm_(a.to(c.scalar_type()), b.to(c.scalar_type()));
+}
+
+// Soft-capped logits of rows [r0, r0 + n), [n, V] in the accumulation type.
+at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
+  at::Tensor z = mm_acc(h.x.narrow(0, r0, n), h.weight.t(), h.acc);
+  if (h.bias.defined()) z.add_(h.bias.to(h.acc));
+  if (h.softcap) z.div_(*h.softcap).tanh_().mul_(*h.softcap);
+  return z;
+}
+
+struct SlabStats {
+  at::Tensor lse, target_logit, logit_sum;
+};
+
+at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
+
+// Statistics of one slab of logits; the target logit is 0 where the target is ignored.
+SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum) {
+  SlabStats s;
+  s.lse = trellis::logsumexp(z, 1);
+  if (h.targets.defined()) {
+    const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
+    const at::Tensor valid = valid_targets(t, h.ignore_index);
+    s.target_logit = z.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1) * valid;
+  }
+  if (want_sum) s.logit_sum = z.sum(1);
+  return s;
+}
+
+// Per-row loss (0 for ignored rows) from the statistics: lse - (1-ε)·z_t - ε·mean_v z_v + z_loss·lse².
+at::Tensor row_loss(const Head& h, const SlabStats& s, const at::Tensor& valid, const LossOptions& o) {
+  at::Tensor l = s.lse - (1 - o.label_smoothing) * s.target_logit;
+  if (o.label_smoothing != 0) l = l - (o.label_smoothing / static_cast<double>(h.vocabulary())) * s.logit_sum;
+  if (o.z_loss != 0) l = l + o.z_loss * s.lse * s.lse;
+  return l * valid;
+}
+
+struct Gradients {
+  at::Tensor x, weight, bias;  // undefined where not wanted
+};
+
+// dL/dz for one slab, overwriting z: g_i·[p_v·(1 + 2·z_loss·lse) - (1-ε)·[v = t_i] - ε/V], times the soft-cap's
+// derivative 1 - (z/c)². g is 0 for ignored rows.
+at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& lse, const at::Tensor& g, int64_t r0,
+                               const LossOptions& o) {
+  at::Tensor dz = (z - lse.unsqueeze(1)).exp_();
+  if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
+  dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
+  if (o.label_smoothing != 0) dz.sub_((g * (o.label_smoothing / static_cast<double>(h.vocabulary()))).unsqueeze(1));
+  const at::Tensor t = h.targets.narrow(0, r0, dz.size(0));
+  const at::Tensor valid = valid_targets(t, h.ignore_index);
+  dz.scatter_add_(1, at::where(valid, t, 0).unsqueeze(1), (-(1 - o.label_smoothing) * g).unsqueeze(1));
+  if (h.softcap) dz.mul_(z);
+  return dz;
+}
+
+// Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
+Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
+                         std::array<bool, 3> want, at::Tensor* loss = nullptr) {
+  const int64_t N = h.rows();
+  Gradients out;
+  at::Tensor dw_acc;
+  if (want[0]) out.x = at::empty_like(h.x);
+  if (want[1]) dw_acc = at::zeros(h.weight.sizes(), h.x.options().dtype(h.acc));
+  if (want[2]) out.bias = at::zeros({h.vocabulary()}, h.x.options().dtype(h.acc));
+  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, N - r0);
+    at::Tensor z = slab_logits(h, r0, n);
+    at::Tensor slab_lse;
+    if (lse.defined()) {
+      slab_lse = lse.narrow(0, r0, n);
+    } else {
+      const SlabStats s = slab_stats(h, z, r0, o.label_smoothing != 0);
+      slab_lse = s.lse;
+      if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
+    }
+    const at::Tensor dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, o);
+    // The GEMMs take dz in the input type (float32 accumulation inside), as the forward GEMM takes x and W.
+    const at::Tensor dz_in = h.mixed() ? dz.to(h.x.scalar_type()) : dz;
+    if (want[0]) out.x.narrow(0, r0, n).copy_(mm_acc(dz_in, h.weight, h.acc));
+    if (want[1]) addmm_acc_(dw_acc, dz_in.t(), h.x.narrow(0, r0, n));
+    if (want[2]) out.bias.add_(dz.sum(0));
+  }
+  if (want[1]) out.weight = dw_acc.to(h.weight.scalar_type());
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  return out;
+}
+
+// Per-row results without gradients: lse, and optionally the per-row loss, target log-prob and entropy.
+struct RowResults {
+  at::Tensor lse, loss, logprob, entropy;
+};
+
+RowResults head_rows(const Head& h, const LossOptions* loss, bool want_logprob, bool want_entropy) {
+  c10::NoGradGuard no_grad;
+  const int64_t N = h.rows();
+  const auto opts = h.x.options().dtype(h.acc);
+  RowResults r;
+  r.lse = at::empty({N}, opts);
+  if (loss) r.loss = at::empty({N}, opts);
+  if (want_logprob) r.logprob = at::empty({N}, opts);
+  if (want_entropy) r.entropy = at::empty({N}, opts);
+  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, N - r0);
+    const at::Tensor z = slab_logits(h, r0, n);
+    const SlabStats s = slab_stats(h, z, r0, loss && loss->label_smoothing != 0);
+    r.lse.narrow(0, r0, n).copy_(s.lse);
+    if (loss || want_logprob) {
+      const at::Tensor valid = valid_targets(h.targets.narrow(0, r0, n), h.ignore_index);
+      if (loss) r.loss.narrow(0, r0, n).copy_(row_loss(h, s, valid, *loss));
+      if (want_logprob) r.logprob.narrow(0, r0, n).copy_((s.target_logit - s.lse) * valid);
+    }
+    // H = lse - Σ_v p_v·z_v
+    if (want_entropy) r.entropy.narrow(0, r0, n).copy_(s.lse - ((z - s.lse.unsqueeze(1)).exp() * z).sum(1));
+  }
+  return r;
+}
+
+at::Tensor reduce(const at::Tensor& rows, const at::Tensor& valid, Reduction r) {
+  if (r == Reduction::none) return rows;
+  if (r == Reduction::sum) return rows.sum();
+  return rows.sum() / valid.sum();  // NaN when every target is ignored, as in PyTorch
+}
+
+// The row weights g_i of a reduced loss: 1 (sum) or 1/count (mean) for counted rows, 0 for ignored ones.
+at::Tensor row_weights(const at::Tensor& valid, Reduction r, at::ScalarType acc) {
+  const at::Tensor w = valid.to(acc);
+  return r == Reduction::mean ? w / valid.sum() : w;
+}
+
+struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& targets, const HeadOptions* head,
+                            const LossOptions* loss) {
+    HeadOptions ho = *head;
+    ho.bias = bias.numel() ? bias : at::Tensor();
+    const Head h = prepare(x, weight, targets, ho);
+    const std::array<bool, 3> want = {x.requires_grad(), weight.requires_grad(), bias.numel() && bias.requires_grad()};
+    const at::Tensor valid = valid_targets(h.targets, h.ignore_index);
+    ctx->saved_data["reduction"] = static_cast<int64_t>(loss->reduction);
+    ctx->saved_data["label_smoothing"] = loss->label_smoothing;
+    ctx->saved_data["z_loss"] = loss->z_loss;
+    ctx->saved_data["softcap"] = head->softcap ? *head->softcap : 0.0;
+    ctx->saved_data["ignore_index"] = head->ignore_index;
+    ctx->saved_data["chunk_bytes"] = head->chunk_bytes;
+    const bool any = want[0] || want[1] || want[2];
+    if (loss->reduction != Reduction::none && any) {
+      // Reduced loss: form the gradients now, from the same logits; backward scales them by the incoming gradient.
+      at::Tensor rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
+      Gradients g = head_gradients(h, row_weights(valid, loss->reduction, h.acc), {}, *loss, want, &rows);
+      ctx->save_for_backward({g.x.defined() ? g.x.view(x.sizes()) : g.x, g.weight, g.bias});
+      ctx->saved_data["precomputed"] = true;
+      return reduce(rows, valid, loss->reduction);
+    }
+    RowResults r = head_rows(h, loss, false, false);
+    ctx->save_for_backward({x, weight, bias, targets, r.lse});
+    ctx->saved_data["precomputed"] = false;
+    return reduce(r.loss, valid, loss->reduction).view(loss->reduction == Reduction::none ? h.row_shape
+                                                                                           : std::vector<int64_t>{});
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor go = grad_out[0];
+    if (ctx->saved_data["precomputed"].toBool()) {
+      // loss.backward() passes 1: hand the gradients over as they are, without a scaled copy.
+      const bool one = go.item<double>() == 1;
+      auto scale = [&](const at::Tensor& t) { return !t.defined() || one ? t : t * go.to(t.scalar_type()); };
+      return {scale(saved[0]), scale(saved[1]), scale(saved[2]), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &targets = saved[3], &lse = saved[4];
+    HeadOptions ho;
+    if (bias.numel()) ho.bias = bias;
+    const double cap = ctx->saved_data["softcap"].toDouble();
+    if (cap > 0) ho.softcap = cap;
+    ho.ignore_index = ctx->saved_data["ignore_index"].toInt();
+    ho.chunk_bytes = ctx->saved_data["chunk_bytes"].toInt();
+    LossOptions lo;
+    lo.reduction = Reduction::none;
+    lo.label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
+    lo.z_loss = ctx->saved_data["z_loss"].toDouble();
+    const Head h = prepare(x, weight, targets, ho);
+    const at::Tensor g = go.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
+    const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                      bias.numel() && ctx->needs_input_grad(2)};
+    Gradients d = head_gradients(h, g, lse, lo, want);
+    return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head) {
+  const Head h = prepare(x, weight, {}, head);
+  return head_rows(h, nullptr, false, false).lse.view(h.row_shape);
+}
+
+TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                             const HeadOptions& head, bool with_entropy) {
+  if (!targets.defined()) throw Error("token_logprobs: targets are required");
+  const Head h = prepare(x, weight, targets, head);
+  RowResults r = head_rows(h, nullptr, true, with_entropy);
+  return {r.logprob.view(h.row_shape), with_entropy ? r.entropy.view(h.row_shape) : at::Tensor()};
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                const HeadOptions& head, const LossOptions& loss) {
+  if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
+  if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
+    throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
+  if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
+  // Autograd inputs must be defined tensors: an empty one stands for "no bias" (a real bias has V >= 1 entries).
+  const at::Tensor bias = head.bias.defined() ? head.bias : at::empty({0}, x.options());
+  return LinearCrossEntropyFunction::apply(x, weight, bias, targets, &head, &loss);
+}
+
+}  // namespace trellis

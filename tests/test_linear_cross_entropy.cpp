@@ -1,0 +1,221 @@
+// The LLM head against a float64 reference that materialises the logits: values, gradients, every option, awkward
+// shapes, several slabs, bad input; on a GPU, the CUDA path against the CPU one and its memory bound.
+#include <c10/core/GradMode.h>
+
+#include "test_util.h"
+#include "trellis/linear_cross_entropy.h"
+#if TRELLIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace trellis {
+namespace {
+
+using testing::expect_close;
+
+struct Case {
+  int64_t N, D, V;
+  at::ScalarType dtype;
+  bool bias;
+  std::optional<double> softcap;
+  double label_smoothing, z_loss;
+  Reduction reduction;
+  bool ignore_some;
+};
+
+struct Inputs {
+  at::Tensor x, w, b, t;
+};
+
+Inputs random_inputs(const Case& c, at::Device device = at::kCPU) {
+  const auto opts = at::TensorOptions().dtype(c.dtype).device(device);
+  Inputs in;
+  // Logits of a few units, as in a trained head; rounded to the input type before anything else sees them.
+  in.x = at::randn({c.N, c.D}, opts.dtype(at::kDouble).device(at::kCPU)).to(opts);
+  in.w = (at::randn({c.V, c.D}, at::kDouble) * (2.0 / std::sqrt(double(c.D)))).to(opts);
+  if (c.bias) in.b = at::randn({c.V}, at::kDouble).to(opts);
+  in.t = at::randint(0, c.V, {c.N}, at::TensorOptions().dtype(at::kLong)).to(device);
+  if (c.ignore_some) in.t.index_put_({at::arange(0, c.N, 3, at::TensorOptions().dtype(at::kLong).device(device))}, -100);
+  return in;
+}
+
+at::Tensor reference_logits(const Inputs& in, std::optional<double> softcap) {
+  at::Tensor z = at::mm(in.x.to(at::kDouble), in.w.to(at::kDouble).t());
+  if (in.b.defined()) z = z + in.b.to(at::kDouble);
+  return softcap ? at::tanh(z / *softcap) * *softcap : z;
+}
+
+// The textbook loss on materialised float64 logits.
+at::Tensor reference_loss(const Inputs& in, const Case& c) {
+  const at::Tensor z = reference_logits(in, c.softcap);
+  const at::Tensor valid = in.t != -100, t = at::where(valid, in.t, 0);
+  const at::Tensor logp = at::log_softmax(z, 1), lse = at::logsumexp(z, 1);
+  at::Tensor rows = -(1 - c.label_smoothing) * logp.gather(1, t.unsqueeze(1)).squeeze(1) -
+                    c.label_smoothing * logp.mean(1) + c.z_loss * lse * lse;
+  rows = rows * valid;
+  if (c.reduction == Reduction::none) return rows;
+  if (c.reduction == Reduction::sum) return rows.sum();
+  return rows.sum() / valid.sum();
+}
+
+HeadOptions head_of(const Inputs& in, const Case& c, int64_t chunk_bytes) {
+  HeadOptions h;
+  h.bias = in.b;
+  h.softcap = c.softcap;
+  h.chunk_bytes = chunk_bytes;
+  return h;
+}
+
+double tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 1e-4; }
+double grad_tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 2e-2; }
+
+// Loss and gradients against the reference; chunk_bytes small enough for several slabs of rows.
+void check_case(const Case& c, at::Device device = at::kCPU) {
+  SCOPED_TRACE(c10::str("N=", c.N, " D=", c.D, " V=", c.V, " ", c.dtype, " bias=", c.bias, " softcap=",
+                        c.softcap.value_or(0), " ls=", c.label_smoothing, " z=", c.z_loss,
+                        " reduction=", int(c.reduction), " ignore=", c.ignore_some, " ", device));
+  Inputs in = random_inputs(c, device);
+  for (at::Tensor* p : {&in.x, &in.w, &in.b})
+    if (p->defined()) p->requires_grad_();
+  const int64_t chunk = c.V * 4 * 5;  // five rows per slab
+  LossOptions lo{c.reduction, c.label_smoothing, c.z_loss};
+  const at::Tensor loss = linear_cross_entropy(in.x, in.w, in.t, head_of(in, c, chunk), lo);
+  Inputs ref{in.x.detach().cpu().to(at::kDouble).requires_grad_(), in.w.detach().cpu().to(at::kDouble).requires_grad_(),
+             c.bias ? in.b.detach().cpu().to(at::kDouble).requires_grad_() : at::Tensor(), in.t.cpu()};
+  const at::Tensor expected = reference_loss(ref, c);
+  expect_close(loss, expected, tolerance(c.dtype), tolerance(c.dtype));
+  // A random upstream gradient, so that reduction none is checked row by row.
+  const at::Tensor go = at::rand(expected.sizes(), at::kDouble) + 0.5;
+  loss.backward(go.to(loss.dtype()).to(device));
+  expected.backward(go);
+  const double gt = grad_tolerance(c.dtype);
+  expect_close(in.x.grad(), ref.x.grad(), gt, gt);
+  expect_close(in.w.grad(), ref.w.grad(), gt, gt);
+  if (c.bias) expect_close(in.b.grad(), ref.b.grad(), gt, gt);
+}
+
+TEST(LinearCrossEntropy, MatchesMaterialisedReferenceForEveryOption) {
+  at::manual_seed(1);
+  for (const auto dtype : {at::kDouble, at::kFloat})
+    for (const auto reduction : {Reduction::mean, Reduction::sum, Reduction::none})
+      for (const bool bias : {false, true}) {
+        check_case({37, 7, 131, dtype, bias, std::nullopt, 0, 0, reduction, true});
+        check_case({37, 7, 131, dtype, bias, 1.5, 0.1, 1e-3, reduction, true});
+      }
+}
+
+TEST(LinearCrossEntropy, HalfPrecisionInputsAccumulateInFloat32) {
+  at::manual_seed(2);
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    check_case({29, 16, 97, dtype, true, std::nullopt, 0.1, 1e-4, Reduction::mean, true});
+    check_case({29, 16, 97, dtype, false, 3.0, 0, 0, Reduction::none, false});
+  }
+}
+
+TEST(LinearCrossEntropy, AwkwardShapes) {
+  at::manual_seed(3);
+  check_case({5, 3, 1, at::kDouble, true, std::nullopt, 0, 0, Reduction::mean, false});  // V = 1
+  check_case({1, 1, 2, at::kDouble, false, std::nullopt, 0.2, 0, Reduction::sum, false});
+  check_case({64, 33, 257, at::kDouble, true, 5.0, 0, 1e-2, Reduction::mean, true});  // V prime, D odd
+}
+
+TEST(LinearCrossEntropy, LeadingDimensionsAndEveryTargetIgnored) {
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({3, 4, 6}, at::kDouble), w = at::randn({11, 6}, at::kDouble);
+  const at::Tensor t = at::randint(0, 11, {3, 4}, at::kLong);
+  LossOptions none{Reduction::none, 0, 0};
+  const at::Tensor rows = linear_cross_entropy(x, w, t, {}, none);
+  ASSERT_EQ(rows.sizes(), t.sizes());
+  expect_close(rows.view({-1}), reference_loss({x.view({12, 6}), w, {}, t.view({-1})},
+                                               {12, 6, 11, at::kDouble, false, std::nullopt, 0, 0, Reduction::none, false}));
+  const at::Tensor mean = linear_cross_entropy(x, w, at::full({3, 4}, -100, at::kLong));
+  EXPECT_TRUE(mean.isnan().item<bool>()) << "the mean over no tokens is NaN, as in PyTorch";
+}
+
+TEST(LinearCrossEntropy, TokenLogprobsEntropyAndLogsumexp) {
+  at::manual_seed(5);
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    const Case c{23, 9, 101, dtype, true, 2.5, 0, 0, Reduction::none, true};
+    const Inputs in = random_inputs(c);
+    const HeadOptions h = head_of(in, c, 101 * 4 * 4);
+    const Inputs ref{in.x.to(at::kDouble), in.w.to(at::kDouble), in.b.to(at::kDouble), in.t};
+    const at::Tensor z = reference_logits(ref, c.softcap), logp = at::log_softmax(z, 1);
+    const at::Tensor valid = in.t != -100;
+    const TokenLogprobs r = token_logprobs(in.x, in.w, in.t, h, true);
+    const double tol = tolerance(dtype);
+    expect_close(r.logprobs, logp.gather(1, at::where(valid, in.t, 0).unsqueeze(1)).squeeze(1) * valid, tol, tol);
+    expect_close(r.entropy, -(logp.exp() * logp).sum(1), tol, tol);
+    expect_close(linear_logsumexp(in.x, in.w, h), at::logsumexp(z, 1), tol, tol);
+    EXPECT_FALSE(token_logprobs(in.x, in.w, in.t, h).entropy.defined());
+  }
+}
+
+TEST(LinearCrossEntropy, BadInputIsAClearError) {
+  const at::Tensor x = at::randn({4, 5}), w = at::randn({7, 5});
+  auto expect_error = [](const std::function<void()>& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one mentioning '" << part << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { linear_cross_entropy(x, w, at::tensor({0, 1, 7, 2}, at::kLong)); }, "targets[2] = 7");
+  expect_error([&] { linear_cross_entropy(x, w, at::tensor({0, -1, 3, 2}, at::kLong)); }, "targets[1] = -1");
+  expect_error([&] { linear_logsumexp(x, at::randn({7, 6})); }, "D=5");
+  expect_error([&] { linear_logsumexp(x, w.to(at::kDouble)); }, "must share");
+  expect_error([&] { linear_cross_entropy(x, w, at::zeros({3}, at::kLong)); }, "targets are [3]");
+  HeadOptions h;
+  h.softcap = -1;
+  expect_error([&] { linear_logsumexp(x, w, h); }, "softcap");
+  h = {};
+  h.bias = at::randn({6});
+  expect_error([&] { linear_logsumexp(x, w, h); }, "bias must be [V]");
+  expect_error([&] { parse_reduction("avg"); }, "'avg'");
+}
+
+TEST(LinearCrossEntropyCuda, MatchesReferenceOnTheGpu) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(6);
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto reduction : {Reduction::mean, Reduction::none}) {
+      check_case({300, 64, 1031, dtype, true, 4.0, 0.1, 1e-3, reduction, true}, at::kCUDA);
+      check_case({77, 33, 257, dtype, false, std::nullopt, 0, 0, reduction, false}, at::kCUDA);
+    }
+}
+
+#if TRELLIS_WITH_CUDA
+// Device memory allocated beyond what was live before fn, at its peak.
+int64_t peak_extra_bytes(const std::function<void()>& fn) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const auto agg = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  alloc::resetPeakStats(0);
+  const int64_t before = alloc::getDeviceStats(0).allocated_bytes[agg].current;
+  fn();
+  return alloc::getDeviceStats(0).allocated_bytes[agg].peak - before;
+}
+#endif
+
+TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
+  TRELLIS_REQUIRE_CUDA();
+#if TRELLIS_WITH_CUDA
+  const int64_t N = 4096, D = 256, V = 32000, chunk = int64_t(4) << 20;
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const at::Tensor x = at::randn({N, D}, opts).requires_grad_(), w = (at::randn({V, D}, opts) * 0.1).requires_grad_();
+  const at::Tensor t = at::randint(0, V, {N}, opts.dtype(at::kLong));
+  HeadOptions h;
+  h.chunk_bytes = chunk;
+  const int64_t logits_bytes = N * V * 4;  // what materialising would take: 500 MiB
+  const int64_t fwd = peak_extra_bytes([&] {
+    c10::NoGradGuard no_grad;
+    token_logprobs(x, w, t, h, true);
+  });
+  EXPECT_LT(fwd, 4 * chunk + 64 * N) << "forward peak " << fwd << " bytes (logits would be " << logits_bytes << ")";
+  const int64_t grads = x.numel() * 2 + w.numel() * 2, dw_accumulator = w.numel() * 4;
+  const int64_t train = peak_extra_bytes([&] { linear_cross_entropy(x, w, t, h).backward(); });
+  EXPECT_LT(train, grads + dw_accumulator + 4 * chunk + 64 * N) << "forward+backward peak " << train << " bytes";
+#endif
+}
+
+}  // namespace
+}  // namespace trellis
