@@ -16,6 +16,7 @@
 #include "trellis/atomic_file.h"
 #include "trellis/error.h"
 #include "trellis/linear_chain_crf.h"
+#include "trellis/linear_cross_entropy.h"
 #include "trellis/semiring_ops.h"
 #if TRELLIS_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -234,6 +235,49 @@ void semiring_matmul_bench(Bench& b, int64_t batch, int64_t n) {
   b.run(w, shape, "bmm fp32 (cuBLAS on CUDA)", [&] { at::bmm(x, y); });
 }
 
+// The LLM head beside the GEMM of the same shape (cuBLAS on CUDA) and plain LibTorch with materialised logits.
+// Error: the largest per-token NLL difference from log_softmax of float32 logits of the same (rounded) inputs.
+void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype) {
+  const std::string shape = c10::str("N=", N, " D=", D, " V=", V, " ", dtype);
+  at::Tensor x = at::randn({N, D}, b.opts()).to(dtype), w = (at::randn({V, D}, b.opts()) * (1 / std::sqrt(D))).to(dtype);
+  const at::Tensor t = at::randint(0, V, {N}, b.opts(at::kLong));
+  at::Tensor ref_nll;
+  {
+    c10::NoGradGuard no_grad;
+    ref_nll = -at::log_softmax(at::mm(x.to(at::kFloat), w.to(at::kFloat).t()), 1).gather(1, t.unsqueeze(1)).squeeze(1);
+  }
+  auto nll_error = [&](const at::Tensor& nll) { return max_abs_diff(nll, ref_nll); };
+  auto plain_logits = [&] { return at::mm(x, w.t()).to(at::kFloat); };
+  {
+    c10::NoGradGuard no_grad;
+    const std::string wl = "head fwd (lse+logprobs)";
+    b.run(wl, shape, "trellis", [&] { token_logprobs(x, w, t); }, nll_error(-token_logprobs(x, w, t).logprobs));
+    b.run(wl, shape, c10::str("GEMM x*W^T ", dtype, " (cuBLAS on CUDA)"), [&] { at::mm(x, w.t()); });
+    auto plain = [&] { return -at::log_softmax(plain_logits(), 1).gather(1, t.unsqueeze(1)).squeeze(1); };
+    b.run(wl, shape, "libtorch logits+log_softmax", [&] { plain(); }, nll_error(plain()));
+  }
+  ref_nll = ref_nll.mean();
+  const std::string wl = "head fwd+bwd (loss,dx,dW)";
+  x.requires_grad_();
+  w.requires_grad_();
+  auto step = [&](const std::function<at::Tensor()>& loss_of) {
+    x.mutable_grad() = at::Tensor();
+    w.mutable_grad() = at::Tensor();
+    const at::Tensor loss = loss_of();
+    loss.backward();
+    return loss.detach();
+  };
+  const auto trellis_loss = [&] { return linear_cross_entropy(x, w, t); };
+  const auto plain_loss = [&] { return at::cross_entropy_loss(plain_logits(), t); };
+  b.run(wl, shape, "trellis", [&] { step(trellis_loss); }, nll_error(step(trellis_loss)));
+  {
+    c10::NoGradGuard no_grad;
+    const at::Tensor xd = x.detach(), wd = w.detach();
+    b.run(wl, shape, c10::str("GEMM x*W^T ", dtype, " (cuBLAS on CUDA)"), [&] { at::mm(xd, wd.t()); });
+  }
+  b.run(wl, shape, "libtorch logits+cross_entropy", [&] { step(plain_loss); }, nll_error(step(plain_loss)));
+}
+
 void write_json(const std::string& path, const std::vector<Row>& rows) {
   write_file_atomically(path, [&](std::ostream& out) {
     out << "[\n";
@@ -256,14 +300,14 @@ int bench_main(const std::vector<std::string>& args) {
   int repeats = 10;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
-      ("what", po::value(&what)->default_value("all"), "semiring, crf, hmm or all")
+      ("what", po::value(&what)->default_value("all"), "semiring, crf, hmm, head or all")
       ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
       ("json", po::value(&json), "also write the rows as JSON to this file")
       ("repeats", po::value(&repeats)->default_value(10), "timed runs per row (the median is reported)");
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
-  const std::string usage = "usage: trellis bench [semiring|crf|hmm|all] [--device cpu|cuda] [--json FILE]";
+  const std::string usage = "usage: trellis bench [semiring|crf|hmm|head|all] [--device cpu|cuda] [--json FILE]";
   try {
     po::store(po::command_line_parser(args).options(desc).positional(pos).run(), vm);
     if (vm.count("help")) {
@@ -277,7 +321,7 @@ int bench_main(const std::vector<std::string>& args) {
     std::cerr << "trellis bench: " << e.what() << "\n" << usage << "\n";
     return 2;
   }
-  if (what != "all" && what != "semiring" && what != "crf" && what != "hmm") {
+  if (what != "all" && what != "semiring" && what != "crf" && what != "hmm" && what != "head") {
     std::cerr << "trellis bench: unknown workload '" << what << "'\n" << usage << "\n";
     return 2;
   }
@@ -305,6 +349,16 @@ int bench_main(const std::vector<std::string>& args) {
     if (cuda) hmm_loglik(b, 4, 64, 16384);
   }
   if (what == "all" || what == "semiring") semiring_matmul_bench(b, 16, cuda ? 512 : 128);
+  if (what == "all" || what == "head") {
+    if (cuda) {
+      head_bench(b, 16384, 4096, 128256, at::kBFloat16);
+      head_bench(b, 8192, 4096, 128256, at::kBFloat16);
+      head_bench(b, 4096, 2048, 32000, at::kBFloat16);
+      head_bench(b, 4096, 2048, 32000, at::kFloat);
+    } else {
+      head_bench(b, 512, 256, 8000, at::kFloat);
+    }
+  }
   if (!json.empty()) write_json(json, b.rows);
   return 0;
 }

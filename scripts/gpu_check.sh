@@ -2,7 +2,8 @@
 # Build Trellis on the GPU machine and run the GPU tests, compute-sanitizer and the benchmarks, in one command.
 # The machine has LibTorch (python3's torch), HDF5, GoogleTest and nvcc; Boost.Program_options travels as .deb
 # files in .gpu-debs/ (fetch them once with scripts/fetch_gpu_debs.sh and carry that folder).
-# Usage there: bash scripts/gpu_check.sh [bench args...] (then the HMM throughput runs, scripts/hmm_bench.sh). Logs go to $OUT (or /tmp/trellis-gpu).
+# Usage there: bash scripts/gpu_check.sh [bench args...] (then the HMM throughput runs, scripts/hmm_bench.sh, unless
+# TRELLIS_HMM_BENCH=0). Logs go to $OUT (or /tmp/trellis-gpu).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -43,7 +44,7 @@ if [ -x "$build/apps/trellis" ] && "$build/apps/trellis" bench --help >/dev/null
   step bench "$build/apps/trellis" bench "${@:-all}" --device cuda --json "$out/bench.json"
   cat "$out/bench.log"
 fi
-if [ -x "$build/apps/trellis" ]; then
+if [ -x "$build/apps/trellis" ] && [ "${TRELLIS_HMM_BENCH:-1}" = 1 ]; then
   step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
   cat "$out/hmm_bench.log"
 fi

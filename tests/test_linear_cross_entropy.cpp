@@ -88,10 +88,14 @@ void check_case(const Case& c, at::Device device = at::kCPU) {
   const at::Tensor go = at::rand(expected.sizes(), at::kDouble) + 0.5;
   loss.backward(go.to(loss.dtype()).to(device));
   expected.backward(go);
-  const double gt = grad_tolerance(c.dtype);
-  expect_close(in.x.grad(), ref.x.grad(), gt, gt);
-  expect_close(in.w.grad(), ref.w.grad(), gt, gt);
-  if (c.bias) expect_close(in.b.grad(), ref.b.grad(), gt, gt);
+  // Relative to the gradient's largest entry, so that small gradients are not waved through by the tolerance.
+  auto expect_grad = [&](const at::Tensor& actual, const at::Tensor& expected) {
+    const double gt = grad_tolerance(c.dtype), scale = expected.abs().max().item<double>();
+    expect_close(actual, expected, gt, gt * scale);
+  };
+  expect_grad(in.x.grad(), ref.x.grad());
+  expect_grad(in.w.grad(), ref.w.grad());
+  if (c.bias) expect_grad(in.b.grad(), ref.b.grad());
 }
 
 TEST(LinearCrossEntropy, MatchesMaterialisedReferenceForEveryOption) {
@@ -211,9 +215,9 @@ TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
     token_logprobs(x, w, t, h, true);
   });
   EXPECT_LT(fwd, 4 * chunk + 64 * N) << "forward peak " << fwd << " bytes (logits would be " << logits_bytes << ")";
-  const int64_t grads = x.numel() * 2 + w.numel() * 2, dw_accumulator = w.numel() * 4;
+  const int64_t grads = x.numel() * 2 + w.numel() * 2;
   const int64_t train = peak_extra_bytes([&] { linear_cross_entropy(x, w, t, h).backward(); });
-  EXPECT_LT(train, grads + dw_accumulator + 4 * chunk + 64 * N) << "forward+backward peak " << train << " bytes";
+  EXPECT_LT(train, grads + 4 * chunk + 64 * N) << "forward+backward peak " << train << " bytes";
 #endif
 }
 

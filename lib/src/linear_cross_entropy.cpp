@@ -14,6 +14,9 @@
 
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
+#if TRELLIS_WITH_CUDA
+#include "cuda/linear_head.h"
+#endif
 
 namespace trellis {
 
@@ -37,7 +40,6 @@ struct Head {
 
   int64_t rows() const { return x.size(0); }
   int64_t vocabulary() const { return weight.size(0); }
-  bool mixed() const { return x.scalar_type() != acc; }
 };
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
@@ -92,19 +94,12 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   return h;
 }
 
-// a·b in the accumulation type. CUDA GEMMs read bfloat16/float16 operands and write float32 directly; on the CPU the
-// operands are converted (the CPU path is the reference, not the fast one).
+// a·b in the accumulation type: CUDA GEMMs read bfloat16/float16 operands and write float32 logits directly; on the
+// CPU the operands are converted (the CPU path is the reference, not the fast one).
 at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b, at::ScalarType acc) {
   if (a.scalar_type() == acc && b.scalar_type() == acc) return at::mm(a, b);
   if (a.is_cuda()) return at::mm(a, b, acc);
   return at::mm(a.to(acc), b.to(acc));
-}
-
-// c += a·b with c in the accumulation type.
-void addmm_acc_(at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() == c.scalar_type() && b.scalar_type() == c.scalar_type()) c.addmm_(a, b);
-  else if (a.is_cuda()) at::addmm_out(c, c, a, b, c.scalar_type());
-  else c.addmm_(a.to(c.scalar_type()), b.to(c.scalar_type()));
 }
 
 // Soft-capped logits of rows [r0, r0 + n), [n, V] in the accumulation type.
@@ -146,19 +141,28 @@ struct Gradients {
   at::Tensor x, weight, bias;  // undefined where not wanted
 };
 
-// dL/dz for one slab, overwriting z: g_i·[p_v·(1 + 2·z_loss·lse) - (1-ε)·[v = t_i] - ε/V], times the soft-cap's
-// derivative 1 - (z/c)². g is 0 for ignored rows.
+// dL/dz for one slab in the input type, ready for the GEMMs: g_i·[p_v·(1 + 2·z_loss·lse) - (1-ε)·[v = t_i] - ε/V],
+// times the soft-cap's derivative 1 - (z/c)². g is 0 for ignored rows. One fused pass on CUDA; tensor operations
+// (overwriting z) on the CPU.
 at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& lse, const at::Tensor& g, int64_t r0,
                                const LossOptions& o) {
+  const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
+#if TRELLIS_WITH_CUDA
+  if (z.is_cuda()) {
+    at::Tensor dz = at::empty(z.sizes(), z.options().dtype(h.x.scalar_type()));
+    cuda::linear_head_logit_gradient(z, lse.contiguous(), g.contiguous(), t.contiguous(), o.label_smoothing, o.z_loss,
+                                     h.softcap.value_or(0), dz);
+    return dz;
+  }
+#endif
   at::Tensor dz = (z - lse.unsqueeze(1)).exp_();
   if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
   dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
   if (o.label_smoothing != 0) dz.sub_((g * (o.label_smoothing / static_cast<double>(h.vocabulary()))).unsqueeze(1));
-  const at::Tensor t = h.targets.narrow(0, r0, dz.size(0));
   const at::Tensor valid = valid_targets(t, h.ignore_index);
   dz.scatter_add_(1, at::where(valid, t, 0).unsqueeze(1), (-(1 - o.label_smoothing) * g).unsqueeze(1));
   if (h.softcap) dz.mul_(z);
-  return dz;
+  return dz.to(h.x.scalar_type());
 }
 
 // Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
@@ -166,9 +170,10 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
                          std::array<bool, 3> want, at::Tensor* loss = nullptr) {
   const int64_t N = h.rows();
   Gradients out;
-  at::Tensor dw_acc;
   if (want[0]) out.x = at::empty_like(h.x);
-  if (want[1]) dw_acc = at::zeros(h.weight.sizes(), h.x.options().dtype(h.acc));
+  // dW collects one GEMM per slab in the weight's own type (cuBLAS adds each float32 product to it before rounding),
+  // so training needs no float32 copy of W's size; slabs are large, so few roundings.
+  if (want[1]) out.weight = at::zeros_like(h.weight);
   if (want[2]) out.bias = at::zeros({h.vocabulary()}, h.x.options().dtype(h.acc));
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
@@ -182,13 +187,13 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
     const at::Tensor dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, o);
-    // The GEMMs take dz in the input type (float32 accumulation inside), as the forward GEMM takes x and W.
-    const at::Tensor dz_in = h.mixed() ? dz.to(h.x.scalar_type()) : dz;
-    if (want[0]) out.x.narrow(0, r0, n).copy_(mm_acc(dz_in, h.weight, h.acc));
-    if (want[1]) addmm_acc_(dw_acc, dz_in.t(), h.x.narrow(0, r0, n));
-    if (want[2]) out.bias.add_(dz.sum(0));
+    if (want[0]) {
+      at::Tensor dx = out.x.narrow(0, r0, n);
+      at::mm_out(dx, dz, h.weight);
+    }
+    if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
+    if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
   }
-  if (want[1]) out.weight = dw_acc.to(h.weight.scalar_type());
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
   return out;
 }
