@@ -2,6 +2,7 @@
 // one read and one write, where the same formula in tensor operations takes about eight passes over the slab.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 
@@ -45,7 +46,8 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
   if (rows == 0) return;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((V + kThreads - 1) / kThreads, 64)),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAGuard guard(z.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "linear_head_logit_gradient", [&] {
     using Out = scalar_t;
     auto launch = [&](auto acc_zero) {

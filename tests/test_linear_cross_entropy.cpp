@@ -21,6 +21,7 @@ struct Case {
   double label_smoothing, z_loss;
   Reduction reduction;
   bool ignore_some;
+  int64_t ignore_index = -100;
 };
 
 struct Inputs {
@@ -35,7 +36,8 @@ Inputs random_inputs(const Case& c, at::Device device = at::kCPU) {
   in.w = (at::randn({c.V, c.D}, at::kDouble) * (2.0 / std::sqrt(double(c.D)))).to(opts);
   if (c.bias) in.b = at::randn({c.V}, at::kDouble).to(opts);
   in.t = at::randint(0, c.V, {c.N}, at::TensorOptions().dtype(at::kLong)).to(device);
-  if (c.ignore_some) in.t.index_put_({at::arange(0, c.N, 3, at::TensorOptions().dtype(at::kLong).device(device))}, -100);
+  if (c.ignore_some)
+    in.t.index_put_({at::arange(0, c.N, 3, at::TensorOptions().dtype(at::kLong).device(device))}, c.ignore_index);
   return in;
 }
 
@@ -48,7 +50,7 @@ at::Tensor reference_logits(const Inputs& in, std::optional<double> softcap) {
 // The textbook loss on materialised float64 logits.
 at::Tensor reference_loss(const Inputs& in, const Case& c) {
   const at::Tensor z = reference_logits(in, c.softcap);
-  const at::Tensor valid = in.t != -100, t = at::where(valid, in.t, 0);
+  const at::Tensor valid = in.t != c.ignore_index, t = at::where(valid, in.t, 0);
   const at::Tensor logp = at::log_softmax(z, 1), lse = at::logsumexp(z, 1);
   at::Tensor rows = -(1 - c.label_smoothing) * logp.gather(1, t.unsqueeze(1)).squeeze(1) -
                     c.label_smoothing * logp.mean(1) + c.z_loss * lse * lse;
@@ -63,6 +65,7 @@ HeadOptions head_of(const Inputs& in, const Case& c, int64_t chunk_bytes) {
   h.bias = in.b;
   h.softcap = c.softcap;
   h.chunk_bytes = chunk_bytes;
+  h.ignore_index = c.ignore_index;
   return h;
 }
 
@@ -123,6 +126,35 @@ TEST(LinearCrossEntropy, AwkwardShapes) {
   check_case({64, 33, 257, at::kDouble, true, 5.0, 0, 1e-2, Reduction::mean, true});  // V prime, D odd
 }
 
+TEST(LinearCrossEntropy, IgnoreIndexInsideTheVocabulary) {
+  at::manual_seed(7);
+  Case c{40, 8, 53, at::kDouble, true, std::nullopt, 0.1, 1e-3, Reduction::mean, true};
+  c.ignore_index = 0;  // e.g. a padding id that is also a token
+  check_case(c);
+  c.reduction = Reduction::none;
+  check_case(c);
+}
+
+TEST(LinearCrossEntropy, Int32TargetsAndNonContiguousWeights) {
+  at::manual_seed(8);
+  const at::Tensor x = at::randn({9, 6}, at::kDouble), w_t = at::randn({6, 13}, at::kDouble);
+  const at::Tensor t = at::randint(0, 13, {9}, at::kLong);
+  const at::Tensor w = w_t.t();  // [V, D], not contiguous
+  ASSERT_FALSE(w.is_contiguous());
+  const at::Tensor expected = linear_cross_entropy(x, w.contiguous(), t);
+  expect_close(linear_cross_entropy(x, w, t.to(at::kInt)), expected);
+  expect_close(linear_cross_entropy(x.t().contiguous().t(), w, t), expected);
+}
+
+TEST(LinearCrossEntropy, EveryTargetIgnoredGivesZeroGradients) {
+  const at::Tensor x = at::randn({5, 4}, at::kDouble).requires_grad_(), w = at::randn({7, 4}, at::kDouble).requires_grad_();
+  const at::Tensor loss = linear_cross_entropy(x, w, at::full({5}, -100, at::kLong));
+  EXPECT_TRUE(loss.isnan().item<bool>());
+  loss.backward();
+  expect_close(x.grad(), at::zeros_like(x));
+  expect_close(w.grad(), at::zeros_like(w));
+}
+
 TEST(LinearCrossEntropy, LeadingDimensionsAndEveryTargetIgnored) {
   at::manual_seed(4);
   const at::Tensor x = at::randn({3, 4, 6}, at::kDouble), w = at::randn({11, 6}, at::kDouble);
@@ -181,11 +213,15 @@ TEST(LinearCrossEntropy, BadInputIsAClearError) {
 TEST(LinearCrossEntropyCuda, MatchesReferenceOnTheGpu) {
   TRELLIS_REQUIRE_CUDA();
   at::manual_seed(6);
-  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf})
-    for (const auto reduction : {Reduction::mean, Reduction::none}) {
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto reduction : {Reduction::mean, Reduction::sum, Reduction::none}) {
       check_case({300, 64, 1031, dtype, true, 4.0, 0.1, 1e-3, reduction, true}, at::kCUDA);
       check_case({77, 33, 257, dtype, false, std::nullopt, 0, 0, reduction, false}, at::kCUDA);
     }
+  // More columns than the kernel's grid covers at once (64 blocks of 256), and an in-vocabulary ignore_index.
+  Case wide{70, 16, 20011, at::kFloat, true, 10.0, 0.1, 1e-4, Reduction::mean, true};
+  wide.ignore_index = 3;
+  check_case(wide, at::kCUDA);
 }
 
 #if TRELLIS_WITH_CUDA

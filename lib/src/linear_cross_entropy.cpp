@@ -44,7 +44,9 @@ struct Head {
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
 
-Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, const HeadOptions& o) {
+// check_targets: whether to look at every target (one device-to-host copy); backward skips it, forward has done it.
+Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, const HeadOptions& o,
+             bool check_targets = true) {
   TORCH_CHECK(x.defined() && weight.defined(), "linear head: x and weight are required");
   if (x.dim() < 1) throw Error("linear head: x must have at least one dimension (its last is D)");
   if (weight.dim() != 2)
@@ -61,7 +63,7 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   h.acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   h.row_shape = x.sizes().vec();
   h.row_shape.pop_back();
-  h.x = x.reshape({-1, x.size(-1)}).contiguous();
+  h.x = x.reshape({c10::multiply_integers(h.row_shape), x.size(-1)}).contiguous();
   h.weight = weight.contiguous();
   const int64_t V = weight.size(0);
   if (o.bias.defined()) {
@@ -82,11 +84,13 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
       throw Error(c10::str("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
     if (targets.device() != x.device()) throw Error("linear head: targets must be on x's device");
     h.targets = targets.reshape({-1}).to(at::kLong);
-    const at::Tensor bad = (h.targets != o.ignore_index) & ((h.targets < 0) | (h.targets >= V));
-    if (bad.any().item<bool>()) {
-      const int64_t i = bad.nonzero()[0][0].item<int64_t>();
-      throw Error(c10::str("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
-                           " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index, ")"));
+    if (check_targets) {
+      const at::Tensor bad = (h.targets != o.ignore_index) & ((h.targets < 0) | (h.targets >= V));
+      if (bad.any().item<bool>()) {
+        const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+        throw Error(c10::str("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
+                             " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index, ")"));
+      }
     }
   }
   const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
@@ -236,18 +240,21 @@ at::Tensor reduce(const at::Tensor& rows, const at::Tensor& valid, Reduction r) 
 
 // The row weights g_i of a reduced loss: 1 (sum) or 1/count (mean) for counted rows, 0 for ignored ones.
 at::Tensor row_weights(const at::Tensor& valid, Reduction r, at::ScalarType acc) {
+  // With every target ignored the mean loss is NaN, but the gradients are zero (as in PyTorch), not NaN.
   const at::Tensor w = valid.to(acc);
-  return r == Reduction::mean ? w / valid.sum() : w;
+  return r == Reduction::mean ? w / valid.sum().clamp_min(1) : w;
 }
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& targets, const HeadOptions* head,
-                            const LossOptions* loss) {
+                            const LossOptions* loss, bool grad_enabled) {
     HeadOptions ho = *head;
     ho.bias = bias.numel() ? bias : at::Tensor();
     const Head h = prepare(x, weight, targets, ho);
-    const std::array<bool, 3> want = {x.requires_grad(), weight.requires_grad(), bias.numel() && bias.requires_grad()};
+    // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
+    const std::array<bool, 3> want = {grad_enabled && x.requires_grad(), grad_enabled && weight.requires_grad(),
+                                      grad_enabled && bias.numel() && bias.requires_grad()};
     const at::Tensor valid = valid_targets(h.targets, h.ignore_index);
     ctx->saved_data["reduction"] = static_cast<int64_t>(loss->reduction);
     ctx->saved_data["label_smoothing"] = loss->label_smoothing;
@@ -279,7 +286,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       // loss.backward() passes 1: hand the gradients over as they are, without a scaled copy.
       const bool one = go.item<double>() == 1;
       auto scale = [&](const at::Tensor& t) { return !t.defined() || one ? t : t * go.to(t.scalar_type()); };
-      return {scale(saved[0]), scale(saved[1]), scale(saved[2]), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {scale(saved[0]), scale(saved[1]), scale(saved[2]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &targets = saved[3], &lse = saved[4];
     HeadOptions ho;
@@ -292,12 +299,13 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     lo.reduction = Reduction::none;
     lo.label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
     lo.z_loss = ctx->saved_data["z_loss"].toDouble();
-    const Head h = prepare(x, weight, targets, ho);
+    const Head h = prepare(x, weight, targets, ho, /*check_targets=*/false);
     const at::Tensor g = go.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
     const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       bias.numel() && ctx->needs_input_grad(2)};
     Gradients d = head_gradients(h, g, lse, lo, want);
-    return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -324,7 +332,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, c
   if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
   // Autograd inputs must be defined tensors: an empty one stands for "no bias" (a real bias has V >= 1 entries).
   const at::Tensor bias = head.bias.defined() ? head.bias : at::empty({0}, x.options());
-  return LinearCrossEntropyFunction::apply(x, weight, bias, targets, &head, &loss);
+  return LinearCrossEntropyFunction::apply(x, weight, bias, targets, &head, &loss, c10::GradMode::is_enabled());
 }
 
 }  // namespace trellis

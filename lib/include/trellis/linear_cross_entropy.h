@@ -22,7 +22,8 @@ struct HeadOptions {
   at::Tensor bias;                      // [V], the dtype of x; undefined for none
   std::optional<double> softcap;        // c > 0: logits become c·tanh(logit / c)
   int64_t ignore_index = -100;          // targets equal to it are skipped (loss 0, no gradient, not counted)
-  // Bytes of float32 logits held at once (a slab of rows × V; training holds about 1.5× that); smaller saves
+  // Bytes of float32 logits held at once (a slab of rows × V; training holds 1.5× that with bfloat16/float16
+  // inputs, 2× with float32, for the slab's dL/dz in the input type); smaller saves
   // memory, larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
   int64_t chunk_bytes = int64_t(1) << 30;
 };
