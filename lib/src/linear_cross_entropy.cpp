@@ -177,7 +177,7 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   if (want[0]) out.x = at::empty_like(h.x);
   // dW collects one GEMM per slab in the weight's own type (cuBLAS adds each float32 product to it before rounding),
   // so training needs no float32 copy of W's size; slabs are large, so few roundings.
-  if (want[1]) out.weight = at::zeros_like(h.weight);
+  if (want[1]) out.weight = N ? at::empty_like(h.weight) : at::zeros_like(h.weight);  // the first slab writes it
   if (want[2]) out.bias = at::zeros({h.vocabulary()}, h.x.options().dtype(h.acc));
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
@@ -195,7 +195,8 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       at::Tensor dx = out.x.narrow(0, r0, n);
       at::mm_out(dx, dz, h.weight);
     }
-    if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
+    if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
+    else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
     if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
