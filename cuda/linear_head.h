@@ -5,6 +5,18 @@
 
 namespace trellis::cuda {
 
+// Per-row statistics of the logits z = x·Wᵀ + bias (soft-capped when softcap > 0), in float32: lse = log Σ_v e^z, the
+// target's logit (0 where the target is outside [0, V)), and when asked Σ_v z and Σ_v softmax(z)_v·z.
+struct HeadRowStats {
+  at::Tensor lse, target_logit, logit_sum, expected_logit;
+};
+
+// The fused Hopper kernel (cuda/linear_lse_sm90.cu), which never forms the logits in device memory, when it applies:
+// a compute capability 9.0 device, bfloat16/float16 x and W with D % 8 == 0. Returns false otherwise (nothing is done).
+// x [N,D], weight [V,D], bias [V] or undefined, targets [N] int64 or undefined; all contiguous.
+bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
+                      double softcap, bool want_sums, HeadRowStats& out);
+
 // The gradient of the head's loss with respect to a slab of logits z [n,V] (float32 or float64), in one pass:
 //   dz[r,v] = g[r]·(p·(1 + 2·z_loss·lse[r]) - ε/V - (1-ε)·[v = t[r]]) · (1 - (z/c)²  when softcap c > 0),
 // p = exp(z[r,v] - lse[r]); dz [n,V] of the input type (float32, float64, bfloat16 or float16), ready for the GEMMs.

@@ -5,6 +5,7 @@
 #include "test_util.h"
 #include "trellis/linear_cross_entropy.h"
 #if TRELLIS_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -235,6 +236,48 @@ int64_t peak_extra_bytes(const std::function<void()>& fn) {
   return alloc::getDeviceStats(0).allocated_bytes[agg].peak - before;
 }
 #endif
+
+// The fused Hopper kernel (bfloat16/float16, D % 8 == 0 on compute capability 9.0) through every forward-only entry
+// point: row blocks and vocabulary tiles cut by N and V, a K tail (D % 64 != 0), V = 1, several work units per block,
+// bias, soft-cap, label smoothing and entropy; and forward memory O(N) with nothing of size N×V.
+TEST(LinearCrossEntropyCuda, FusedKernelMatchesTheReference) {
+  TRELLIS_REQUIRE_CUDA();
+#if TRELLIS_WITH_CUDA
+  if (at::cuda::getCurrentDeviceProperties()->major != 9) GTEST_SKIP() << "the fused kernel is for sm_90";
+  at::manual_seed(8);
+  const std::vector<Case> cases = {
+      {300, 64, 1031, at::kBFloat16, true, std::nullopt, 0, 0, Reduction::none, true},
+      {129, 72, 1, at::kHalf, false, std::nullopt, 0, 0, Reduction::none, false},
+      {1000, 4096, 20011, at::kBFloat16, false, std::nullopt, 0.1, 0, Reduction::none, true},
+      {257, 200, 5003, at::kHalf, true, 30.0, 0.2, 1e-3, Reduction::none, true},
+      {64, 8, 256, at::kBFloat16, true, 5.0, 0, 0, Reduction::none, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c10::str("N=", c.N, " D=", c.D, " V=", c.V, " ", c.dtype));
+    const Inputs in = random_inputs(c, at::kCUDA);
+    HeadOptions h = head_of(in, c, int64_t(1) << 30);
+    const Inputs ref{in.x.cpu().to(at::kDouble), in.w.cpu().to(at::kDouble),
+                     c.bias ? in.b.cpu().to(at::kDouble) : at::Tensor(), in.t.cpu()};
+    const at::Tensor z = reference_logits(ref, c.softcap), logp = at::log_softmax(z, 1);
+    const at::Tensor valid = ref.t != c.ignore_index;
+    const TokenLogprobs r = token_logprobs(in.x, in.w, in.t, h, true);
+    expect_close(r.logprobs.cpu(), logp.gather(1, at::where(valid, ref.t, 0).unsqueeze(1)).squeeze(1) * valid, 1e-4,
+                 1e-4);
+    expect_close(r.entropy.cpu(), -(logp.exp() * logp).sum(1), 1e-4, 1e-4);
+    expect_close(linear_logsumexp(in.x, in.w, h).cpu(), at::logsumexp(z, 1), 1e-4, 1e-4);
+    c10::NoGradGuard no_grad;
+    const LossOptions lo{Reduction::none, c.label_smoothing, c.z_loss};
+    expect_close(linear_cross_entropy(in.x, in.w, in.t, h, lo).cpu(), reference_loss(ref, c), 1e-4, 1e-4);
+  }
+  const int64_t N = 4096, D = 256, V = 32000;
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const at::Tensor x = at::randn({N, D}, opts), w = at::randn({V, D}, opts) * 0.1;
+  const at::Tensor t = at::randint(0, V, {N}, opts.dtype(at::kLong));
+  token_logprobs(x, w, t, {}, true);
+  const int64_t fwd = peak_extra_bytes([&] { token_logprobs(x, w, t, {}, true); });
+  EXPECT_LT(fwd, 64 * N) << "forward peak " << fwd << " bytes";
+#endif
+}
 
 TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
   TRELLIS_REQUIRE_CUDA();

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cmath>
+#include <optional>
 
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
@@ -115,13 +116,13 @@ at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
 }
 
 struct SlabStats {
-  at::Tensor lse, target_logit, logit_sum;
+  at::Tensor lse, target_logit, logit_sum, expected_logit;  // expected_logit: Σ_v p_v·z_v
 };
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
 // Statistics of one slab of logits; the target logit is 0 where the target is ignored.
-SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum) {
+SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false) {
   SlabStats s;
   s.lse = trellis::logsumexp(z, 1);
   if (h.targets.defined()) {
@@ -130,7 +131,23 @@ SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_s
     s.target_logit = z.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1) * valid;
   }
   if (want_sum) s.logit_sum = z.sum(1);
+  if (want_expected) s.expected_logit = ((z - s.lse.unsqueeze(1)).exp() * z).sum(1);
   return s;
+}
+
+// The statistics of every row at once from the fused kernel, which keeps the logits on chip; nullopt where it does
+// not apply (the CPU, float32/float64, an unsupported GPU or shape), and the slabs do the work.
+std::optional<SlabStats> fused_stats(const Head& h, bool want_sum, bool want_expected) {
+#if TRELLIS_WITH_CUDA
+  cuda::HeadRowStats f;
+  if (cuda::fused_linear_lse(h.x, h.weight, h.bias, h.targets, h.softcap.value_or(0), want_sum || want_expected, f)) {
+    SlabStats s{f.lse, f.target_logit, f.logit_sum, f.expected_logit};
+    if (h.targets.defined()) s.target_logit.mul_(valid_targets(h.targets, h.ignore_index));
+    return s;
+  }
+#endif
+  (void)h, (void)want_sum, (void)want_expected;
+  return std::nullopt;
 }
 
 // Per-row loss (0 for ignored rows) from the statistics: lse - (1-ε)·z_t - ε·mean_v z_v + z_loss·lse².
@@ -217,18 +234,23 @@ RowResults head_rows(const Head& h, const LossOptions* loss, bool want_logprob, 
   if (loss) r.loss = at::empty({N}, opts);
   if (want_logprob) r.logprob = at::empty({N}, opts);
   if (want_entropy) r.entropy = at::empty({N}, opts);
-  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
-    const int64_t n = std::min(h.rows_per_slab, N - r0);
-    const at::Tensor z = slab_logits(h, r0, n);
-    const SlabStats s = slab_stats(h, z, r0, loss && loss->label_smoothing != 0);
+  const bool want_sum = loss && loss->label_smoothing != 0;
+  auto emit = [&](int64_t r0, int64_t n, const SlabStats& s) {
     r.lse.narrow(0, r0, n).copy_(s.lse);
     if (loss || want_logprob) {
       const at::Tensor valid = valid_targets(h.targets.narrow(0, r0, n), h.ignore_index);
       if (loss) r.loss.narrow(0, r0, n).copy_(row_loss(h, s, valid, *loss));
       if (want_logprob) r.logprob.narrow(0, r0, n).copy_((s.target_logit - s.lse) * valid);
     }
-    // H = lse - Σ_v p_v·z_v
-    if (want_entropy) r.entropy.narrow(0, r0, n).copy_(s.lse - ((z - s.lse.unsqueeze(1)).exp() * z).sum(1));
+    if (want_entropy) r.entropy.narrow(0, r0, n).copy_(s.lse - s.expected_logit);  // H = lse - Σ_v p_v·z_v
+  };
+  if (const auto fused = fused_stats(h, want_sum, want_entropy)) {
+    emit(0, N, *fused);
+    return r;
+  }
+  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, N - r0);
+    emit(r0, n, slab_stats(h, slab_logits(h, r0, n), r0, want_sum, want_entropy));
   }
   return r;
 }

@@ -1,0 +1,413 @@
+// Fused linear log-sum-exp for Hopper (sm_90a): logits z = x·Wᵀ (+ bias, soft-capped) are formed tile by tile on the
+// tensor cores (TMA loads into 128-byte-swizzled shared memory, wgmma into registers) and reduced there to each row's
+// online (max, sum); the N×V logits never reach device memory. Work units (a row block and a run of column tiles) are
+// spread over a persistent grid; a unit's per-row partials are merged into the row's global (max, sum) pair with a
+// 64-bit compare-and-swap, the block-stats merge (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)).
+#include "cuda/linear_lse_sm90.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "linear_lse_sm90.cu is built for sm_90a only (wgmma, setmaxnreg)"
+#endif
+
+namespace trellis::cuda::sm90 {
+namespace {
+
+constexpr int kBlockRows = 128;   // two consumer warpgroups of 64 rows
+constexpr int kBlockCols = 256;   // one m64n256k16 wgmma per warpgroup and k-step
+constexpr int kBlockK = 64;       // 64 16-bit values = one 128-byte swizzle row
+constexpr int kStages = 4;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (kConsumers + 1);
+constexpr int kRowBlocksPerBand = 16;  // row blocks that share W tiles while they sit in L2
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <class T>
+struct SharedStorage {
+  alignas(1024) T a[kStages][kBlockRows * kBlockK];
+  alignas(1024) T b[kStages][kBlockCols * kBlockK];
+  alignas(8) uint64_t full[kStages];
+  alignas(8) uint64_t empty[kStages];
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// One box of a 2-D tensor map (inner coordinate first) into shared memory, completing on bar.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int inner, int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_addr(dst)),
+      "l"(map), "r"(smem_addr(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024
+// bytes apart (the leading offset is unused in this mode).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* p) {
+  const uint64_t addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous matrix operations.
+__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <class T>
+struct Wgmma;
+
+#define TRELLIS_WGMMA_M64N256K16(TYPE)                                                                         \
+  asm volatile(                                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                            \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                                                           \
+      : "l"(a), "l"(b), "r"(accumulate))
+
+// d (+)= A·Bᵀ for a 64×16 A tile and a 256×16 B tile, both K-major in shared memory; accumulate = 0 overwrites d.
+template <>
+struct Wgmma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+    TRELLIS_WGMMA_M64N256K16("bf16");
+  }
+};
+template <>
+struct Wgmma<__half> {
+  __device__ __forceinline__ static void run(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+    TRELLIS_WGMMA_M64N256K16("f16");
+  }
+};
+#undef TRELLIS_WGMMA_M64N256K16
+
+template <class T>
+__device__ __forceinline__ float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// The per-row running statistics of one thread: max m, Σ e^(z−m), and optionally Σ e^(z−m)·z (entropy) and Σ z
+// (label smoothing), over the columns this thread has seen.
+struct RowStats {
+  float m = -INFINITY, s = 0.f, pz = 0.f, sum = 0.f;
+};
+
+// Rescale factor e^(from − to) for a running sum kept relative to `from`, when the reference moves to `to` ≥ from.
+__device__ __forceinline__ float rescale(float from, float to) {
+  return to == -INFINITY ? 0.f : exp2f((from - to) * kLog2e);
+}
+
+__device__ __forceinline__ RowStats merge(const RowStats& a, const RowStats& b) {
+  RowStats r;
+  r.m = fmaxf(a.m, b.m);
+  const float ea = rescale(a.m, r.m), eb = rescale(b.m, r.m);
+  r.s = a.s * ea + b.s * eb;
+  r.pz = a.pz * ea + b.pz * eb;
+  r.sum = a.sum + b.sum;
+  return r;
+}
+
+// Merges (m, v) into a row's global pair packed as two floats in 64 bits: (M, v·e^(m−M) + V·e^(m_old−M)).
+__device__ __forceinline__ void merge_global(unsigned long long* slot, float m, float v) {
+  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(slot), expected;
+  do {
+    expected = seen;
+    const float old_m = __uint_as_float(static_cast<unsigned>(expected));
+    const float old_v = __uint_as_float(static_cast<unsigned>(expected >> 32));
+    const float M = fmaxf(old_m, m);
+    const float merged = old_v * rescale(old_m, M) + v * rescale(m, M);
+    const unsigned long long packed =
+        (static_cast<unsigned long long>(__float_as_uint(merged)) << 32) | __float_as_uint(M);
+    seen = atomicCAS(slot, expected, packed);
+  } while (seen != expected);
+}
+
+struct Schedule {
+  int row_blocks, col_tiles, tiles_per_unit, units_per_row_block;
+  int64_t units;
+  // Unit u: bands of kRowBlocksPerBand row blocks; within a band the column range varies slowest, so the blocks that
+  // run together share W tiles (in L2) and their x rows stay cached.
+  __device__ __forceinline__ void unit(int64_t u, int& row_block, int& first_tile, int& last_tile) const {
+    const int64_t band_units = int64_t(kRowBlocksPerBand) * units_per_row_block;
+    const int band = static_cast<int>(u / band_units);
+    const int within = static_cast<int>(u % band_units);
+    const int band_rows = min(kRowBlocksPerBand, row_blocks - band * kRowBlocksPerBand);
+    row_block = band * kRowBlocksPerBand + within % band_rows;
+    first_tile = (within / band_rows) * tiles_per_unit;
+    last_tile = min(first_tile + tiles_per_unit, col_tiles);
+  }
+};
+
+template <class T, bool kExtras>
+__global__ void __launch_bounds__(kThreads, 1)
+    linear_lse_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                      const T* __restrict__ bias, const int64_t* __restrict__ targets,
+                      float softcap, int64_t N, int64_t V, int64_t D, Schedule sched,
+                      unsigned long long* __restrict__ lse_pairs, unsigned long long* __restrict__ pz_pairs,
+                      float* __restrict__ logit_sum, float* __restrict__ target_logit) {
+  extern __shared__ uint8_t raw_smem[];
+  auto& smem = *reinterpret_cast<SharedStorage<T>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+  const int k_blocks = static_cast<int>((D + kBlockK - 1) / kBlockK);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(&smem.full[s], 1);
+      barrier_init(&smem.empty[s], kConsumers * 4);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer: one thread streams the k-blocks of every tile of this block's units through the stage ring.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      unsigned phase = 0;
+      for (int64_t u = blockIdx.x; u < sched.units; u += gridDim.x) {
+        int row_block, first, last;
+        sched.unit(u, row_block, first, last);
+        for (int tile = first; tile < last; ++tile) {
+          for (int kb = 0; kb < k_blocks; ++kb) {
+            barrier_wait(&smem.empty[stage], phase ^ 1);
+            barrier_expect_bytes(&smem.full[stage], (kBlockRows + kBlockCols) * kBlockK * sizeof(T));
+            tma_load(smem.a[stage], &x_map, &smem.full[stage], kb * kBlockK, row_block * kBlockRows);
+            tma_load(smem.b[stage], &w_map, &smem.full[stage], kb * kBlockK, tile * kBlockCols);
+            if (++stage == kStages) {
+              stage = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup 1 takes rows 0-63 of the block, warpgroup 2 rows 64-127. In the m64n256 accumulator, lane l
+  // of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2], d[4c+3]), at columns 8c + 2(l%4) + {0,1}.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int quad_col = 2 * (lane % 4);
+  float d[128];
+  int stage = 0;
+  unsigned phase = 0;
+  for (int64_t u = blockIdx.x; u < sched.units; u += gridDim.x) {
+    int row_block, first, last;
+    sched.unit(u, row_block, first, last);
+    const int64_t row0 = int64_t(row_block) * kBlockRows + consumer * 64 + warp * 16 + lane / 4;
+    const int64_t rows[2] = {row0, row0 + 8};
+    int64_t target[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) target[h] = (targets && rows[h] < N) ? targets[rows[h]] : -1;
+    RowStats st[2];
+    for (int tile = first; tile < last; ++tile) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        barrier_wait(&smem.full[stage], phase);
+        const T* a = smem.a[stage] + consumer * 64 * kBlockK;
+        const T* b = smem.b[stage];
+        fence_accumulators(d);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBlockK / 16; ++k)
+          Wgmma<T>::run(d, smem_descriptor(a + k * 16), smem_descriptor(b + k * 16), kb > 0 || k > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_accumulators(d);
+        if (lane == 0) barrier_arrive(&smem.empty[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      // Epilogue: bias, soft-cap and the vocabulary edge, then fold the tile into the running row statistics.
+      const int64_t col0 = int64_t(tile) * kBlockCols;
+      const bool edge = col0 + kBlockCols > V;
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int c = 0; c < 32; ++c) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int64_t col = col0 + 8 * c + quad_col + j;
+          const bool valid = !edge || col < V;
+          const float b = (bias && valid) ? to_float(bias[col]) : 0.f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float z = d[4 * c + 2 * h + j] + b;
+            if (softcap > 0.f) z = softcap * tanhf(z / softcap);
+            z = valid ? z : -INFINITY;
+            d[4 * c + 2 * h + j] = z;
+            tile_max[h] = fmaxf(tile_max[h], z);
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m = fmaxf(st[h].m, tile_max[h]);
+        const float scale = rescale(st[h].m, m);
+        const float ref = m == -INFINITY ? 0.f : m * kLog2e;
+        float s = 0.f, pz = 0.f, sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < 32; ++c) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float z = d[4 * c + 2 * h + j];
+            const float e = exp2f(fmaf(z, kLog2e, -ref));
+            s += e;
+            if constexpr (kExtras) {
+              if (z != -INFINITY) {
+                pz = fmaf(e, z, pz);
+                sum += z;
+              }
+            }
+          }
+        }
+        st[h].m = m;
+        st[h].s = st[h].s * scale + s;
+        if constexpr (kExtras) {
+          st[h].pz = st[h].pz * scale + pz;
+          st[h].sum += sum;
+        }
+        // The target's logit, stored by the one thread that holds it.
+        const int64_t local = target[h] - col0;
+        if (local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N) {
+          float zt = 0.f;
+#pragma unroll
+          for (int c = 0; c < 32; ++c)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              if (8 * c + j == (local & ~6)) zt = d[4 * c + 2 * h + j];
+          target_logit[rows[h]] = zt;
+        }
+      }
+    }
+    // The unit's partials: merge across the four lanes that share each row, then into the row's global pairs.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int offset = 1; offset < 4; offset <<= 1) {
+        RowStats other;
+        other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
+        other.s = __shfl_xor_sync(0xffffffffu, st[h].s, offset);
+        other.pz = __shfl_xor_sync(0xffffffffu, st[h].pz, offset);
+        other.sum = __shfl_xor_sync(0xffffffffu, st[h].sum, offset);
+        st[h] = merge(st[h], other);
+      }
+      if (lane % 4 == 0 && rows[h] < N) {
+        merge_global(lse_pairs + rows[h], st[h].m, st[h].s);
+        if constexpr (kExtras) {
+          merge_global(pz_pairs + rows[h], st[h].m, st[h].pz);
+          atomicAdd(logit_sum + rows[h], st[h].sum);
+        }
+      }
+    }
+  }
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder, looked up through the runtime so the library needs no link to libcuda.
+EncodeTiled encoder() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+    return (e == cudaSuccess && found == cudaDriverEntryPointSuccess) ? reinterpret_cast<EncodeTiled>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// [rows, D] row-major 16-bit matrix, read in boxes of box_rows × 64 with 128-byte swizzle; out-of-range reads are 0.
+CUtensorMap tile_map(const void* data, bool bf16, int64_t rows, int64_t D, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(D) * 2};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encoder()(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                               const_cast<void*>(data), dims, strides, box, element_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed with error " + std::to_string(r));
+  return map;
+}
+
+template <class T, bool kExtras>
+cudaError_t launch(const LinearLseArgs& a, cudaStream_t stream) {
+  const size_t smem_bytes = sizeof(SharedStorage<T>) + 1024;
+  auto kernel = linear_lse_kernel<T, kExtras>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  if (e != cudaSuccess) return e;
+  int device = 0, sms = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+  const bool bf16 = a.dtype == HalfType::bfloat16;
+  const CUtensorMap x_map = tile_map(a.x, bf16, a.N, a.D, kBlockRows);
+  const CUtensorMap w_map = tile_map(a.weight, bf16, a.V, a.D, kBlockCols);
+  Schedule s;
+  s.row_blocks = static_cast<int>((a.N + kBlockRows - 1) / kBlockRows);
+  s.col_tiles = static_cast<int>((a.V + kBlockCols - 1) / kBlockCols);
+  s.tiles_per_unit = std::min(s.col_tiles, a.tiles_per_unit);
+  s.units_per_row_block = (s.col_tiles + s.tiles_per_unit - 1) / s.tiles_per_unit;
+  s.units = int64_t(s.row_blocks) * s.units_per_row_block;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(sms, s.units));
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N, a.V, a.D, s, a.lse_pairs, a.pz_pairs,
+                                                 a.logit_sum, a.target_logit);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool linear_lse_available(int device) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return false;
+  return prop.major == 9 && prop.minor == 0 && encoder() != nullptr;
+}
+
+cudaError_t linear_lse(const LinearLseArgs& a, cudaStream_t stream) {
+  const bool extras = a.pz_pairs != nullptr;
+  if (a.dtype == HalfType::bfloat16) return extras ? launch<__nv_bfloat16, true>(a, stream) : launch<__nv_bfloat16, false>(a, stream);
+  return extras ? launch<__half, true>(a, stream) : launch<__half, false>(a, stream);
+}
+
+}  // namespace trellis::cuda::sm90

@@ -1,0 +1,34 @@
+// The fused linear log-sum-exp kernel for Hopper (cuda/linear_lse_sm90.cu, built for sm_90a): raw pointers, no ATen,
+// so that its translation unit stays small. lib/ reaches it through cuda/linear_head.h.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace trellis::cuda::sm90 {
+
+enum class HalfType { bfloat16, float16 };
+
+struct LinearLseArgs {
+  HalfType dtype = HalfType::bfloat16;
+  const void* x = nullptr;       // [N, D] row-major, 16-byte aligned, D % 8 == 0
+  const void* weight = nullptr;  // [V, D] row-major, same type
+  const void* bias = nullptr;    // [V] or null
+  const int64_t* targets = nullptr;  // [N] or null; a target outside [0, V) gets no target logit
+  float softcap = 0.f;  // > 0: z = c·tanh(z/c)
+  int64_t N = 0, V = 0, D = 0;
+  int tiles_per_unit = 4;  // 256-column tiles per work unit (the load-balancing grain)
+  // Outputs, initialised by the caller: per row (max, Σ e^(z−max)) packed as two floats, start (−inf, 0).
+  unsigned long long* lse_pairs = nullptr;
+  // Optional (both or neither): (max, Σ e^(z−max)·z) pairs, start (−inf, 0), and Σ z, start 0.
+  unsigned long long* pz_pairs = nullptr;
+  float* logit_sum = nullptr;
+  float* target_logit = nullptr;  // [N] when targets are given; written only where the target is in range
+};
+
+// Whether the kernel can run on this device (compute capability 9.0 and a driver with tensor maps).
+bool linear_lse_available(int device);
+
+cudaError_t linear_lse(const LinearLseArgs& args, cudaStream_t stream);
+
+}  // namespace trellis::cuda::sm90
