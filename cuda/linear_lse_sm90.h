@@ -17,7 +17,7 @@ struct LinearLseArgs {
   const int64_t* targets = nullptr;  // [N] or null; a target outside [0, V) gets no target logit
   float softcap = 0.f;  // > 0: z = c·tanh(z/c)
   int64_t N = 0, V = 0, D = 0;
-  int tiles_per_unit = 4;  // 256-column tiles per work unit (the load-balancing grain)
+  int tiles_per_unit = 2;  // 256-column tiles per work unit (the load-balancing grain)
   // Outputs, initialised by the caller: per row (max, Σ e^(z−max)) packed as two floats, start (−inf, 0).
   unsigned long long* lse_pairs = nullptr;
   // Optional (both or neither): (max, Σ e^(z−max)·z) pairs, start (−inf, 0), and Σ z, start 0.

@@ -96,6 +96,7 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   }
   const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
   h.rows_per_slab = std::max<int64_t>(1, o.chunk_bytes / bytes);
+  if (h.rows_per_slab >= 256) h.rows_per_slab -= h.rows_per_slab % 256;  // whole GEMM tiles: no ragged last wave
   return h;
 }
 
