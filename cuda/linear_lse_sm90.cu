@@ -453,9 +453,12 @@ cudaError_t launch(const LinearLseArgs& a, cudaStream_t stream) {
 }  // namespace
 
 bool linear_lse_available(int device) {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return false;
-  return prop.major == 9 && prop.minor == 0 && encoder() != nullptr;
+  // Single attributes: cudaGetDeviceProperties costs far more than a small kernel.
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0 && encoder() != nullptr;
 }
 
 cudaError_t linear_lse(const LinearLseArgs& a, cudaStream_t stream) {

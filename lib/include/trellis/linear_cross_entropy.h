@@ -1,6 +1,11 @@
 // The LLM output head: log-sum-exp over the vocabulary of the logits x·Wᵀ (+ bias), per-token log-probabilities and
-// the linear cross-entropy loss with its gradients, computed a slab of rows at a time so that the N×V logits are never
-// allocated whole. CPU and CUDA tensors; float32 and float64, and bfloat16/float16 inputs with float32 accumulation.
+// the linear cross-entropy loss with its gradients, without allocating the N×V logits whole. CPU and CUDA tensors;
+// float32 and float64, and bfloat16/float16 inputs with float32 accumulation.
+//
+// On Hopper GPUs (compute capability 9.0) with bfloat16/float16 inputs and D % 8 == 0, everything without gradients
+// (linear_logsumexp, token_logprobs, and the loss's forward when no gradient is wanted or the reduction is none)
+// runs in one fused tensor-core kernel that keeps the logits on chip: O(N) extra memory. Otherwise, and for training,
+// rows go a slab at a time through GEMMs that write the slab's logits (see HeadOptions::chunk_bytes).
 //
 // x is [..., D] (leading dimensions are flattened to N rows), weight [V, D], bias [V] or undefined, targets [...] of
 // integer type with values in [0, V) or ignore_index. Logits are formed in float32 (float64 for float64 inputs) and,
