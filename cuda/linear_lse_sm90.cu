@@ -256,129 +256,129 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-  // Consumers: warpgroup 1 takes rows 0-63 of the block, warpgroup 2 rows 64-127. In the m64n256 accumulator, lane l
-  // of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2], d[4c+3]), at columns 8c + 2(l%4) + {0,1}.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int quad_col = 2 * (lane % 4);
-  float d[128];
-  int stage = 0;
-  unsigned phase = 0;
-  for (int64_t u = first_unit; u < sched.units; u += unit_stride) {
-    int row_block, first, last;
-    sched.unit(u, row_block, first, last);
-    const int64_t row0 = (int64_t(row_block) * kCluster + rank) * kBlockRows + consumer * 64 + warp * 16 + lane / 4;
-    const int64_t rows[2] = {row0, row0 + 8};
-    int64_t target[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) target[h] = (targets && rows[h] < N) ? targets[rows[h]] : -1;
-    RowStats st[2];
-    for (int tile = first; tile < last; ++tile) {
-      // Each k-block's wgmmas complete before its stage goes back to the producers of the whole cluster (keeping a
-      // group in flight measured no faster: the ring then has one stage less to prefetch into).
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        barrier_wait(&smem.full[stage], phase);
-        const T* a = smem.a[stage] + consumer * 64 * kBlockK;
-        const T* b = smem.b[stage];
-        fence_accumulators(d);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kBlockK / 16; ++k)
-          Wgmma<T>::run(d, smem_descriptor(a + k * 16), smem_descriptor(b + k * 16), kb > 0 || k > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_accumulators(d);
-        if (lane == 0)
-#pragma unroll
-          for (unsigned r = 0; r < kCluster; ++r) barrier_arrive_cluster(&smem.empty[stage], r);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      // Epilogue: bias, soft-cap and the vocabulary edge, then fold the tile into the running row statistics.
-      const int64_t col0 = int64_t(tile) * kBlockCols;
-      const bool edge = col0 + kBlockCols > V;
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int c = 0; c < 32; ++c) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int64_t col = col0 + 8 * c + quad_col + j;
-          const bool valid = !edge || col < V;
-          const float b = (bias && valid) ? to_float(bias[col]) : 0.f;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float z = d[4 * c + 2 * h + j] + b;
-            if (softcap > 0.f) z = softcap * tanhf(z / softcap);
-            z = valid ? z : -INFINITY;
-            d[4 * c + 2 * h + j] = z;
-            tile_max[h] = fmaxf(tile_max[h], z);
+    // Consumers: warpgroup 1 takes rows 0-63 of the block, warpgroup 2 rows 64-127. In the m64n256 accumulator, lane l
+    // of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2], d[4c+3]), at columns 8c + 2(l%4) + {0,1}.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int quad_col = 2 * (lane % 4);
+    float d[128];
+    int stage = 0;
+    unsigned phase = 0;
+    for (int64_t u = first_unit; u < sched.units; u += unit_stride) {
+      int row_block, first, last;
+      sched.unit(u, row_block, first, last);
+      const int64_t row0 = (int64_t(row_block) * kCluster + rank) * kBlockRows + consumer * 64 + warp * 16 + lane / 4;
+      const int64_t rows[2] = {row0, row0 + 8};
+      int64_t target[2];
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) target[h] = (targets && rows[h] < N) ? targets[rows[h]] : -1;
+      RowStats st[2];
+      for (int tile = first; tile < last; ++tile) {
+        // Each k-block's wgmmas complete before its stage goes back to the producers of the whole cluster (keeping a
+        // group in flight measured no faster: the ring then has one stage less to prefetch into).
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          barrier_wait(&smem.full[stage], phase);
+          const T* a = smem.a[stage] + consumer * 64 * kBlockK;
+          const T* b = smem.b[stage];
+          fence_accumulators(d);
+          wgmma_fence();
+  #pragma unroll
+          for (int k = 0; k < kBlockK / 16; ++k)
+            Wgmma<T>::run(d, smem_descriptor(a + k * 16), smem_descriptor(b + k * 16), kb > 0 || k > 0);
+          wgmma_commit();
+          wgmma_wait_all();
+          fence_accumulators(d);
+          if (lane == 0)
+  #pragma unroll
+            for (unsigned r = 0; r < kCluster; ++r) barrier_arrive_cluster(&smem.empty[stage], r);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
           }
         }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m = fmaxf(st[h].m, tile_max[h]);
-        const float scale = rescale(st[h].m, m);
-        const float ref = m == -INFINITY ? 0.f : m * kLog2e;
-        float s = 0.f, pz = 0.f, sum = 0.f;
-#pragma unroll
+        // Epilogue: bias, soft-cap and the vocabulary edge, then fold the tile into the running row statistics.
+        const int64_t col0 = int64_t(tile) * kBlockCols;
+        const bool edge = col0 + kBlockCols > V;
+        float tile_max[2] = {-INFINITY, -INFINITY};
+  #pragma unroll
         for (int c = 0; c < 32; ++c) {
-#pragma unroll
+  #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float z = d[4 * c + 2 * h + j];
-            const float e = exp2f(fmaf(z, kLog2e, -ref));
-            s += e;
-            if constexpr (kExtras) {
-              if (z != -INFINITY) {
-                pz = fmaf(e, z, pz);
-                sum += z;
-              }
+            const int64_t col = col0 + 8 * c + quad_col + j;
+            const bool valid = !edge || col < V;
+            const float b = (bias && valid) ? to_float(bias[col]) : 0.f;
+  #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float z = d[4 * c + 2 * h + j] + b;
+              if (softcap > 0.f) z = softcap * tanhf(z / softcap);
+              z = valid ? z : -INFINITY;
+              d[4 * c + 2 * h + j] = z;
+              tile_max[h] = fmaxf(tile_max[h], z);
             }
           }
         }
-        st[h].m = m;
-        st[h].s = st[h].s * scale + s;
-        if constexpr (kExtras) {
-          st[h].pz = st[h].pz * scale + pz;
-          st[h].sum += sum;
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m = fmaxf(st[h].m, tile_max[h]);
+          const float scale = rescale(st[h].m, m);
+          const float ref = m == -INFINITY ? 0.f : m * kLog2e;
+          float s = 0.f, pz = 0.f, sum = 0.f;
+  #pragma unroll
+          for (int c = 0; c < 32; ++c) {
+  #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float z = d[4 * c + 2 * h + j];
+              const float e = exp2f(fmaf(z, kLog2e, -ref));
+              s += e;
+              if constexpr (kExtras) {
+                if (z != -INFINITY) {
+                  pz = fmaf(e, z, pz);
+                  sum += z;
+                }
+              }
+            }
+          }
+          st[h].m = m;
+          st[h].s = st[h].s * scale + s;
+          if constexpr (kExtras) {
+            st[h].pz = st[h].pz * scale + pz;
+            st[h].sum += sum;
+          }
+          // The target's logit, stored by the one thread that holds it.
+          const int64_t local = target[h] - col0;
+          if (local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N) {
+            float zt = 0.f;
+  #pragma unroll
+            for (int c = 0; c < 32; ++c)
+  #pragma unroll
+              for (int j = 0; j < 2; ++j)
+                if (8 * c + j == (local & ~6)) zt = d[4 * c + 2 * h + j];
+            target_logit[rows[h]] = zt;
+          }
         }
-        // The target's logit, stored by the one thread that holds it.
-        const int64_t local = target[h] - col0;
-        if (local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N) {
-          float zt = 0.f;
-#pragma unroll
-          for (int c = 0; c < 32; ++c)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-              if (8 * c + j == (local & ~6)) zt = d[4 * c + 2 * h + j];
-          target_logit[rows[h]] = zt;
+      }
+      // The unit's partials: merge across the four lanes that share each row, then into the row's global pairs.
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+  #pragma unroll
+        for (int offset = 1; offset < 4; offset <<= 1) {
+          RowStats other;
+          other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
+          other.s = __shfl_xor_sync(0xffffffffu, st[h].s, offset);
+          other.pz = __shfl_xor_sync(0xffffffffu, st[h].pz, offset);
+          other.sum = __shfl_xor_sync(0xffffffffu, st[h].sum, offset);
+          st[h] = merge(st[h], other);
+        }
+        if (lane % 4 == 0 && rows[h] < N) {
+          merge_global(lse_pairs + rows[h], st[h].m, st[h].s);
+          if constexpr (kExtras) {
+            merge_global(pz_pairs + rows[h], st[h].m, st[h].pz);
+            atomicAdd(logit_sum + rows[h], st[h].sum);
+          }
         }
       }
     }
-    // The unit's partials: merge across the four lanes that share each row, then into the row's global pairs.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int offset = 1; offset < 4; offset <<= 1) {
-        RowStats other;
-        other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
-        other.s = __shfl_xor_sync(0xffffffffu, st[h].s, offset);
-        other.pz = __shfl_xor_sync(0xffffffffu, st[h].pz, offset);
-        other.sum = __shfl_xor_sync(0xffffffffu, st[h].sum, offset);
-        st[h] = merge(st[h], other);
-      }
-      if (lane % 4 == 0 && rows[h] < N) {
-        merge_global(lse_pairs + rows[h], st[h].m, st[h].s);
-        if constexpr (kExtras) {
-          merge_global(pz_pairs + rows[h], st[h].m, st[h].pz);
-          atomicAdd(logit_sum + rows[h], st[h].sum);
-        }
-      }
-    }
-  }
   }
   cluster_sync();  // the peer may still arrive on this CTA's barriers
 }
