@@ -1,5 +1,5 @@
-// Launchers for the LLM head's kernels (cuda/linear_head.cu). Called by lib/ with contiguous CUDA tensors and
-// preallocated outputs; each launcher only launches (on the current stream) and checks the launch.
+// Launchers for the LLM head's kernels (cuda/linear_head.cu), called by lib/ with contiguous CUDA tensors; they
+// launch on the current stream and check the launch.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -15,9 +15,7 @@
 
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
-#if TRELLIS_WITH_CUDA
-#include "cuda/linear_head.h"
-#endif
+#include "cuda/linear_head.h"  // declarations only: linked and called with TRELLIS_WITH_CUDA
 
 namespace trellis {
 
@@ -116,9 +114,8 @@ at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
   return z;
 }
 
-struct SlabStats {
-  at::Tensor lse, target_logit, logit_sum, expected_logit;  // expected_logit: Σ_v p_v·z_v
-};
+// Per-row statistics (lse, target logit, Σ z, Σ p·z), the same whether a slab or the fused kernel forms them.
+using SlabStats = cuda::HeadRowStats;
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
@@ -140,9 +137,8 @@ SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_s
 // not apply (the CPU, float32/float64, an unsupported GPU or shape), and the slabs do the work.
 std::optional<SlabStats> fused_stats(const Head& h, bool want_sum, bool want_expected) {
 #if TRELLIS_WITH_CUDA
-  cuda::HeadRowStats f;
-  if (cuda::fused_linear_lse(h.x, h.weight, h.bias, h.targets, h.softcap.value_or(0), want_sum || want_expected, f)) {
-    SlabStats s{f.lse, f.target_logit, f.logit_sum, f.expected_logit};
+  SlabStats s;
+  if (cuda::fused_linear_lse(h.x, h.weight, h.bias, h.targets, h.softcap.value_or(0), want_sum || want_expected, s)) {
     if (h.targets.defined()) s.target_logit.mul_(valid_targets(h.targets, h.ignore_index));
     return s;
   }
