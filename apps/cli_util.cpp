@@ -1,5 +1,6 @@
 #include "cli_util.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -46,6 +47,25 @@ int64_t parse_bytes(const std::string& text) {
   const double scale = unit.empty() ? 1 : unit == "k" || unit == "K" ? 1e3 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
   if (used == 0 || scale < 0 || v <= 0) throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
   return static_cast<int64_t>(v * scale);
+}
+
+std::vector<int> parse_int_list(const std::string& text, const std::string& option) {
+  std::vector<int> values;
+  std::size_t begin = 0;
+  while (true) {
+    const std::size_t end = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, end - begin);
+    std::size_t used = 0;
+    try {
+      values.push_back(std::stoi(item, &used));
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size())
+      throw Error(option + " '" + text + "' is not a comma-separated list of integers (examples: -1, 1,2)");
+    if (end == text.size()) return values;
+    begin = end + 1;
+  }
 }
 
 Progress::Progress(std::string label, int64_t total, std::string unit, double interval)

@@ -17,6 +17,9 @@ std::string fixed(double v, int digits);
 // "512M", "2G", "100k" or a plain byte count.
 int64_t parse_bytes(const std::string& text);
 
+// "1,2" or "-1": a comma-separated list of integers; `option` names the option in the error.
+std::vector<int> parse_int_list(const std::string& text, const std::string& option);
+
 // Prints "label: done/total unit, rate/s" to stderr at most once per interval, and once at the end.
 class Progress {
  public:

@@ -1,6 +1,7 @@
 // trellis hmm init|sample|fit|infer|convert|eval: option parsing and reporting only; the work is in the library.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <iostream>
 
@@ -184,19 +185,23 @@ int fit(const std::vector<std::string>& args) {
 }
 
 int convert(const std::vector<std::string>& args) {
-  std::string input, output, from, unknown, comments;
-  int word_column = 0, label_column = -1;
+  std::string input, output, from, unknown, comments, label_column;
+  int word_column = 0;
   int64_t min_count = 1;
-  bool no_labels = false;
+  bool no_labels = false, add_labels = false;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("input,i", po::value(&input)->required(), "CoNLL column file")
       ("output,o", po::value(&output)->required(), "dataset to write")
       ("word-column", po::value(&word_column)->default_value(0), "column of the observed word (negative: from the end)")
-      ("label-column", po::value(&label_column)->default_value(-1), "column of the label (negative: from the end)")
+      ("label-column", po::value(&label_column)->default_value("-1"),
+       "column of the label (negative: from the end), or several joined by '|' into fine labels, e.g. 1,2 for UPOS|XPOS")
       ("no-labels", po::bool_switch(&no_labels), "the file has no label column to store")
       ("vocabulary-from", po::value(&from),
        "reuse the vocabulary and label names of this HDF5 file (the training set's dataset or model)")
+      ("add-labels", po::bool_switch(&add_labels),
+       "with --vocabulary-from: append labels the file has not (evaluation data; no model predicts them) instead of "
+       "stopping at the first")
       ("min-count", po::value(&min_count)->default_value(2),
        "words seen fewer times become unknown-word classes (new vocabularies only)")
       ("unknown", po::value(&unknown)->default_value("signatures"),
@@ -205,6 +210,8 @@ int convert(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (int rc = parse("hmm convert", args, desc, vm, "usage: trellis hmm convert --input FILE --output DATA.h5 [options]"); rc >= 0)
     return rc;
+  std::vector<int> label_columns;
+  if (!no_labels) label_columns = parse_int_list(label_column, "--label-column");
   Vocabulary words;
   std::vector<std::string> labels;
   if (!from.empty()) {
@@ -213,29 +220,24 @@ int convert(const std::vector<std::string>& args) {
     labels = read_string_dataset(from, "label_names");
     if (labels.empty()) labels = read_string_dataset(from, "state_names");
     if (labels.empty() && !no_labels) throw Error(from + ": has no '/label_names' (or '/state_names') to reuse");
+    if (add_labels && !no_labels) {
+      const std::size_t reused = labels.size();
+      for (const auto& l : conll_words_and_labels(input, word_column, label_columns, comments).labels)
+        if (std::find(labels.begin(), labels.end(), l) == labels.end()) labels.push_back(l);
+      if (labels.size() > reused)
+        std::cerr << "added " << labels.size() - reused << " labels not in " << from << " (never predicted)\n";
+    }
   } else {
     const Vocabulary::Unknown scheme = unknown == "signatures" ? Vocabulary::Unknown::signatures
                                        : unknown == "single"   ? Vocabulary::Unknown::single
                                        : unknown == "error"    ? Vocabulary::Unknown::error
                                                                : throw Error("--unknown must be signatures, single or error");
-    ConllReadOptions ro;
-    ro.comment_prefix = comments;
-    const ConllCorpus corpus = read_conll(input, ro);
-    const int n = static_cast<int>(corpus.num_columns);
-    const int wc = word_column < 0 ? n + word_column : word_column, lc = label_column < 0 ? n + label_column : label_column;
-    if (wc < 0 || wc >= n || (!no_labels && (lc < 0 || lc >= n)))
-      throw Error(input + ": has " + std::to_string(n) + " columns; --word-column/--label-column are outside them");
-    std::vector<std::string> tokens;
-    std::unordered_map<std::string, bool> seen;
-    for (const auto& s : corpus.sentences)
-      for (const auto& row : s.rows) {
-        tokens.push_back(row[wc]);
-        if (!no_labels && !seen[row[lc]]) seen[row[lc]] = true, labels.push_back(row[lc]);
-      }
-    words = Vocabulary::build(tokens, min_count, scheme);
+    ConllVocabulary v = conll_words_and_labels(input, word_column, label_columns, comments);
+    words = Vocabulary::build(v.words, min_count, scheme);
+    labels = std::move(v.labels);
   }
   const ConversionSummary s =
-      convert_conll(input, output, words, word_column, no_labels ? nullptr : &labels, label_column, comments);
+      convert_conll(input, output, words, word_column, no_labels ? nullptr : &labels, label_columns, comments);
   std::cerr << "wrote " << output << ": " << s.sentences << " sequences, " << s.tokens << " tokens ("
             << s.unknown_tokens << " not in the vocabulary: " << fixed(100.0 * s.unknown_tokens / std::max<int64_t>(s.tokens, 1), 2)
             << "%), vocabulary " << words.size() << " symbols";
@@ -246,15 +248,18 @@ int convert(const std::vector<std::string>& args) {
 
 int eval(const std::vector<std::string>& args) {
   std::string data_path, predictions;
+  bool coarse = false;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("data,d", po::value(&data_path)->required(), "dataset with /labels")
-      ("predictions,p", po::value(&predictions)->required(), "output of trellis hmm infer on that dataset");
+      ("predictions,p", po::value(&predictions)->required(), "output of trellis hmm infer on that dataset")
+      ("coarse", po::bool_switch(&coarse),
+       "score fine labels (several columns joined by '|', e.g. UPOS|XPOS) on their first part only");
   po::variables_map vm;
   if (int rc = parse("hmm eval", args, desc, vm, "usage: trellis hmm eval --data DATA.h5 --predictions OUT.h5"); rc >= 0)
     return rc;
   HMMDataset data(data_path);
-  const LabelAccuracy a = score_predictions(data, predictions);
+  const LabelAccuracy a = score_predictions(data, predictions, coarse);
   std::cout << "tokens " << a.tokens << "  correct " << a.correct << "  accuracy " << fixed(a.accuracy(), 2) << "%\n";
   return 0;
 }

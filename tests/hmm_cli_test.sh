@@ -42,6 +42,20 @@ printf 'the DT\nbird NN\nsang VBD\n\n' >dev.txt
 "$trellis" hmm fit -d train.h5 -o pos2.h5 --supervised --order 2 --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m pos2.h5 -d train.h5 -o pred2.h5 >/dev/null 2>&1 &&
   "$trellis" hmm eval -d train.h5 -p pred2.h5 | grep -q "accuracy 100.00%" && ok || fail "second-order model round trip"
+# Fine labels from two columns, scored on their first part; dev labels training never saw kept with --add-labels.
+printf 'the DT x\ncat NN y\nsat VBD z\n\nthe DT x\ndog NN y\nran VBD w\n\n' >fine.txt
+printf 'the DT x\ncat NN q\n\n' >finedev.txt
+"$trellis" hmm convert -i fine.txt -o fine.h5 --label-column 1,2 2>fine.log && grep -q ", 4 labels" fine.log && ok ||
+  fail "two label columns give fine labels"
+expect_error "unseen fine label" "finedev.txt:2: label 'NN|q'" fd.h5 \
+  "$trellis" hmm convert -i finedev.txt -o fd.h5 --vocabulary-from fine.h5 --label-column 1,2
+"$trellis" hmm convert -i finedev.txt -o fd.h5 --vocabulary-from fine.h5 --label-column 1,2 --add-labels 2>/dev/null &&
+  "$trellis" hmm fit -d fine.h5 -o finem.h5 --supervised --smoothing 0.1 2>/dev/null &&
+  "$trellis" hmm infer -m finem.h5 -d fd.h5 -o finep.h5 >/dev/null 2>&1 &&
+  "$trellis" hmm eval -d fd.h5 -p finep.h5 | grep -q "accuracy 50.00%" &&
+  "$trellis" hmm eval -d fd.h5 -p finep.h5 --coarse | grep -q "accuracy 100.00%" && ok || fail "coarse scoring of fine labels"
+expect_error "bad label column list" "--label-column '1,x' is not a comma-separated list" f2.h5 \
+  "$trellis" hmm convert -i fine.txt -o f2.h5 --label-column 1,x
 expect_error "second order without labels" "--order must be 1, or 2 with --supervised" m.h5 \
   "$trellis" hmm fit -d train.h5 -o m.h5 --states 3 --order 2
 printf 'the DT\ncat XX\n\n' >badlabel.txt

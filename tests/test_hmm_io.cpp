@@ -71,21 +71,58 @@ TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
   EXPECT_NE(::access(path.c_str(), F_OK), 0);
 }
 
-TEST(Vocabulary, RareWordsTrainSignaturesThatUnknownWordsBackOffTo) {
+TEST(Vocabulary, RareWordsTrainSuffixClassesThatUnknownWordsBackOffTo) {
+  using Strings = std::vector<std::string>;
+  EXPECT_EQ(signature_classes("Running"), (Strings{"<unk-Cap>", "<unk-Cap-~g>", "<unk-Cap-~ng>", "<unk-Cap-~ing>",
+                                                   "<unk-Cap-~ning>", "<unk-Cap-~nning>", "<unk-Cap-~unning>"}));
+  EXPECT_EQ(signature_classes("1,000"), Strings{"<unk-num>"});
+  EXPECT_EQ(signature_classes("e-mails")[2], "<unk-lc-dash-~ls>");
+  EXPECT_EQ(signature_classes("abcdefghijklmnop").size(), 11u);  // shape + suffixes of at most 10 letters
+  EXPECT_EQ(class_chain("<unk-lc-~ng>"), (Strings{"<unk-lc>", "<unk-lc-~g>", "<unk-lc-~ng>"}));
+  EXPECT_EQ(class_chain("<unk-num>"), Strings{"<unk-num>"});
+
   const Vocabulary v = Vocabulary::build({"the", "the", "Running", "cats", "cats", "42"}, 2, Vocabulary::Unknown::signatures);
+  const auto symbol = [&](const std::string& w) { return v.symbols().at(v.id(w)); };
   EXPECT_TRUE(v.known("the"));
+  EXPECT_TRUE(v.known("cats"));  // seen twice: its own id, and rare enough to teach its classes
   EXPECT_FALSE(v.known("Running"));
-  EXPECT_EQ(v.id("Jumping"), v.id("Running"));  // the same class: <unk-Cap-~ing>
-  EXPECT_EQ(unknown_signature("Running"), "<unk-Cap-~ing>");
-  EXPECT_EQ(unknown_signature("1,000"), "<unk-num>");
+  EXPECT_EQ(symbol("Running"), "<unk-Cap-~unning>");
+  EXPECT_EQ(symbol("Jumping"), "<unk-Cap-~ing>");  // the most specific class training saw
+  EXPECT_EQ(symbol("Walked"), "<unk-Cap>");
+  EXPECT_EQ(symbol("dogs"), "<unk-lc-~s>");
   EXPECT_EQ(v.id("7"), v.id("42"));
-  EXPECT_EQ(v.id("Walked"), v.id("Running"));  // neither <unk-Cap-~ked> nor <unk-Cap> exists: the first class
+  EXPECT_EQ(symbol("zig-zag"), "<unk-lc>");  // a shape never seen: the first class (rare "the" taught it)
   const Vocabulary again = Vocabulary::from_symbols(v.symbols());
   EXPECT_EQ(again.unknown(), Vocabulary::Unknown::signatures);
   EXPECT_EQ(again.id("Jumping"), v.id("Jumping"));
   const Vocabulary strict = Vocabulary::build({"a", "b"}, 1, Vocabulary::Unknown::error);
   EXPECT_EQ(strict.id("c"), -1);
   EXPECT_EQ(Vocabulary::build({"a"}, 2, Vocabulary::Unknown::single).id("zzz"), 0);
+}
+
+TEST(Vocabulary, TaggerEmissionsGiveUnknownWordsTheTagsOfRareWordsLikeThem) {
+  // Tags 0 (verb) and 1 (noun). Rare words: -ing verbs, -ion nouns; "the" and "runs" are frequent.
+  std::vector<std::string> tokens, tags;
+  const auto add = [&](const std::string& w, int n, const std::string& t) {
+    for (int i = 0; i < n; ++i) tokens.push_back(w), tags.push_back(t);
+  };
+  add("the", 40, "N"), add("runs", 30, "V"), add("walking", 1, "V"), add("talking", 2, "V"), add("singing", 1, "V");
+  add("nation", 1, "N"), add("motion", 3, "N"), add("king", 1, "N");
+  const Vocabulary v = Vocabulary::build(tokens, 2, Vocabulary::Unknown::signatures);
+  at::Tensor counts = at::zeros({2, v.size()}, at::kDouble);
+  for (std::size_t i = 0; i < tokens.size(); ++i) counts[tags[i] == "V" ? 0 : 1][v.id(tokens[i])] += 1;
+  const at::Tensor e = tagger_log_emissions(counts, v.symbols(), 0.01);
+  expect_close(e.exp().sum(1), at::ones({2}, at::kDouble), 1e-12, 1e-12);  // rows are distributions
+  EXPECT_FALSE(at::isnan(e).any().item<bool>());
+  const auto score = [&](const std::string& w) { return e.select(1, v.id(w)); };
+  EXPECT_GT(score("jumping")[0].item<double>(), score("jumping")[1].item<double>());   // like walking, singing
+  EXPECT_GT(score("station")[1].item<double>(), score("station")[0].item<double>());   // like nation, motion
+  EXPECT_GT(score("talking")[0].item<double>(), score("talking")[1].item<double>());   // seen twice: a word
+  // Without classes: plain additive smoothing.
+  const std::vector<std::string> plain{"a", "b"};
+  const at::Tensor c = at::tensor({3.0, 1.0, 0.0, 2.0}, at::kDouble).view({2, 2});
+  expect_close(tagger_log_emissions(c, plain, 1.0).exp(), at::tensor({4.0 / 6, 2.0 / 6, 0.25, 0.75}, at::kDouble).view({2, 2}),
+               1e-12, 1e-12);
 }
 
 TEST(HMMCuda, GaussianAndLargeKMatchCpu) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 
 #include "trellis/error.h"
 
@@ -585,8 +586,16 @@ void HMMInferenceWriter::commit() { impl_->out.commit(); }
 
 // ---- evaluation ----
 
-LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions) {
+LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions, bool coarse) {
   if (!data.has_labels()) throw Error(data.path() + ": no '/labels' dataset to score against");
+  // Label id -> the id of its coarse class (the name's part before '|'), or itself.
+  std::vector<int64_t> klass;
+  if (coarse) {
+    const std::vector<std::string> names = data.label_names();
+    if (names.empty()) throw Error(data.path() + ": --coarse scoring needs the dataset's '/label_names'");
+    std::unordered_map<std::string, int64_t> ids;
+    for (const auto& n : names) klass.push_back(ids.emplace(n.substr(0, n.find('|')), ids.size()).first->second);
+  }
   return h5(predictions, [&] {
     const H5::H5File f = open_readonly(predictions);
     if (!exists(f, "states") || !exists(f, "offsets")) throw Error(predictions + ": missing '/states' or '/offsets'");
@@ -606,7 +615,12 @@ LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions
       sb.selectHyperslab(H5S_SELECT_SET, &count, &start);
       states.read(a.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sa);
       labels.read(b.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sb);
-      for (hsize_t i = 0; i < count; ++i) acc.correct += a[i] == b[i];
+      for (hsize_t i = 0; i < count; ++i) {
+        if (coarse && (a[i] < 0 || b[i] < 0 || a[i] >= int64_t(klass.size()) || b[i] >= int64_t(klass.size())))
+          throw Error(predictions + ": label id out of range of " + data.path() + "'s label names at token " +
+                      std::to_string(begin + i));
+        acc.correct += coarse ? klass[a[i]] == klass[b[i]] : a[i] == b[i];
+      }
       acc.tokens += count;
     }
     return acc;

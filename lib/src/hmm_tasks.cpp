@@ -5,8 +5,11 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "trellis/conll.h"
 #include "trellis/error.h"
@@ -189,7 +192,10 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
               const SequenceBatch b = data.read(first, count, true);
               total += trigram_counts(b.observations, b.labels, b.lengths, K, V);
             }
-            out.model = second_order_hmm(total, fit.em.m_step.smoothing);
+            CategoricalHMM m = second_order_hmm(total, fit.em.m_step.smoothing);
+            if (!out.vocabulary.empty())
+              m.log_emissions = tagger_log_emissions(total.emissions, out.vocabulary, fit.em.m_step.smoothing).repeat({K + 1, 1});
+            out.model = m;
             std::vector<std::string> names;
             for (int64_t s = 0; s < (K + 1) * K; ++s) {
               const int64_t a = s / K, b = pair_label(s, K);
@@ -210,7 +216,11 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
             total += to_double(labelled_statistics(shape.to(opt), b.observations.to(opt.device()),
                                                    b.labels.to(opt.device()), b.lengths.to(opt.device())));
           }
-          out.model = shape.maximise(total, fit.em.m_step).to(at::TensorOptions().dtype(at::kDouble));
+          HMM m = shape.maximise(total, fit.em.m_step).to(at::TensorOptions().dtype(at::kDouble));
+          if constexpr (std::is_same_v<HMM, CategoricalHMM>)
+            if (!out.vocabulary.empty())
+              m.log_emissions = tagger_log_emissions(total.emissions.cpu(), out.vocabulary, fit.em.m_step.smoothing);
+          out.model = m;
           return;
         }
         double best = -std::numeric_limits<double>::infinity();
@@ -272,22 +282,139 @@ void sample_dataset(const HMMModelFile& model, const std::string& output, int64_
       model.model);
 }
 
-ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
-                                int word_column, const std::vector<std::string>* labels, int label_column,
-                                const std::string& comment_prefix) {
+at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std::string>& symbols, double smoothing) {
+  const int64_t K = counts.size(0), V = counts.size(1);
+  if (int64_t(symbols.size()) != V)
+    throw Error("tagger emissions: " + std::to_string(symbols.size()) + " symbols for " + std::to_string(V) + " columns");
+  const at::Tensor C = counts.to(at::kDouble).contiguous();
+  const bool signatures =
+      std::any_of(symbols.begin(), symbols.end(), [](const std::string& s) { return s.rfind("<unk-", 0) == 0; });
+  if (!signatures) {
+    const at::Tensor e = C + smoothing;
+    return (e / e.sum(1, true).clamp_min(1e-300)).log();
+  }
+  std::vector<uint8_t> is_class(V);
+  for (int64_t v = 0; v < V; ++v) is_class[v] = Vocabulary::is_unknown_class(symbols[v]);
+  const auto Ca = C.accessor<double, 2>();
+  const at::Tensor symbol_total = C.sum(0), tag_total = C.sum(1);
+  const auto n_sym = symbol_total.accessor<double, 1>();
+
+  // The rare words (and rare tokens already stored as their class) under each class: tag counts, how many symbols.
+  struct Rare {
+    std::vector<double> tags;
+    int64_t symbols = 0;
+    double novel_tokens = 0;  // tokens of the rare symbols that a novel word like them would map to this class
+  };
+  std::unordered_map<std::string, Rare> rare;
+  std::vector<std::pair<int64_t, std::vector<std::string>>> rare_symbols;
+  std::vector<double> hapax(K);  // tokens of words seen once (and of class tokens): Good-Turing's novel-word mass
+  for (int64_t v = 0; v < V; ++v) {
+    if (n_sym[v] <= 0 || (!is_class[v] && n_sym[v] > Vocabulary::kRareCount)) continue;
+    rare_symbols.emplace_back(v, is_class[v] ? class_chain(symbols[v]) : signature_classes(symbols[v]));
+    for (const auto& c : rare_symbols.back().second) {
+      Rare& r = rare[c];
+      r.tags.resize(K);
+      r.symbols += 1;
+      for (int64_t k = 0; k < K; ++k) r.tags[k] += Ca[k][v];
+    }
+    if (is_class[v] || n_sym[v] == 1)
+      for (int64_t k = 0; k < K; ++k) hapax[k] += Ca[k][v];
+  }
+  // Where novel words land: each rare symbol left out of training would map to the most specific class of its chain
+  // that another rare symbol reached.
+  for (const auto& [v, chain] : rare_symbols) {
+    std::size_t i = chain.size() - 1;
+    while (i > 0 && rare.at(chain[i]).symbols < 2) --i;
+    rare.at(chain[i]).novel_tokens += n_sym[v];
+  }
+
+  const at::Tensor prior_t = tag_total / tag_total.sum().clamp_min(1e-300);
+  const double theta = K > 1 ? prior_t.std().item<double>() : 0.0;  // TnT's interpolation weight
+  const auto prior = prior_t.accessor<double, 1>();
+  // P(class | tag, novel) ∝ P(tag | class) P(class | novel): the tag distribution of the class, TnT's successive
+  // abstraction from the shape down the suffixes; P(class | novel) where the left-out rare symbols landed (add-one).
+  at::Tensor novel = at::zeros({K, V}, at::kDouble);
+  auto N = novel.accessor<double, 2>();
+  std::vector<double> p(K);
+  for (int64_t v = 0; v < V; ++v) {
+    if (!is_class[v]) continue;
+    for (int64_t k = 0; k < K; ++k) p[k] = prior[k];  // a class no rare word reached: the priors
+    double landed = 0;
+    bool first = true;
+    for (const auto& c : class_chain(symbols[v])) {
+      const auto it = rare.find(c);
+      if (it == rare.end()) break;
+      const std::vector<double>& n = it->second.tags;
+      double total = 0;
+      for (double x : n) total += x;
+      for (int64_t k = 0; k < K; ++k)
+        p[k] = first ? (n[k] + smoothing) / std::max(total + K * smoothing, 1e-300)
+                     : (n[k] / std::max(total, 1e-300) + theta * p[k]) / (1 + theta);
+      first = false;
+      landed = it->second.novel_tokens;
+    }
+    for (int64_t k = 0; k < K; ++k) N[k][v] = p[k] * (landed + 1);
+  }
+  // Each tag's row: the words with probability 1 - u and the classes with u, u = its share of words seen once.
+  const at::Tensor u = (at::tensor(hapax, at::kDouble) / tag_total.clamp_min(1)).clamp(1e-6, 0.5).unsqueeze(1);
+  const at::Tensor word_mask = at::from_blob(is_class.data(), {V}, at::kByte).logical_not();
+  const at::Tensor words = at::where(word_mask, C + smoothing, at::zeros_like(C));
+  const at::Tensor e = (1 - u) * words / words.sum(1, true).clamp_min(1e-300) + u * novel / novel.sum(1, true).clamp_min(1e-300);
+  return e.log();
+}
+
+namespace {
+
+// Resolved column indices of a CoNLL file, and the label of a row built from them.
+struct ConllColumns {
+  int word = 0;
+  std::vector<int> label;
+
+  ConllColumns(const std::string& path, std::size_t num_columns, int word_column, const std::vector<int>& label_columns) {
+    const int ncol = static_cast<int>(num_columns);
+    const auto resolve = [&](int c, const char* what) {
+      const int i = c < 0 ? ncol + c : c;
+      if (i < 0 || i >= ncol)
+        throw Error(path + ": has " + std::to_string(ncol) + " columns; there is no " + what + " column " +
+                    std::to_string(c));
+      return i;
+    };
+    word = resolve(word_column, "word");
+    for (int c : label_columns) label.push_back(resolve(c, "label"));
+  }
+  std::string label_of(const std::vector<std::string>& row) const {
+    std::string l;
+    for (std::size_t i = 0; i < label.size(); ++i) l += (i ? "|" : "") + row[label[i]];
+    return l;
+  }
+};
+
+}  // namespace
+
+ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_column,
+                                       const std::vector<int>& label_columns, const std::string& comment_prefix) {
   ConllReadOptions ro;
   ro.comment_prefix = comment_prefix;
   const ConllCorpus corpus = read_conll(conll_path, ro);
-  const int ncol = static_cast<int>(corpus.num_columns);
-  const auto column = [&](int c, const char* what) {
-    const int i = c < 0 ? ncol + c : c;
-    if (i < 0 || i >= ncol)
-      throw Error(conll_path + ": has " + std::to_string(ncol) + " columns; there is no " + what + " column " +
-                  std::to_string(c));
-    return i;
-  };
-  const int wc = column(word_column, "word");
-  const int lc = labels ? column(label_column, "label") : -1;
+  const ConllColumns cols(conll_path, corpus.num_columns, word_column, label_columns);
+  ConllVocabulary v;
+  std::unordered_set<std::string> seen;
+  for (const auto& s : corpus.sentences)
+    for (const auto& row : s.rows) {
+      v.words.push_back(row[cols.word]);
+      if (!cols.label.empty() && seen.insert(cols.label_of(row)).second) v.labels.push_back(cols.label_of(row));
+    }
+  return v;
+}
+
+ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
+                                int word_column, const std::vector<std::string>* labels,
+                                const std::vector<int>& label_columns, const std::string& comment_prefix) {
+  ConllReadOptions ro;
+  ro.comment_prefix = comment_prefix;
+  const ConllCorpus corpus = read_conll(conll_path, ro);
+  const ConllColumns cols(conll_path, corpus.num_columns, word_column, labels ? label_columns : std::vector<int>{});
+  if (labels && label_columns.empty()) throw Error("convert_conll: labels given without a label column");
   std::unordered_map<std::string, int64_t> label_id;
   if (labels)
     for (std::size_t i = 0; i < labels->size(); ++i) label_id[(*labels)[i]] = i;
@@ -310,7 +437,7 @@ ConversionSummary convert_conll(const std::string& conll_path, const std::string
       const ConllSentence& sent = corpus.sentences[s];
       lengths[s - s0] = int64_t(sent.rows.size());
       for (std::size_t t = 0; t < sent.rows.size(); ++t) {
-        const std::string& w = sent.rows[t][wc];
+        const std::string& w = sent.rows[t][cols.word];
         const int64_t id = words.id(w);
         if (id < 0)
           throw ParseError(conll_path, sent.first_line + t,
@@ -318,9 +445,10 @@ ConversionSummary convert_conll(const std::string& conll_path, const std::string
         sum.unknown_tokens += !words.known(w);
         I[s - s0][t] = id;
         if (labels) {
-          const auto it = label_id.find(sent.rows[t][lc]);
+          const std::string label = cols.label_of(sent.rows[t]);
+          const auto it = label_id.find(label);
           if (it == label_id.end())
-            throw ParseError(conll_path, sent.first_line + t, "label '" + sent.rows[t][lc] + "' is not one of the " +
+            throw ParseError(conll_path, sent.first_line + t, "label '" + label + "' is not one of the " +
                                                                  std::to_string(labels->size()) + " known labels");
           L[s - s0][t] = it->second;
         }

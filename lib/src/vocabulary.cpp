@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <map>
 
 #include "trellis/error.h"
 
@@ -24,10 +23,11 @@ Vocabulary Vocabulary::build(const std::vector<std::string>& tokens, int64_t min
   if (unknown == Unknown::single) v.add("<unk>");  // always present, even if every word is frequent
   // Ids in first-seen order, so that the same data always gives the same vocabulary.
   for (const auto& t : tokens) {
-    if (counts.at(t) >= min_count || unknown == Unknown::error)
-      v.add(t);
-    else
-      v.add(unknown == Unknown::single ? "<unk>" : unknown_signature(t));
+    const int64_t n = counts.at(t);
+    if (n >= min_count || unknown == Unknown::error) v.add(t);
+    if (unknown == Unknown::single && n < min_count) v.add("<unk>");
+    if (unknown == Unknown::signatures && (n < min_count || n <= kRareCount))
+      for (const auto& c : signature_classes(t)) v.add(c);
   }
   return v;
 }
@@ -56,14 +56,10 @@ int64_t Vocabulary::id(const std::string& word) const {
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
   if (const auto it = index_.find(lower); it != index_.end() && lower != word) return it->second;
   if (unknown_ == Unknown::signatures) {
-    // A signature never seen in training backs off to a more general one: drop its last part until one is known.
-    std::string sig = unknown_signature(word);
-    while (true) {
-      if (const auto it = index_.find(sig); it != index_.end()) return it->second;
-      const std::size_t dash = sig.rfind('-');
-      if (dash == std::string::npos || dash < 4) break;
-      sig = sig.substr(0, dash) + ">";
-    }
+    // The most specific class training saw; a shape never seen backs off to the first class.
+    const std::vector<std::string> classes = signature_classes(word);
+    for (auto c = classes.rbegin(); c != classes.rend(); ++c)
+      if (const auto it = index_.find(*c); it != index_.end()) return it->second;
     for (const auto& s : symbols_)
       if (is_unknown_class(s)) return index_.at(s);
   }
@@ -71,31 +67,47 @@ int64_t Vocabulary::id(const std::string& word) const {
   return it != index_.end() ? it->second : -1;
 }
 
-std::string unknown_signature(const std::string& word) {
-  bool upper = false, lower = false, digit = false, dash = false, first_upper = std::isupper(static_cast<unsigned char>(word[0]));
+namespace {
+
+constexpr std::size_t kMaxSuffix = 10;  // TnT's longest suffix
+constexpr const char* kSuffixMark = "-~";
+
+}  // namespace
+
+std::vector<std::string> signature_classes(const std::string& word) {
+  bool upper = false, lower = false, digit = false, dash = false;
   for (unsigned char c : word) {
     upper |= std::isupper(c) != 0;
     lower |= std::islower(c) != 0;
     digit |= std::isdigit(c) != 0;
     dash |= c == '-';
   }
-  std::string sig = "<unk";
-  if (!upper && !lower) sig += digit ? "-num" : (word[0] & 0x80) ? "-other" : "-punct";
-  else if (first_upper) sig += lower ? "-Cap" : "-CAPS";
-  else sig += "-lc";
-  if (digit && (upper || lower)) sig += "-num";
-  if (dash && (upper || lower)) sig += "-dash";
-  if (lower) {
-    std::string lc(word);
-    std::transform(lc.begin(), lc.end(), lc.begin(), [](unsigned char c) { return std::tolower(c); });
-    // The last three letters (two for short words) carry most of English morphology; the id lookup backs off to
-    // the shape alone when a suffix class was never seen. ASCII only, so that a class name stays valid UTF-8.
-    const std::size_t n = lc.size() > 4 ? 3 : lc.size() > 2 ? 2 : 0;
-    const std::string suffix = lc.substr(lc.size() - n);
-    if (n && std::all_of(suffix.begin(), suffix.end(), [](unsigned char c) { return c < 0x80; }))
-      return sig + "-~" + suffix + ">";
+  std::string shape = "<unk";
+  if (!upper && !lower) shape += digit ? "-num" : (word[0] & 0x80) ? "-other" : "-punct";
+  else if (std::isupper(static_cast<unsigned char>(word[0]))) shape += lower ? "-Cap" : "-CAPS";
+  else shape += "-lc";
+  if (digit && (upper || lower)) shape += "-num";
+  if (dash && (upper || lower)) shape += "-dash";
+  std::vector<std::string> classes{shape + ">"};
+  if (!lower) return classes;
+  // English morphology lives in the last letters. ASCII letters only, so that a class name stays valid UTF-8.
+  std::string suffix;
+  for (std::size_t i = word.size(); i-- > 1 && suffix.size() < kMaxSuffix;) {
+    const unsigned char c = word[i];
+    if (!std::isalpha(c)) break;
+    suffix.insert(suffix.begin(), static_cast<char>(std::tolower(c)));
+    classes.push_back(shape + kSuffixMark + suffix + ">");
   }
-  return sig + ">";
+  return classes;
+}
+
+std::vector<std::string> class_chain(const std::string& name) {
+  const std::size_t mark = name.find(kSuffixMark);
+  if (!Vocabulary::is_unknown_class(name) || mark == std::string::npos || name.back() != '>') return {name};
+  const std::string shape = name.substr(0, mark), suffix = name.substr(mark + 2, name.size() - mark - 3);
+  std::vector<std::string> chain{shape + ">"};
+  for (std::size_t n = 1; n <= suffix.size(); ++n) chain.push_back(shape + kSuffixMark + suffix.substr(suffix.size() - n) + ">");
+  return chain;
 }
 
 }  // namespace trellis

@@ -104,7 +104,8 @@ struct LabelAccuracy {
   int64_t tokens = 0, correct = 0;
   double accuracy() const { return tokens ? 100.0 * correct / tokens : 0.0; }
 };
-// Token accuracy of `predictions` (an infer output's /labels, or /states) against the dataset's /labels.
-LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions);
+// Token accuracy of `predictions` (an infer output's /labels, or /states) against the dataset's /labels. `coarse`
+// compares only the part of each label name before its first '|' (fine labels such as "AUX|VBZ" scored as "AUX").
+LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions, bool coarse = false);
 
 }  // namespace trellis

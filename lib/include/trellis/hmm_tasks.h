@@ -59,13 +59,29 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
 void sample_dataset(const HMMModelFile& model, const std::string& output, int64_t num_sequences, int64_t min_length,
                     int64_t max_length, uint64_t seed, const BatchProgress& progress = {});
 
-// CoNLL column files to the dataset layout: the word column through `words`, the label column (if any) through
-// `labels` (label names in id order; a label not among them is an error naming file:line).
+// Log emissions [K,V] of a supervised tagger from emission counts [K,V] over `symbols` (a Vocabulary's). Words get
+// additive smoothing over the words. With signature classes, those of unknown words follow TnT's suffix model: the
+// words seen at most Vocabulary::kRareCount times give P(tag | class) for each class, interpolated from the most
+// general class down its chain with weight theta (the standard deviation of the tag priors), and the class's
+// emission is P(tag | class) / P(tag) times the tag's rate of rare words. Like TnT's, those scores are not
+// normalised over the classes; decoding compares them across tags only.
+at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std::string>& symbols, double smoothing);
+
+// CoNLL column files to the dataset layout: the word column through `words`, the label (if any) through `labels`
+// (label names in id order; a label not among them is an error naming file:line). The label is one column, or several
+// joined by '|' ("AUX|VBZ"): a tagger whose states are fine labels, scored on the first part (score_predictions).
+// Columns count from 0; negative ones from the end.
 struct ConversionSummary {
   int64_t sentences = 0, tokens = 0, unknown_tokens = 0;
 };
 ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
-                                int word_column, const std::vector<std::string>* labels, int label_column,
-                                const std::string& comment_prefix = "");
+                                int word_column, const std::vector<std::string>* labels,
+                                const std::vector<int>& label_columns, const std::string& comment_prefix = "");
+// The words and the distinct labels (in order of first appearance) of a CoNLL file, with the same column rules.
+struct ConllVocabulary {
+  std::vector<std::string> words, labels;
+};
+ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_column,
+                                       const std::vector<int>& label_columns, const std::string& comment_prefix = "");
 
 }  // namespace trellis
