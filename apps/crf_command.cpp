@@ -80,6 +80,8 @@ int train(const std::vector<std::string>& args) {
       ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
       ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
+      ("c1", po::value(&o.c1)->default_value(0.0),
+       "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")
       ("algorithm", po::value(&o.algorithm)->default_value("lbfgs"),
        "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")
       ("learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")
@@ -115,7 +117,7 @@ int train(const std::vector<std::string>& args) {
   model.save(model_path);
   std::cerr << "done: " << sum.iterations << " iterations" << (sum.converged ? " (converged)" : "") << ", "
             << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
-            << " parameters, " << fixed(sum.seconds, 1) << " s";
+            << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s";
   if (sum.best_dev_accuracy) {
     std::cerr << "; best dev (iteration " << sum.best_iteration << "): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
     if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);

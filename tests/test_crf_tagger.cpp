@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <limits>
 #include <random>
 
 #include "trellis/crf_train.h"
 #include "trellis/error.h"
+#include "../lib/src/owlqn.h"  // internal optimiser, tested on its own
 
 using namespace trellis;
 
@@ -206,4 +208,50 @@ TEST(CrfTagger, MinibatchOptimisersLearnTheToyTask) {
   CrfTrainOptions bad;
   bad.algorithm = "newton";
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), bad), Error);
+}
+
+TEST(OwlQn, FindsTheSoftThresholdedMinimumOfAQuadratic) {
+  // f(x) = ½ Σ w_i (x_i − a_i)² + c1·‖x‖₁ has the minimum x_i = sign(a_i) · max(|a_i| − c1/w_i, 0).
+  at::manual_seed(7);
+  const at::Tensor a = at::rand({40}, at::kDouble) * 2 - 1, w = at::rand({40}, at::kDouble) * 4 + 0.5;
+  const double c1 = 1.0;
+  at::Tensor x = (at::rand({40}, at::kDouble) - 0.5).requires_grad_();
+  OwlQn opt({x}, c1, [&] {
+    x.mutable_grad() = at::Tensor();
+    const at::Tensor f = 0.5 * (w * (x - a).square()).sum();
+    f.backward();
+    return f.item<double>();
+  });
+  double previous = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 200; ++i) {
+    const double f = opt.step();
+    ASSERT_LE(f, previous + 1e-12);  // never goes up
+    if (f == previous) break;
+    previous = f;
+  }
+  const at::Tensor want = a.sign() * (a.abs() - c1 / w).clamp_min(0);
+  EXPECT_TRUE(at::allclose(x.detach(), want, 1e-6, 1e-6)) << x << want;
+  EXPECT_TRUE(at::equal(x.detach() == 0, want == 0));  // exact zeros, not small values
+  EXPECT_GT((want == 0).sum().item<int64_t>(), 5);
+  EXPECT_LT(opt.pseudo_gradient_norm(), 1e-5);
+}
+
+TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
+  const LabeledSentences train = toy_corpus(60, 1), dev = toy_corpus(20, 2);
+  CrfTrainOptions o;
+  o.max_iterations = 40;
+  o.c1 = 0.5;
+  o.c2 = 0;
+  std::vector<double> objective;
+  CrfTrainSummary summary;
+  // No dev set: the model is the last iterate, not the first that scored best.
+  const CrfTagger m = train_crf(train, nullptr, builtin_features(), o,
+                                [&](const CrfIteration& it) { objective.push_back(it.objective); }, &summary);
+  for (std::size_t i = 1; i < objective.size(); ++i) EXPECT_LE(objective[i], objective[i - 1]);
+  const auto tagged = m.tag(pointers(dev));
+  for (std::size_t s = 0; s < tagged.size(); ++s) EXPECT_EQ(tagged[s].labels, dev.labels[s]);
+  EXPECT_LT(summary.nonzero_parameters, summary.parameters / 4);
+  EXPECT_GT(summary.nonzero_parameters, 0u);
+  o.algorithm = "adam";
+  EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);
 }

@@ -12,11 +12,13 @@
 #include <chrono>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
 #include "trellis/chunk_eval.h"
 #include "trellis/error.h"
+#include "owlqn.h"
 
 namespace trellis {
 namespace {
@@ -194,6 +196,9 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   if (o.algorithm != "lbfgs" && o.algorithm != "sgd" && o.algorithm != "adagrad" && o.algorithm != "adam")
     throw Error("unknown training algorithm '" + o.algorithm + "' (lbfgs, sgd, adagrad or adam)");
   if (o.batch_size < 1) throw Error("the minibatch size must be at least 1");
+  if (o.c1 < 0 || o.c2 < 0) throw Error("the regularisation coefficients c1 and c2 must be >= 0");
+  if (o.c1 > 0 && o.algorithm != "lbfgs")
+    throw Error("L1 regularisation (c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs");
   if (o.threads > 0) at::set_num_threads(o.threads);
   at::manual_seed(o.seed);
   const at::Device device(o.device);
@@ -284,6 +289,14 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     return total;
   };
 
+  // With L1 the full-batch optimiser is OWL-QN over the same smooth objective (-log-likelihood + L2).
+  std::optional<OwlQn> owlqn;
+  if (full_batch && o.c1 > 0)
+    owlqn.emplace(params, o.c1, [&] {
+      cached_value = at::Tensor();  // OWL-QN moves the parameters itself; L-BFGS's cache must not answer
+      return objective().item<double>();
+    });
+
   CrfTrainSummary sum;
   sum.features = model.features().size();
   for (auto& p : params) sum.parameters += p.numel();
@@ -291,10 +304,12 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   std::vector<at::Tensor> best;
   double best_score = -1;
   for (int it = 1; it <= o.max_iterations; ++it) {
-    const double f = (full_batch ? lbfgs.step(objective) : epoch()).item<double>();
+    const double f = owlqn ? owlqn->step() : (full_batch ? lbfgs.step(objective) : epoch()).item<double>();
     double gnorm = 0;
-    for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
-    CrfIteration rec{it, f, std::sqrt(gnorm), elapsed(), std::nullopt, std::nullopt};
+    if (owlqn) gnorm = owlqn->pseudo_gradient_norm();
+    else
+      for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
+    CrfIteration rec{it, f, owlqn ? gnorm : std::sqrt(gnorm), elapsed(), std::nullopt, std::nullopt};
     history.push_back(f);
     sum.iterations = it;
     bool stop = false;
@@ -327,6 +342,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   for (std::size_t i = 0; i < params.size(); ++i) params[i] = (best.empty() ? params[i] : best[i]).detach();
   model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
   model.to(at::kCPU);
+  for (const auto& p : params) sum.nonzero_parameters += p.count_nonzero().item<int64_t>();
   sum.seconds = elapsed();
   if (summary) *summary = sum;
   return model;

@@ -1,4 +1,5 @@
-// Training CRF taggers: feature dictionary, L-BFGS on the L2-regularised conditional log-likelihood, progress.
+// Training CRF taggers: feature dictionary, L-BFGS on the L2-regularised conditional log-likelihood (OWL-QN when an
+// L1 term is added, minibatch SGD/AdaGrad/Adam for large data), progress.
 #pragma once
 #include <functional>
 #include <optional>
@@ -33,6 +34,7 @@ struct CrfTrainOptions {
   std::size_t batch_size = 32;  // sentences per minibatch
   int max_iterations = 100;
   double c2 = 1.0;            // L2: the objective is -log-likelihood + c2·‖θ‖² (CRFsuite's convention)
+  double c1 = 0.0;            // L1: adds c1·‖θ‖₁ and trains with OWL-QN (lbfgs only); many weights become exactly 0
   double tolerance = 1e-5;    // stop when the objective improved by less than this fraction over `period` iterations
   int period = 10;
   int min_feature_count = 1;  // features seen fewer times in training are dropped
@@ -50,6 +52,7 @@ struct CrfIteration {
 
 struct CrfTrainSummary {
   std::size_t features = 0, parameters = 0;
+  std::size_t nonzero_parameters = 0;  // of the returned model (L1 zeroes many)
   int iterations = 0;
   double seconds = 0;
   bool converged = false;
