@@ -1,10 +1,12 @@
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <limits>
 #include <random>
+#include <unordered_map>
 
 #include "trellis/crf_train.h"
 #include "trellis/error.h"
@@ -254,4 +256,37 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
   EXPECT_GT(summary.nonzero_parameters, 0u);
   o.algorithm = "adam";
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);
+}
+
+TEST(CrfTagger, FeatureCutOffAndThreadCountGiveTheSameDictionaryAndModel) {
+  // Training extracts features once, in parallel ranges whose dictionaries are merged: the result must be the
+  // serial first-seen dictionary, cut at min_feature_count, and the same model for any thread count.
+  const LabeledSentences train = toy_corpus(80, 11);
+  const auto fx = builtin_features();
+  std::unordered_map<std::string, int> count;
+  std::vector<std::string> order, feats;
+  for (const auto& rows : train.inputs)
+    for (std::size_t t = 0; t < rows.size(); ++t) {
+      feats.clear();
+      fx->extract(rows, t, feats);
+      for (const auto& f : feats)
+        if (count[f]++ == 0) order.push_back(f);
+    }
+  std::vector<std::string> want;
+  for (const auto& f : order)
+    if (count[f] >= 3) want.push_back(f);
+  ASSERT_LT(want.size(), order.size());  // the cut-off drops some
+  const int threads = at::get_num_threads();
+  std::vector<CrfTagger> models;
+  for (int n : {1, 2, 3}) {
+    CrfTrainOptions o;
+    o.max_iterations = 5;
+    o.min_feature_count = 3;
+    o.threads = n;
+    models.push_back(train_crf(train, nullptr, builtin_features(), o));
+    EXPECT_EQ(models.back().features(), want) << n << " threads";
+  }
+  at::set_num_threads(threads);
+  for (std::size_t i = 1; i < models.size(); ++i)
+    EXPECT_TRUE(at::allclose(models[i].weights, models[0].weights, 1e-5, 1e-6));
 }

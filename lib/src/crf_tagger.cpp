@@ -148,23 +148,33 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
       }
     }
   });
+  std::vector<const std::vector<int64_t>*> id_ptrs, count_ptrs;
+  for (int64_t b = 0; b < e.batch; ++b) id_ptrs.push_back(&ids[b]), count_ptrs.push_back(&counts[b]);
+  return assemble_batch(id_ptrs, count_ptrs, tags);
+}
+
+EncodedBatch assemble_batch(const std::vector<const std::vector<int64_t>*>& ids,
+                            const std::vector<const std::vector<int64_t>*>& counts, const std::vector<int64_t>& tags) {
+  EncodedBatch e;
+  e.batch = static_cast<int64_t>(ids.size());
+  for (const auto* c : counts) e.max_length = std::max<int64_t>(e.max_length, c->size());
   std::vector<int64_t> flat, offsets, positions, lengths;
   for (int64_t b = 0; b < e.batch; ++b) {
-    lengths.push_back(static_cast<int64_t>(counts[b].size()));
+    lengths.push_back(static_cast<int64_t>(counts[b]->size()));
     int64_t offset = static_cast<int64_t>(flat.size());
-    for (std::size_t t = 0; t < counts[b].size(); ++t) {
+    for (std::size_t t = 0; t < counts[b]->size(); ++t) {
       positions.push_back(b * e.max_length + static_cast<int64_t>(t));
       offsets.push_back(offset);
-      offset += counts[b][t];
+      offset += (*counts[b])[t];
     }
-    flat.insert(flat.end(), ids[b].begin(), ids[b].end());
+    flat.insert(flat.end(), ids[b]->begin(), ids[b]->end());
   }
   const auto tensor = [](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong); };
   e.feature_ids = tensor(flat);
   e.offsets = tensor(offsets);
   e.positions = tensor(positions);
   e.lengths = tensor(lengths);
-  if (gold) e.tags = tensor(tags).view({e.batch, e.max_length});
+  if (!tags.empty()) e.tags = tensor(tags).view({e.batch, e.max_length});
   return e;
 }
 

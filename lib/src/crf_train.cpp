@@ -27,44 +27,80 @@ constexpr int64_t kTokensPerBatch = 16384;  // the objective is summed over leng
 
 using Clock = std::chrono::steady_clock;
 
-std::vector<std::string> build_dictionary(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
-  // Contiguous ranges of sentences are counted in parallel; merging the ranges in order keeps the first-seen order
-  // of a serial pass, so models stay deterministic whatever the thread count. At most four ranges: each merge
-  // re-hashes most of the dictionary, which outweighed the parallel counting on a 16-core host.
-  struct Counts {
-    std::unordered_map<std::string, int64_t> count;
-    std::vector<std::string> order;
+// The training set's features, extracted once: the dictionary (features seen at least min_count times, in
+// first-seen order) and every training token's feature ids in it.
+struct IndexedTrainingSet {
+  std::vector<std::string> features;
+  std::vector<std::vector<int64_t>> ids, counts;  // per sentence: its tokens' ids token after token; ids per token
+};
+
+IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
+  // Contiguous ranges of sentences are indexed in parallel, each with its own dictionary; merging the ranges in order
+  // keeps the first-seen order of a serial pass, so models stay deterministic whatever the thread count. At most four
+  // ranges: each merge re-hashes most of the dictionary, which outweighed the parallel counting on a 16-core host.
+  struct Range {
+    std::unordered_map<std::string, int64_t> id;
+    std::vector<const std::string*> order;  // keys in first-seen order (map nodes do not move)
+    std::vector<int64_t> count;
   };
   const int64_t n = static_cast<int64_t>(train.inputs.size());
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), int64_t(4), n}));
-  std::vector<Counts> part(ranges);
+  std::vector<Range> part(ranges);
+  IndexedTrainingSet out;
+  out.ids.resize(n);
+  out.counts.resize(n);
   at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
     std::vector<std::string> feats;
-    for (int64_t r = r0; r < r1; ++r)
+    for (int64_t r = r0; r < r1; ++r) {
+      Range& p = part[r];
       for (int64_t s = n * r / ranges; s < n * (r + 1) / ranges; ++s) {
         const TokenRows& rows = train.inputs[s];
         for (std::size_t t = 0; t < rows.size(); ++t) {
           feats.clear();
           fx.extract(rows, t, feats);
           for (auto& f : feats) {
-            auto [it, fresh] = part[r].count.emplace(f, 0);
-            if (fresh) part[r].order.push_back(f);
-            ++it->second;
+            const auto [it, fresh] = p.id.try_emplace(std::move(f), static_cast<int64_t>(p.order.size()));
+            if (fresh) p.order.push_back(&it->first), p.count.push_back(0);
+            ++p.count[it->second];
+            out.ids[s].push_back(it->second);
           }
+          out.counts[s].push_back(static_cast<int64_t>(feats.size()));
         }
       }
-  });
-  Counts all = std::move(part[0]);
-  for (int64_t r = 1; r < ranges; ++r)
-    for (auto& f : part[r].order) {
-      auto [it, fresh] = all.count.emplace(f, 0);
-      if (fresh) all.order.push_back(f);
-      it->second += part[r].count[f];
     }
-  std::vector<std::string> kept;
-  for (auto& f : all.order)
-    if (all.count[f] >= min_count) kept.push_back(std::move(f));
-  return kept;
+  });
+  // Range-local ids -> ids of the merged dictionary in first-seen order, then -> ids among the kept features (-1).
+  std::unordered_map<std::string, int64_t>& global = part[0].id;
+  std::vector<int64_t> total = part[0].count;
+  std::vector<const std::string*> order = part[0].order;
+  std::vector<std::vector<int64_t>> remap(ranges);
+  for (int64_t r = 1; r < ranges; ++r)
+    for (std::size_t j = 0; j < part[r].order.size(); ++j) {
+      const auto [it, fresh] = global.try_emplace(*part[r].order[j], static_cast<int64_t>(order.size()));
+      if (fresh) order.push_back(&it->first), total.push_back(0);
+      total[it->second] += part[r].count[j];
+      remap[r].push_back(it->second);
+    }
+  std::vector<int64_t> kept(order.size(), -1);
+  for (std::size_t g = 0; g < order.size(); ++g)
+    if (total[g] >= min_count) kept[g] = static_cast<int64_t>(out.features.size()), out.features.push_back(*order[g]);
+  at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t s = n * r / ranges; s < n * (r + 1) / ranges; ++s) {
+        std::vector<int64_t>& ids = out.ids[s];
+        std::size_t read = 0, write = 0;
+        for (int64_t& c : out.counts[s]) {
+          const int64_t before = static_cast<int64_t>(write);
+          for (int64_t k = 0; k < c; ++k, ++read) {
+            const int64_t id = kept[r == 0 ? ids[read] : remap[r][ids[read]]];
+            if (id >= 0) ids[write++] = id;
+          }
+          c = static_cast<int64_t>(write) - before;
+        }
+        ids.resize(write);
+      }
+  });
+  return out;
 }
 
 // Labels in first-seen order.
@@ -77,21 +113,37 @@ std::vector<std::string> collect_labels(const LabeledSentences& train) {
   return labels;
 }
 
-// Sentences in the given order, cut into batches of at most max_sentences sentences or about max_tokens tokens.
-std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data, const at::Device& device,
+// Sentences in the given order, cut into batches of at most max_sentences sentences or about max_tokens tokens,
+// on the device. Training sentences come from their indexed feature ids, others (dev) are extracted here.
+std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSentences& data,
+                                         const IndexedTrainingSet* indexed, const at::Device& device,
                                          const std::vector<std::size_t>& order, std::size_t max_sentences,
                                          int64_t max_tokens) {
   std::vector<EncodedBatch> batches;
   for (std::size_t i = 0; i < order.size();) {
-    std::vector<const TokenRows*> rows;
-    std::vector<const std::vector<std::string>*> gold;
-    int64_t tokens = 0;
-    for (; i < order.size() && tokens < max_tokens && rows.size() < max_sentences; ++i) {
-      rows.push_back(&data.inputs[order[i]]);
-      gold.push_back(&data.labels[order[i]]);
+    const std::size_t first = i;
+    int64_t tokens = 0, longest = 0;
+    for (; i < order.size() && tokens < max_tokens && i - first < max_sentences; ++i) {
       tokens += data.inputs[order[i]].size();
+      longest = std::max<int64_t>(longest, data.inputs[order[i]].size());
     }
-    EncodedBatch e = m.encode(rows, &gold);
+    EncodedBatch e;
+    if (indexed) {
+      std::vector<const std::vector<int64_t>*> ids, counts;
+      std::vector<int64_t> tags((i - first) * longest, 0);
+      for (std::size_t k = first; k < i; ++k) {
+        ids.push_back(&indexed->ids[order[k]]);
+        counts.push_back(&indexed->counts[order[k]]);
+        const auto& labels = data.labels[order[k]];
+        for (std::size_t t = 0; t < labels.size(); ++t) tags[(k - first) * longest + t] = m.label_id(labels[t]);
+      }
+      e = assemble_batch(ids, counts, tags);
+    } else {
+      std::vector<const TokenRows*> rows;
+      std::vector<const std::vector<std::string>*> gold;
+      for (std::size_t k = first; k < i; ++k) rows.push_back(&data.inputs[order[k]]), gold.push_back(&data.labels[order[k]]);
+      e = m.encode(rows, &gold);
+    }
     for (at::Tensor* t : {&e.feature_ids, &e.offsets, &e.positions, &e.lengths, &e.tags}) *t = t->to(device);
     batches.push_back(std::move(e));
   }
@@ -100,21 +152,22 @@ std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSenten
 
 // Batches sorted by length, so padding stays small (full-batch objective, dev scoring).
 std::vector<EncodedBatch> length_sorted_batches(const CrfTagger& m, const LabeledSentences& data,
-                                                const at::Device& device) {
+                                                const IndexedTrainingSet* indexed, const at::Device& device) {
   std::vector<std::size_t> order(data.inputs.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
-  return encode_batches(m, data, device, order, std::numeric_limits<std::size_t>::max(), kTokensPerBatch);
+  return encode_batches(m, data, indexed, device, order, std::numeric_limits<std::size_t>::max(), kTokensPerBatch);
 }
 
 // Minibatches of a seeded random partition (fixed for the run; their order is shuffled every epoch).
 std::vector<EncodedBatch> random_minibatches(const CrfTagger& m, const LabeledSentences& data,
-                                             const at::Device& device, std::size_t batch_size, std::mt19937_64& rng) {
+                                             const IndexedTrainingSet& indexed, const at::Device& device,
+                                             std::size_t batch_size, std::mt19937_64& rng) {
   std::vector<std::size_t> order(data.inputs.size());
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  return encode_batches(m, data, device, order, batch_size, std::numeric_limits<int64_t>::max());
+  return encode_batches(m, data, &indexed, device, order, batch_size, std::numeric_limits<int64_t>::max());
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(const std::string& name,
@@ -205,16 +258,17 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
 
   const std::size_t columns = train.inputs.front().front().size();
   extractor->validate(columns, train.source);
-  std::vector<std::string> features = build_dictionary(train, *extractor, o.min_feature_count);
-  CrfTagger model(collect_labels(train), std::move(features), std::move(extractor), columns);
+  IndexedTrainingSet indexed = index_features(train, *extractor, o.min_feature_count);
+  CrfTagger model(collect_labels(train), std::move(indexed.features), std::move(extractor), columns);
   if (dev) check_known_labels(model, *dev);
   model.to(device);
   const bool full_batch = o.algorithm == "lbfgs";
   std::mt19937_64 rng(o.seed);
-  const std::vector<EncodedBatch> batches = full_batch ? length_sorted_batches(model, train, device)
-                                                       : random_minibatches(model, train, device, o.batch_size, rng);
+  const std::vector<EncodedBatch> batches = full_batch ? length_sorted_batches(model, train, &indexed, device)
+                                                 : random_minibatches(model, train, indexed, device, o.batch_size, rng);
+  indexed = {};  // the batches hold the ids now
   const std::vector<EncodedBatch> dev_batches =
-      dev ? length_sorted_batches(model, *dev, device) : std::vector<EncodedBatch>{};
+      dev ? length_sorted_batches(model, *dev, nullptr, device) : std::vector<EncodedBatch>{};
   const double total_tokens = static_cast<double>(train.num_tokens());
 
   std::vector<at::Tensor> params = model.parameters();

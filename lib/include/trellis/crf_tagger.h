@@ -23,6 +23,11 @@ struct EncodedBatch {
   int64_t batch = 0, max_length = 0;
 };
 
+// A batch from features already looked up: per sentence, the ids of its tokens' features token after token and each
+// token's number of them; `tags` is [B·max_length] gold label ids (0 at padding), or empty.
+EncodedBatch assemble_batch(const std::vector<const std::vector<int64_t>*>& ids,
+                            const std::vector<const std::vector<int64_t>*>& counts, const std::vector<int64_t>& tags);
+
 struct TaggedSentence {
   std::vector<std::string> labels;   // best label sequence
   std::vector<double> marginals;     // P(y_t = labels[t] | x) per token, when asked for
