@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 
 #include <boost/program_options.hpp>
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -127,8 +128,8 @@ int train(const std::vector<std::string>& args) {
 }
 
 int tag(const std::vector<std::string>& args) {
-  std::string model_path, input, output;
-  bool with_marginals = false, with_probability = false;
+  std::string model_path, input, output, device;
+  bool with_marginals = false, with_probability = false, timing = false;
   int64_t kbest = 0;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
@@ -138,15 +139,31 @@ int tag(const std::vector<std::string>& args) {
       ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
       ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence")
       ("kbest,n", po::value(&kbest)->default_value(0),
-       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'");
+       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
+      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
+      ("timing", po::bool_switch(&timing), "print load and tagging times and tokens/s to stderr");
   po::positional_options_description pos;
   pos.add("input", 1);
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
 
-  const CrfTagger model = CrfTagger::load(model_path);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
+  CrfTagger model = CrfTagger::load(model_path);
+  model.to(at::Device(device));
+  const double load_seconds = seconds(t0);
   const ConllCorpus corpus = read_input(input);
   const std::vector<TokenRows> rows = model_inputs(corpus, model);
+  const auto t1 = std::chrono::steady_clock::now();
+  const auto report = [&] {
+    if (!timing) return;
+    int64_t tokens = 0;
+    for (const auto& r : rows) tokens += static_cast<int64_t>(r.size());
+    const double s = seconds(t1);
+    std::cerr << "model loaded in " << fixed(load_seconds, 3) << " s; tagged " << rows.size() << " sentences, " << tokens
+              << " tokens in " << fixed(s, 3) << " s (" << fixed(tokens / std::max(s, 1e-9), 0)
+              << " tokens/s, features, decoding and output)\n";
+  };
   if (kbest > 0) {
     if (with_marginals) throw Error("--kbest and --marginals cannot be combined");
     const auto alternatives = model.tag_kbest(pointers(rows), kbest);
@@ -161,6 +178,7 @@ int tag(const std::vector<std::string>& args) {
           out << '\n';
         }
     });
+    report();
     return 0;
   }
   const auto tagged = model.tag(pointers(rows), with_marginals || with_probability);
@@ -176,6 +194,7 @@ int tag(const std::vector<std::string>& args) {
       out << '\n';
     }
   });
+  report();
   return 0;
 }
 

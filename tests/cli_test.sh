@@ -43,6 +43,9 @@ expect_error "unknown option" "unrecognised option" m7.crf "$trellis" crf train 
 "$trellis" crf tag --model model.crf train.txt --kbest 2 -o kbest.txt && [ "$(grep -c '^@kbest' kbest.txt)" = 4 ] &&
   ok || fail "k-best tagging"
 
+# --timing reports tokens/s on stderr and leaves the output alone.
+"$trellis" crf tag --model model.crf train.txt -o timed.txt --timing 2>timing.log && grep -q "tokens/s" timing.log &&
+  "$trellis" crf tag --model model.crf train.txt -o untimed.txt && cmp -s timed.txt untimed.txt && ok || fail "tag --timing"
 # CRLF input gives the same tags as LF input.
 "$trellis" crf tag --model model.crf train.txt -o lf.txt && sed 's/$/\r/' train.txt >crlf.txt &&
   "$trellis" crf tag --model model.crf crlf.txt -o crlf.out && cmp -s lf.txt crlf.out && ok || fail "CRLF input"
