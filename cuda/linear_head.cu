@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +21,18 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), with the row's factors
+// p_weight = g·(1 + 2·z_loss·lse), shift = g·ε/V and hit = g·(1-ε).
+template <class Acc>
+__device__ __forceinline__ Acc logit_gradient(Acc zv, Acc l, Acc p_weight, Acc shift, Acc hit, bool target, Acc softcap) {
+  Acc d = p_weight * exp(zv - l) - shift - (target ? hit : Acc(0));
+  if (softcap > 0) {
+    const Acc u = zv / softcap;
+    d *= 1 - u * u;
+  }
+  return d;
+}
+
 template <class Acc, class Out>
 __global__ void logit_gradient_kernel(const Acc* __restrict__ z, const Acc* __restrict__ lse,
                                       const Acc* __restrict__ g, const int64_t* __restrict__ targets,
@@ -31,16 +44,75 @@ __global__ void logit_gradient_kernel(const Acc* __restrict__ z, const Acc* __re
     const int64_t t = targets[r];
     const Acc* zr = z + r * V;
     Out* dr = dz + r * V;
-    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < V; v += int64_t(gridDim.x) * kThreads) {
-      const Acc zv = zr[v];
-      Acc d = p_weight * exp(zv - l) - shift - (v == t ? hit : Acc(0));
-      if (softcap > 0) {
-        const Acc u = zv / softcap;
-        d *= 1 - u * u;
-      }
-      dr[v] = static_cast<Out>(d);
-    }
+    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < V; v += int64_t(gridDim.x) * kThreads)
+      dr[v] = static_cast<Out>(logit_gradient(zr[v], l, p_weight, shift, hit, v == t, softcap));
   }
+}
+
+// The block's reduction of one value per thread by `op` (max or +), returned to every thread.
+template <class Acc, class Op>
+__device__ Acc block_reduce(Acc v, Op op, Acc* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < kThreads / 32; ++w) v = op(v, scratch[w]);
+  return v;
+}
+
+// The row's log-sum-exp and its gradient in one read of the logits: a cluster of kCluster blocks holds a row in shared
+// memory (a slice each), merges the slices' (max, Σ e^(z−max)) through distributed shared memory, and writes dz from
+// the slices. The separate log-sum-exp pass over the slab is gone.
+constexpr int kCluster = 8;
+
+template <class Acc, class Out>
+__global__ void __launch_bounds__(kThreads)
+    logit_gradient_lse_kernel(const Acc* __restrict__ z, const Acc* __restrict__ g, const int64_t* __restrict__ targets,
+                              Out* __restrict__ dz, Acc* __restrict__ lse, int64_t V, int64_t slice, Acc smooth,
+                              Acc target_weight, Acc z_loss2, Acc softcap) {
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char raw_smem[];
+  Acc* zs = reinterpret_cast<Acc*>(raw_smem);
+  __shared__ Acc scratch[kThreads / 32];
+  __shared__ Acc slice_stats[2];  // this block's (max, Σ e^(z−max)), read by the whole cluster
+  const cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  const int64_t r = blockIdx.y;
+  const int64_t c0 = rank * slice < V ? rank * slice : V, c1 = c0 + slice < V ? c0 + slice : V, n = c1 - c0;
+  const Acc* zr = z + r * V + c0;
+  const auto max_op = [](Acc a, Acc b) { return a > b ? a : b; };
+  const auto sum_op = [](Acc a, Acc b) { return a + b; };
+  Acc m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const Acc v = zr[i];
+    zs[i] = v;
+    m = max_op(m, v);
+  }
+  m = block_reduce(m, max_op, scratch);
+  Acc s = 0;
+  if (m != -INFINITY)
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) s += exp(zs[i] - m);
+  s = block_reduce(s, sum_op, scratch);
+  if (threadIdx.x == 0) slice_stats[0] = m, slice_stats[1] = s;
+  cluster.sync();
+  Acc M = -INFINITY, S = 0;
+  for (unsigned q = 0; q < kCluster; ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
+  if (M != -INFINITY)
+    for (unsigned q = 0; q < kCluster; ++q) {
+      const Acc* peer = cluster.map_shared_rank(slice_stats, q);
+      S += peer[1] * exp(peer[0] - M);
+    }
+  cluster.sync();  // no block leaves while a peer may still read its statistics
+  const Acc l = M + log(S);
+  if (rank == 0 && threadIdx.x == 0) lse[r] = l;
+  const Acc gr = g[r];
+  const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
+  const int64_t t = targets[r] - c0;
+  Out* dr = dz + r * V + c0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads)
+    dr[i] = static_cast<Out>(logit_gradient(zs[i], l, p_weight, shift, hit, i == t, softcap));
 }
 
 }  // namespace
@@ -67,6 +139,49 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
     else launch(float(0));
   });
   check_launch("linear_head_logit_gradient");
+}
+
+bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
+                                        double label_smoothing, double z_loss, double softcap, at::Tensor& lse,
+                                        at::Tensor& dz) {
+  const int64_t rows = z.size(0), V = z.size(1);
+  const int64_t slice = (V + kCluster - 1) / kCluster;
+  const std::size_t smem = slice * z.element_size();
+  const auto* prop = at::cuda::getDeviceProperties(z.get_device());
+  if (prop->major < 9 || smem > static_cast<std::size_t>(prop->sharedMemPerBlockOptin) - 1024 || rows == 0) return false;
+  const c10::cuda::CUDAGuard guard(z.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "linear_head_lse_and_logit_gradient", [&] {
+    using Out = scalar_t;
+    auto launch = [&](auto acc_zero) {
+      using Acc = decltype(acc_zero);
+      const auto kernel = logit_gradient_lse_kernel<Acc, Out>;
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+            "linear head: shared memory");
+      for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
+        const int64_t n = std::min<int64_t>(65535, rows - r0);
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(kCluster, static_cast<unsigned>(n));
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = smem;
+        config.stream = stream;
+        cudaLaunchAttribute cluster;
+        cluster.id = cudaLaunchAttributeClusterDimension;
+        cluster.val.clusterDim.x = kCluster;
+        cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+        config.attrs = &cluster;
+        config.numAttrs = 1;
+        check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * V, g.data_ptr<Acc>() + r0,
+                                 targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * V,
+                                 lse.data_ptr<Acc>() + r0, V, slice, Acc(label_smoothing / static_cast<double>(V)),
+                                 Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap)),
+              "linear head: lse and logit gradient kernel");
+      }
+    };
+    if (z.scalar_type() == at::kDouble) launch(double(0));
+    else launch(float(0));
+  });
+  return true;
 }
 
 bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,

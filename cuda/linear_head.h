@@ -24,4 +24,11 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
                                 const at::Tensor& targets, double label_smoothing, double z_loss, double softcap,
                                 at::Tensor& dz);
 
+// The same gradient with the rows' log-sum-exp formed on the way (lse [n] of z's type receives it), reading z once: a
+// cluster of thread blocks per row on compute capability 9.0 and later. Returns false (nothing done) elsewhere, or
+// when a row's slice does not fit in shared memory.
+bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
+                                        double label_smoothing, double z_loss, double softcap, at::Tensor& lse,
+                                        at::Tensor& dz);
+
 }  // namespace trellis::cuda

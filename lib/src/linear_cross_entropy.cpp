@@ -119,10 +119,12 @@ using SlabStats = cuda::HeadRowStats;
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
-// Statistics of one slab of logits; the target logit is 0 where the target is ignored.
-SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false) {
+// Statistics of one slab of logits; the target logit is 0 where the target is ignored. `lse`, when given, is the
+// slab's log-sum-exp already formed.
+SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false,
+                     const at::Tensor& lse = {}) {
   SlabStats s;
-  s.lse = trellis::logsumexp(z, 1);
+  s.lse = lse.defined() ? lse : trellis::logsumexp(z, 1);
   if (h.targets.defined()) {
     const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
     const at::Tensor valid = valid_targets(t, h.ignore_index);
@@ -196,15 +198,25 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
     at::Tensor z = slab_logits(h, r0, n);
-    at::Tensor slab_lse;
+    at::Tensor slab_lse, dz;
     if (lse.defined()) {
       slab_lse = lse.narrow(0, r0, n);
     } else {
-      const SlabStats s = slab_stats(h, z, r0, o.label_smoothing != 0);
+#if TRELLIS_WITH_CUDA
+      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab.
+      if (z.is_cuda()) {
+        at::Tensor row_lse = at::empty({n}, z.options()), d = at::empty(z.sizes(), z.options().dtype(h.x.scalar_type()));
+        if (cuda::linear_head_lse_and_logit_gradient(z, g.narrow(0, r0, n).contiguous(),
+                                                     h.targets.narrow(0, r0, n).contiguous(), o.label_smoothing,
+                                                     o.z_loss, h.softcap.value_or(0), row_lse, d))
+          slab_lse = row_lse, dz = d;
+      }
+#endif
+      const SlabStats s = slab_stats(h, z, r0, o.label_smoothing != 0, false, slab_lse);
       slab_lse = s.lse;
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
-    const at::Tensor dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, o);
+    if (!dz.defined()) dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, o);
     if (want[0]) {
       at::Tensor dx = out.x.narrow(0, r0, n);
       at::mm_out(dx, dz, h.weight);
