@@ -129,6 +129,15 @@ __global__ void __launch_bounds__(kThreads)
     dr[i] = static_cast<Out>(logit_gradient(zs[i], l, p_weight, shift, hit, i == t, softcap));
 }
 
+// Calls launch(Acc{}, Out{}) with z's accumulation type (double for float64 logits, else float) and dz's type.
+template <class Launch>
+void dispatch_types(const at::Tensor& z, const at::Tensor& dz, Launch&& launch) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "linear_head_logit_gradient", [&] {
+    if (z.scalar_type() == at::kDouble) launch(double(0), scalar_t(0));
+    else launch(float(0), scalar_t(0));
+  });
+}
+
 }  // namespace
 
 void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& g,
@@ -140,17 +149,13 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
   const c10::cuda::CUDAGuard guard(z.device());
   const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "linear_head_logit_gradient", [&] {
-    using Out = scalar_t;
-    auto launch = [&](auto acc_zero) {
-      using Acc = decltype(acc_zero);
-      logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
-          z.data_ptr<Acc>(), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(), dz.data_ptr<Out>(),
-          rows, V, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing), Acc(2 * z_loss),
-          Acc(softcap));
-    };
-    if (z.scalar_type() == at::kDouble) launch(double(0));
-    else launch(float(0));
+  dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
+    using Acc = decltype(acc_zero);
+    using Out = decltype(out_zero);
+    logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
+        z.data_ptr<Acc>(), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(), dz.data_ptr<Out>(),
+        rows, V, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing), Acc(2 * z_loss),
+        Acc(softcap));
   });
   check_launch("linear_head_logit_gradient");
 }
@@ -165,35 +170,31 @@ bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g
   if (prop->major < 9 || smem > static_cast<std::size_t>(prop->sharedMemPerBlockOptin) - 1024 || rows == 0) return false;
   const c10::cuda::CUDAGuard guard(z.device());
   const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "linear_head_lse_and_logit_gradient", [&] {
-    using Out = scalar_t;
-    auto launch = [&](auto acc_zero) {
-      using Acc = decltype(acc_zero);
-      const auto kernel = logit_gradient_lse_kernel<Acc, Out>;
-      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-            "linear head: shared memory");
-      for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
-        const int64_t n = std::min<int64_t>(65535, rows - r0);
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(kCluster, static_cast<unsigned>(n));
-        config.blockDim = dim3(kThreads);
-        config.dynamicSmemBytes = smem;
-        config.stream = stream;
-        cudaLaunchAttribute cluster;
-        cluster.id = cudaLaunchAttributeClusterDimension;
-        cluster.val.clusterDim.x = kCluster;
-        cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-        config.attrs = &cluster;
-        config.numAttrs = 1;
-        check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * V, g.data_ptr<Acc>() + r0,
-                                 targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * V,
-                                 lse.data_ptr<Acc>() + r0, V, slice, Acc(label_smoothing / static_cast<double>(V)),
-                                 Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap)),
-              "linear head: lse and logit gradient kernel");
-      }
-    };
-    if (z.scalar_type() == at::kDouble) launch(double(0));
-    else launch(float(0));
+  dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
+    using Acc = decltype(acc_zero);
+    using Out = decltype(out_zero);
+    const auto kernel = logit_gradient_lse_kernel<Acc, Out>;
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+          "linear head: shared memory");
+    for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
+      const int64_t n = std::min<int64_t>(65535, rows - r0);
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(kCluster, static_cast<unsigned>(n));
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = kCluster;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * V, g.data_ptr<Acc>() + r0,
+                               targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * V, lse.data_ptr<Acc>() + r0,
+                               V, slice, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing),
+                               Acc(2 * z_loss), Acc(softcap)),
+            "linear head: lse and logit gradient kernel");
+    }
   });
   return true;
 }
