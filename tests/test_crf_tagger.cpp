@@ -255,6 +255,9 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
   EXPECT_LT(summary.nonzero_parameters, summary.parameters / 4);
   EXPECT_GT(summary.nonzero_parameters, 0u);
   o.algorithm = "adam";
+  EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);  // OWL-QN is full-batch
+  o.algorithm = "lbfgs";
+  o.c1 = -1;
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);
 }
 

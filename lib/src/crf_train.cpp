@@ -312,6 +312,17 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
                                         .tolerance_grad(1e-12)
                                         .tolerance_change(0)
                                         .line_search_fn("strong_wolfe"));
+  // The full-batch objective -log-likelihood + L2, its gradient left in the parameters' .grad().
+  auto full_objective = [&]() -> at::Tensor {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
+    for (const EncodedBatch& b : batches) {
+      const at::Tensor nll = -log_likelihood(model.potentials(b), b.tags).sum();
+      nll.backward();
+      total += nll.detach();
+    }
+    return total + add_l2(1.0);
+  };
   // LibTorch's L-BFGS re-evaluates the objective at the start of every step(), at the point where the previous line
   // search ended (after restoring and re-adding the step, so only the values tell): answer it from a cache.
   std::vector<at::Tensor> cached_params, cached_grads;
@@ -325,31 +336,19 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
         return cached_value;
       }
     }
-    lbfgs.zero_grad();
-    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
-    for (const EncodedBatch& b : batches) {
-      const at::Tensor nll = -log_likelihood(model.potentials(b), b.tags).sum();
-      nll.backward();
-      total += nll.detach();
-    }
-    total += add_l2(1.0);
-    cached_value = total;
+    cached_value = full_objective();
     cached_params.clear();
     cached_grads.clear();
     for (auto& p : params) {
       cached_params.push_back(p.detach().clone());
       cached_grads.push_back(p.grad().clone());
     }
-    return total;
+    return cached_value;
   };
 
   // With L1 the full-batch optimiser is OWL-QN over the same smooth objective (-log-likelihood + L2).
   std::optional<OwlQn> owlqn;
-  if (full_batch && o.c1 > 0)
-    owlqn.emplace(params, o.c1, [&] {
-      cached_value = at::Tensor();  // OWL-QN moves the parameters itself; L-BFGS's cache must not answer
-      return objective().item<double>();
-    });
+  if (full_batch && o.c1 > 0) owlqn.emplace(params, o.c1, [&] { return full_objective().item<double>(); });
 
   CrfTrainSummary sum;
   sum.features = model.features().size();
@@ -359,11 +358,14 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   double best_score = -1;
   for (int it = 1; it <= o.max_iterations; ++it) {
     const double f = owlqn ? owlqn->step() : (full_batch ? lbfgs.step(objective) : epoch()).item<double>();
-    double gnorm = 0;
-    if (owlqn) gnorm = owlqn->pseudo_gradient_norm();
-    else
+    double gnorm = 0;  // of the pseudo-gradient with L1
+    if (owlqn) {
+      gnorm = owlqn->pseudo_gradient_norm();
+    } else {
       for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
-    CrfIteration rec{it, f, owlqn ? gnorm : std::sqrt(gnorm), elapsed(), std::nullopt, std::nullopt};
+      gnorm = std::sqrt(gnorm);
+    }
+    CrfIteration rec{it, f, gnorm, elapsed(), std::nullopt, std::nullopt};
     history.push_back(f);
     sum.iterations = it;
     bool stop = false;

@@ -287,9 +287,7 @@ at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std:
   if (int64_t(symbols.size()) != V)
     throw Error("tagger emissions: " + std::to_string(symbols.size()) + " symbols for " + std::to_string(V) + " columns");
   const at::Tensor C = counts.to(at::kDouble).contiguous();
-  const bool signatures =
-      std::any_of(symbols.begin(), symbols.end(), [](const std::string& s) { return s.rfind("<unk-", 0) == 0; });
-  if (!signatures) {
+  if (Vocabulary::from_symbols(symbols).unknown() != Vocabulary::Unknown::signatures) {
     const at::Tensor e = C + smoothing;
     return (e / e.sum(1, true).clamp_min(1e-300)).log();
   }
@@ -402,7 +400,9 @@ ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_c
   for (const auto& s : corpus.sentences)
     for (const auto& row : s.rows) {
       v.words.push_back(row[cols.word]);
-      if (!cols.label.empty() && seen.insert(cols.label_of(row)).second) v.labels.push_back(cols.label_of(row));
+      if (cols.label.empty()) continue;
+      std::string label = cols.label_of(row);
+      if (seen.insert(label).second) v.labels.push_back(std::move(label));
     }
   return v;
 }

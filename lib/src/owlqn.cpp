@@ -57,7 +57,11 @@ Tensors OwlQn::pseudo_gradient() const {
   return pg;
 }
 
-double OwlQn::pseudo_gradient_norm() const { return started_ ? std::sqrt(dot(pseudo_gradient(), pseudo_gradient())) : 0.0; }
+double OwlQn::pseudo_gradient_norm() const {
+  if (!started_) return 0.0;
+  const Tensors pg = pseudo_gradient();
+  return std::sqrt(dot(pg, pg));
+}
 
 double OwlQn::step() {
   c10::NoGradGuard no_grad;

@@ -25,7 +25,6 @@ Vocabulary Vocabulary::build(const std::vector<std::string>& tokens, int64_t min
   for (const auto& t : tokens) {
     const int64_t n = counts.at(t);
     if (n >= min_count || unknown == Unknown::error) v.add(t);
-    if (unknown == Unknown::single && n < min_count) v.add("<unk>");
     if (unknown == Unknown::signatures && (n < min_count || n <= kRareCount))
       for (const auto& c : signature_classes(t)) v.add(c);
   }
