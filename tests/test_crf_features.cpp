@@ -8,9 +8,9 @@ using namespace trellis;
 namespace {
 
 std::vector<std::string> features(const FeatureExtractor& fx, const TokenRows& rows, std::size_t t) {
-  std::vector<std::string> out;
+  FeatureList out;
   fx.extract(rows, t, out);
-  return out;
+  return out.strings();
 }
 
 std::string error_of(const std::function<void()>& f) {

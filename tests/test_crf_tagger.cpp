@@ -267,12 +267,13 @@ TEST(CrfTagger, FeatureCutOffAndThreadCountGiveTheSameDictionaryAndModel) {
   const LabeledSentences train = toy_corpus(80, 11);
   const auto fx = builtin_features();
   std::unordered_map<std::string, int> count;
-  std::vector<std::string> order, feats;
+  std::vector<std::string> order;
+  FeatureList feats;
   for (const auto& rows : train.inputs)
     for (std::size_t t = 0; t < rows.size(); ++t) {
       feats.clear();
       fx->extract(rows, t, feats);
-      for (const auto& f : feats)
+      for (const std::string& f : feats.strings())
         if (count[f]++ == 0) order.push_back(f);
     }
   std::vector<std::string> want;

@@ -86,15 +86,12 @@ class Reader {
 CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
                      std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns)
     : labels_(std::move(labels)),
-      features_(std::move(features)),
+      features_(std::move(features), "feature"),
       extractor_(std::move(extractor)),
       input_columns_(input_columns) {
   if (labels_.empty()) throw Error("a CRF tagger needs at least one label");
   for (std::size_t i = 0; i < labels_.size(); ++i)
     if (!label_ids_.emplace(labels_[i], i).second) throw Error("duplicate label '" + labels_[i] + "'");
-  feature_ids_.reserve(features_.size());
-  for (std::size_t i = 0; i < features_.size(); ++i)
-    if (!feature_ids_.emplace(features_[i], i).second) throw Error("duplicate feature '" + features_[i] + "'");
   const int64_t K = labels_.size(), F = features_.size();
   weights = at::zeros({F, K}, at::kFloat);
   transitions = at::zeros({K, K}, at::kFloat);
@@ -120,7 +117,7 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
   std::vector<std::vector<int64_t>> ids(e.batch), counts(e.batch);
   std::vector<int64_t> tags(gold ? e.batch * e.max_length : 0, 0);
   at::parallel_for(0, e.batch, 16, [&](int64_t b0, int64_t b1) {
-    std::vector<std::string> feats;
+    FeatureList feats;
     for (int64_t b = b0; b < b1; ++b) {
       const TokenRows& rows = *sentences[b];
       if (rows.empty()) throw Error("sentence " + std::to_string(b) + " is empty");
@@ -134,8 +131,8 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
         feats.clear();
         extractor_->extract(rows, t, feats);
         const std::size_t before = ids[b].size();
-        for (const std::string& f : feats)
-          if (const auto it = feature_ids_.find(f); it != feature_ids_.end()) ids[b].push_back(it->second);
+        for (const std::string_view f : feats)
+          if (const int64_t id = features_.find(f); id >= 0) ids[b].push_back(id);
         counts[b].push_back(static_cast<int64_t>(ids[b].size() - before));
         if (gold) {
           const std::string& label = (*(*gold)[b])[t];
@@ -260,7 +257,7 @@ void CrfTagger::save(const std::string& path) const {
   w.pod<uint64_t>(labels_.size());
   for (const auto& l : labels_) w.str(l);
   w.pod<uint64_t>(features_.size());
-  for (const auto& f : features_) w.str(f);
+  for (const auto& f : features_.keys()) w.str(f);
   for (const at::Tensor& t : parameters()) w.floats(t);
   w.pod<uint64_t>(fnv1a(w.buffer().data(), w.buffer().size()));
   write_file_atomically(path, [&](std::ostream& out) { out.write(w.buffer().data(), w.buffer().size()); });

@@ -35,70 +35,96 @@ struct IndexedTrainingSet {
 };
 
 IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
-  // Contiguous ranges of sentences are indexed in parallel, each with its own dictionary; merging the ranges in order
-  // keeps the first-seen order of a serial pass, so models stay deterministic whatever the thread count. At most four
-  // ranges: each merge re-hashes most of the dictionary, which outweighed the parallel counting on a 16-core host.
-  struct Range {
-    std::unordered_map<std::string, int64_t> id;
-    std::vector<const std::string*> order;  // keys in first-seen order (map nodes do not move)
-    std::vector<int64_t> count;
-  };
+  // Three parallel passes, each free of shared writes, so every thread is busy and the result (the serial pass's
+  // first-seen order) does not depend on the thread count:
+  //  1. blocks of sentences: extract every feature occurrence into the block's packed text and hash it;
+  //  2. shards of the hash space: each shard indexes its occurrences, in corpus order, in its own StringIndex,
+  //     counting them and noting each key's first occurrence;
+  //  3. blocks again: occurrences -> ids among the kept features, ordered by first occurrence.
   const int64_t n = static_cast<int64_t>(train.inputs.size());
-  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), int64_t(4), n}));
-  std::vector<Range> part(ranges);
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks = std::min<int64_t>(n, 4 * threads);
+  struct Block {
+    FeatureList text;
+    std::vector<uint64_t> hash;
+    std::vector<int64_t> local;  // the occurrence's id in its shard's index
+    int64_t first_occurrence = 0;  // of the block, counted over the corpus
+  };
+  std::vector<Block> block(blocks);
+  const auto sentences = [&](int64_t b) { return std::pair(n * b / blocks, n * (b + 1) / blocks); };
   IndexedTrainingSet out;
   out.ids.resize(n);
   out.counts.resize(n);
-  at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<std::string> feats;
-    for (int64_t r = r0; r < r1; ++r) {
-      Range& p = part[r];
-      for (int64_t s = n * r / ranges; s < n * (r + 1) / ranges; ++s) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      Block& k = block[b];
+      for (auto [s, s1] = sentences(b); s < s1; ++s) {
         const TokenRows& rows = train.inputs[s];
         for (std::size_t t = 0; t < rows.size(); ++t) {
-          feats.clear();
-          fx.extract(rows, t, feats);
-          for (auto& f : feats) {
-            const auto [it, fresh] = p.id.try_emplace(std::move(f), static_cast<int64_t>(p.order.size()));
-            if (fresh) p.order.push_back(&it->first), p.count.push_back(0);
-            ++p.count[it->second];
-            out.ids[s].push_back(it->second);
-          }
-          out.counts[s].push_back(static_cast<int64_t>(feats.size()));
+          const std::size_t before = k.text.size();
+          fx.extract(rows, t, k.text);
+          out.counts[s].push_back(static_cast<int64_t>(k.text.size() - before));
         }
       }
+      for (const std::string_view f : k.text) k.hash.push_back(StringIndex::hash(f));
+      k.local.resize(k.hash.size());
     }
   });
-  // Range-local ids -> ids of the merged dictionary in first-seen order, then -> ids among the kept features (-1).
-  std::unordered_map<std::string, int64_t>& global = part[0].id;
-  std::vector<int64_t> total = part[0].count;
-  std::vector<const std::string*> order = part[0].order;
-  std::vector<std::vector<int64_t>> remap(ranges);
-  for (int64_t r = 1; r < ranges; ++r)
-    for (std::size_t j = 0; j < part[r].order.size(); ++j) {
-      const auto [it, fresh] = global.try_emplace(*part[r].order[j], static_cast<int64_t>(order.size()));
-      if (fresh) order.push_back(&it->first), total.push_back(0);
-      total[it->second] += part[r].count[j];
-      remap[r].push_back(it->second);
-    }
-  std::vector<int64_t> kept(order.size(), -1);
-  for (std::size_t g = 0; g < order.size(); ++g)
-    if (total[g] >= min_count) kept[g] = static_cast<int64_t>(out.features.size()), out.features.push_back(*order[g]);
-  at::parallel_for(0, ranges, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t s = n * r / ranges; s < n * (r + 1) / ranges; ++s) {
-        std::vector<int64_t>& ids = out.ids[s];
-        std::size_t read = 0, write = 0;
-        for (int64_t& c : out.counts[s]) {
-          const int64_t before = static_cast<int64_t>(write);
-          for (int64_t k = 0; k < c; ++k, ++read) {
-            const int64_t id = kept[r == 0 ? ids[read] : remap[r][ids[read]]];
-            if (id >= 0) ids[write++] = id;
-          }
-          c = static_cast<int64_t>(write) - before;
+  for (int64_t b = 1; b < blocks; ++b)
+    block[b].first_occurrence = block[b - 1].first_occurrence + static_cast<int64_t>(block[b - 1].hash.size());
+
+  const uint64_t shards = static_cast<uint64_t>(threads);
+  const auto shard_of = [&](uint64_t h) { return (h >> 32) % shards; };  // the index probes with the low bits
+  struct Shard {
+    StringIndex index;
+    std::vector<int64_t> count, first;  // per key: occurrences and the first one's position in the corpus
+  };
+  std::vector<Shard> shard(shards);
+  at::parallel_for(0, static_cast<int64_t>(shards), 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      Shard& d = shard[s];
+      for (Block& k : block)
+        for (std::size_t i = 0; i < k.hash.size(); ++i) {
+          if (shard_of(k.hash[i]) != static_cast<uint64_t>(s)) continue;
+          const auto [id, fresh] = d.index.insert(k.text[i], k.hash[i]);
+          if (fresh) d.count.push_back(0), d.first.push_back(k.first_occurrence + static_cast<int64_t>(i));
+          ++d.count[id];
+          k.local[i] = id;
         }
-        ids.resize(write);
-      }
+    }
+  });
+
+  // The kept keys in first-seen order get ids 0, 1, ...; a shard-local id maps to its global id, or -1.
+  std::vector<std::pair<int64_t, std::pair<uint64_t, int64_t>>> kept;  // (first occurrence, (shard, local id))
+  for (uint64_t s = 0; s < shards; ++s)
+    for (std::size_t j = 0; j < shard[s].count.size(); ++j)
+      if (shard[s].count[j] >= min_count) kept.push_back({shard[s].first[j], {s, static_cast<int64_t>(j)}});
+  std::sort(kept.begin(), kept.end());
+  std::vector<std::vector<int64_t>> global(shards);
+  std::vector<std::vector<std::string>> keys(shards);
+  for (uint64_t s = 0; s < shards; ++s) {
+    global[s].assign(shard[s].count.size(), -1);
+    keys[s] = shard[s].index.release();
+  }
+  out.features.reserve(kept.size());
+  for (const auto& [first, key] : kept) {
+    global[key.first][key.second] = static_cast<int64_t>(out.features.size());
+    out.features.push_back(std::move(keys[key.first][key.second]));
+  }
+  shard.clear();
+
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const Block& k = block[b];
+      std::size_t i = 0;
+      for (auto [s, s1] = sentences(b); s < s1; ++s)
+        for (int64_t& c : out.counts[s]) {
+          const std::size_t end = i + static_cast<std::size_t>(c);
+          c = 0;
+          for (; i < end; ++i)
+            if (const int64_t id = global[shard_of(k.hash[i])][k.local[i]]; id >= 0) out.ids[s].push_back(id), ++c;
+        }
+    }
   });
   return out;
 }

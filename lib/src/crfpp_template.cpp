@@ -89,23 +89,22 @@ class TemplateFeatures final : public FeatureExtractor {
                       " input columns (numbered from 0, the label column not counted)");
   }
 
-  void extract(const TokenRows& rows, std::size_t t, std::vector<std::string>& out) const override {
+  void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const override {
     const long n = static_cast<long>(rows.size());
     for (const auto& u : units_) {
-      std::string f;
       for (const Piece& p : u) {
-        f += p.literal;
+        out << p.literal;
         if (!p.macro) continue;
         const long r = static_cast<long>(t) + p.row;
         // CRF++'s names for positions outside the sentence.
         if (r < 0)
-          f += "_B" + std::to_string(r);
+          out << "_B" << r;
         else if (r >= n)
-          f += "_B+" + std::to_string(r - n + 1);
+          out << "_B+" << r - n + 1;
         else
-          f += rows[r][p.column];
+          out << rows[r][p.column];
       }
-      out.push_back(std::move(f));
+      out.close();
     }
   }
 

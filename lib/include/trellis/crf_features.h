@@ -1,8 +1,10 @@
 // Observation features for CRF taggers. A feature extractor turns a token in its sentence into feature strings; it
 // knows nothing of labels or training (the model maps strings to ids and learns one weight per label).
 #pragma once
+#include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace trellis {
@@ -10,11 +12,55 @@ namespace trellis {
 // A sentence's input columns: rows[token][column], the label column already removed.
 using TokenRows = std::vector<std::vector<std::string>>;
 
+// A token's feature strings packed back to back in one buffer, so extracting millions of them allocates nothing once
+// the buffer has grown: append a feature's text piece by piece, then close() it.
+class FeatureList {
+ public:
+  void clear() { text_.clear(), ends_.clear(); }
+  FeatureList& operator<<(std::string_view piece) { return text_.append(piece), *this; }
+  FeatureList& operator<<(char c) { return text_.push_back(c), *this; }
+  FeatureList& operator<<(long n);
+  FeatureList& operator<<(int n) { return *this << static_cast<long>(n); }
+  void close() { ends_.push_back(text_.size()); }
+  void add(std::string_view feature) { *this << feature, close(); }
+
+  std::size_t size() const { return ends_.size(); }
+  std::string_view operator[](std::size_t i) const {
+    const std::size_t from = i == 0 ? 0 : ends_[i - 1];
+    return std::string_view(text_).substr(from, ends_[i] - from);
+  }
+  std::vector<std::string> strings() const { return {begin(), end()}; }
+
+  class iterator {
+   public:
+    using value_type = std::string_view;
+    using difference_type = std::ptrdiff_t;
+    using reference = std::string_view;
+    using pointer = void;
+    using iterator_category = std::input_iterator_tag;
+    iterator(const FeatureList* l, std::size_t i) : l_(l), i_(i) {}
+    std::string_view operator*() const { return (*l_)[i_]; }
+    iterator& operator++() { return ++i_, *this; }
+    bool operator!=(const iterator& o) const { return i_ != o.i_; }
+    bool operator==(const iterator& o) const { return i_ == o.i_; }
+
+   private:
+    const FeatureList* l_;
+    std::size_t i_;
+  };
+  iterator begin() const { return {this, 0}; }
+  iterator end() const { return {this, size()}; }
+
+ private:
+  std::string text_;
+  std::vector<std::size_t> ends_;
+};
+
 class FeatureExtractor {
  public:
   virtual ~FeatureExtractor() = default;
   // Appends the features of token t to `out`.
-  virtual void extract(const TokenRows& rows, std::size_t t, std::vector<std::string>& out) const = 0;
+  virtual void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const = 0;
   // Text that recreates this extractor through from_spec(); stored in model files.
   virtual std::string spec() const = 0;
   // Checks that sentences with this many input columns can be featurised; `source` names the data for messages.

@@ -10,6 +10,7 @@
 
 #include "trellis/crf_features.h"
 #include "trellis/linear_chain_crf.h"
+#include "trellis/string_index.h"
 
 namespace trellis {
 
@@ -41,7 +42,7 @@ class CrfTagger {
             std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns);
 
   const std::vector<std::string>& labels() const { return labels_; }
-  const std::vector<std::string>& features() const { return features_; }
+  const std::vector<std::string>& features() const { return features_.keys(); }
   const FeatureExtractor& extractor() const { return *extractor_; }
   std::size_t input_columns() const { return input_columns_; }
   int64_t label_id(const std::string& label) const;  // -1 when unknown
@@ -69,8 +70,9 @@ class CrfTagger {
   static CrfTagger load(const std::string& path);
 
  private:
-  std::vector<std::string> labels_, features_;
-  std::unordered_map<std::string, int64_t> label_ids_, feature_ids_;
+  std::vector<std::string> labels_;
+  std::unordered_map<std::string, int64_t> label_ids_;
+  StringIndex features_;
   std::unique_ptr<FeatureExtractor> extractor_;
   std::size_t input_columns_;
 };
