@@ -112,13 +112,14 @@ int train(const std::vector<std::string>& args) {
                   << fixed(it.gradient_norm, 3);
         if (it.dev_accuracy) std::cerr << "  dev acc " << fixed(*it.dev_accuracy, 2) << "%";
         if (it.dev_f1) std::cerr << "  dev F1 " << fixed(*it.dev_f1, 2);
-        std::cerr << "  " << fixed(it.seconds, 1) << " s\n";
+        std::cerr << "  " << fixed(it.seconds, 2) << " s\n";
       },
       &sum);
   model.save(model_path);
   std::cerr << "done: " << sum.iterations << " iterations" << (sum.converged ? " (converged)" : "") << ", "
             << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
-            << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s";
+            << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s (set-up "
+            << fixed(sum.setup_seconds, 2) << " s)";
   if (sum.best_dev_accuracy) {
     std::cerr << "; best dev (iteration " << sum.best_iteration << "): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
     if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);

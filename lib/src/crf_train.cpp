@@ -377,6 +377,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   if (full_batch && o.c1 > 0) owlqn.emplace(params, o.c1, [&] { return full_objective().item<double>(); });
 
   CrfTrainSummary sum;
+  sum.setup_seconds = elapsed();
   sum.features = model.features().size();
   for (auto& p : params) sum.parameters += p.numel();
   std::vector<double> history;

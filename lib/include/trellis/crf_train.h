@@ -55,6 +55,7 @@ struct CrfTrainSummary {
   std::size_t nonzero_parameters = 0;  // of the returned model (L1 zeroes many)
   int iterations = 0;
   double seconds = 0;
+  double setup_seconds = 0;  // of `seconds`, before the first iteration: features, dictionary, batches on the device
   bool converged = false;
   std::optional<double> best_dev_accuracy, best_dev_f1;
   int best_iteration = 0;
