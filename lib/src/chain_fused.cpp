@@ -197,18 +197,19 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
   });
 }
 
-// Reverse mode of forward_cpu. adj holds ∂score/∂alpha_t for one sequence; the transitions' gradient is summed in
-// one buffer per thread and reduced at the end, so no two threads write the same memory.
+// Reverse mode of forward_cpu. adj holds ∂score/∂alpha_t for one sequence. The transitions' gradient is summed per
+// chunk of sequences, one buffer each, and the buffers are added in order at the end: no two threads write the same
+// memory, and as the chunks depend on B and K alone, any thread count gives the same bits.
 template <class S, class T>
 void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
                   const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
                   const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
                   at::Tensor& g_start, at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
-  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), 1, std::min<int64_t>(B, 64));
   const StepFactory<S, T> steps(trans);
-  at::Tensor part_w = at::zeros({threads, K, K}, alpha.options());
-  at::Tensor part_s = at::zeros({threads, K}, alpha.options()), part_e = at::zeros({threads, K}, alpha.options());
+  at::Tensor part_w = at::zeros({chunks, K, K}, alpha.options());
+  at::Tensor part_s = at::zeros({chunks, K}, alpha.options()), part_e = at::zeros({chunks, K}, alpha.options());
   const T *G = grad.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(),
           *Z = score.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
@@ -216,38 +217,38 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
   const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   const int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
   T* GE = g_em.data_ptr<T>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t tid = at::get_thread_num();
-    T *gw = part_w.data_ptr<T>() + tid * K * K, *gs = part_s.data_ptr<T>() + tid * K,
-      *ge = part_e.data_ptr<T>() + tid * K;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     auto step = steps.make();
     std::vector<T> adj(K), next(K);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t off = b * Tn * K, L = len[b];
-      const T *a = A + off, *p = P + off;
-      T* gem = GE + off;
-      const T gb = Y ? -G[b] : G[b];  // with tags the output was gold − score
-      for (int64_t k = 0; k < K; ++k) {
-        adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
-        ge[k] += adj[k];
-      }
-      for (int64_t t = L - 1; t >= 1; --t) {
-        std::copy(adj.begin(), adj.end(), gem + t * K);
-        std::fill(next.begin(), next.end(), T(0));
-        step.backward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr, adj.data(), next.data(), gw);
-        std::swap(adj, next);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        gem[k] = adj[k];
-        gs[k] += adj[k];
-      }
-      if (Y) {  // the tagged sequence's score was subtracted
-        const int64_t* y = Y + b * Tn;
-        gs[y[0]] -= gb;
-        ge[y[L - 1]] -= gb;
-        for (int64_t t = 0; t < L; ++t) {
-          gem[t * K + y[t]] -= gb;
-          if (t > 0) gw[y[t - 1] * K + y[t]] -= gb;
+    for (int64_t c = c0; c < c1; ++c) {
+      T *gw = part_w.data_ptr<T>() + c * K * K, *gs = part_s.data_ptr<T>() + c * K, *ge = part_e.data_ptr<T>() + c * K;
+      for (int64_t b = B * c / chunks; b < B * (c + 1) / chunks; ++b) {
+        const int64_t off = b * Tn * K, L = len[b];
+        const T *a = A + off, *p = P + off;
+        T* gem = GE + off;
+        const T gb = Y ? -G[b] : G[b];  // with tags the output was gold − score
+        for (int64_t k = 0; k < K; ++k) {
+          adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
+          ge[k] += adj[k];
+        }
+        for (int64_t t = L - 1; t >= 1; --t) {
+          std::copy(adj.begin(), adj.end(), gem + t * K);
+          std::fill(next.begin(), next.end(), T(0));
+          step.backward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr, adj.data(), next.data(), gw);
+          std::swap(adj, next);
+        }
+        for (int64_t k = 0; k < K; ++k) {
+          gem[k] = adj[k];
+          gs[k] += adj[k];
+        }
+        if (Y) {  // the tagged sequence's score was subtracted
+          const int64_t* y = Y + b * Tn;
+          gs[y[0]] -= gb;
+          ge[y[L - 1]] -= gb;
+          for (int64_t t = 0; t < L; ++t) {
+            gem[t * K + y[t]] -= gb;
+            if (t > 0) gw[y[t - 1] * K + y[t]] -= gb;
+          }
         }
       }
     }

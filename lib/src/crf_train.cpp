@@ -35,20 +35,21 @@ struct IndexedTrainingSet {
 };
 
 IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureExtractor& fx, int min_count) {
-  // Three parallel passes, each free of shared writes, so every thread is busy and the result (the serial pass's
-  // first-seen order) does not depend on the thread count:
+  // Three parallel passes, each writing only its own data (no locks, no shared cache lines), so the result is the
+  // serial pass's first-seen order whatever the thread count:
   //  1. blocks of sentences: extract every feature occurrence into the block's packed text and hash it;
   //  2. shards of the hash space: each shard indexes its occurrences, in corpus order, in its own StringIndex,
-  //     counting them and noting each key's first occurrence;
+  //     counting each key and noting its first occurrence, and lists the occurrences' shard-local ids in order;
   //  3. blocks again: occurrences -> ids among the kept features, ordered by first occurrence.
   const int64_t n = static_cast<int64_t>(train.inputs.size());
   const int64_t threads = at::get_num_threads();
   const int64_t blocks = std::min<int64_t>(n, 4 * threads);
+  const uint64_t shards = static_cast<uint64_t>(threads);
+  const auto shard_of = [&](uint64_t h) { return (h >> 32) % shards; };  // the index probes with the low bits
   struct Block {
     FeatureList text;
     std::vector<uint64_t> hash;
-    std::vector<int64_t> local;  // the occurrence's id in its shard's index
-    int64_t first_occurrence = 0;  // of the block, counted over the corpus
+    std::vector<int64_t> in_shard;  // occurrences per shard
   };
   std::vector<Block> block(blocks);
   const auto sentences = [&](int64_t b) { return std::pair(n * b / blocks, n * (b + 1) / blocks); };
@@ -66,31 +67,32 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
           out.counts[s].push_back(static_cast<int64_t>(k.text.size() - before));
         }
       }
-      for (const std::string_view f : k.text) k.hash.push_back(StringIndex::hash(f));
-      k.local.resize(k.hash.size());
+      k.hash.reserve(k.text.size());
+      k.in_shard.assign(shards, 0);
+      for (const std::string_view f : k.text) ++k.in_shard[shard_of(k.hash.emplace_back(StringIndex::hash(f)))];
     }
   });
-  for (int64_t b = 1; b < blocks; ++b)
-    block[b].first_occurrence = block[b - 1].first_occurrence + static_cast<int64_t>(block[b - 1].hash.size());
 
-  const uint64_t shards = static_cast<uint64_t>(threads);
-  const auto shard_of = [&](uint64_t h) { return (h >> 32) % shards; };  // the index probes with the low bits
   struct Shard {
     StringIndex index;
-    std::vector<int64_t> count, first;  // per key: occurrences and the first one's position in the corpus
+    std::vector<int64_t> count, first;  // per key: occurrences, and the first one's position in the corpus
+    std::vector<int64_t> ids;           // the shard's occurrences' ids, in corpus order
   };
   std::vector<Shard> shard(shards);
   at::parallel_for(0, static_cast<int64_t>(shards), 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       Shard& d = shard[s];
-      for (Block& k : block)
+      int64_t position = 0;
+      for (const Block& k : block) {
         for (std::size_t i = 0; i < k.hash.size(); ++i) {
           if (shard_of(k.hash[i]) != static_cast<uint64_t>(s)) continue;
           const auto [id, fresh] = d.index.insert(k.text[i], k.hash[i]);
-          if (fresh) d.count.push_back(0), d.first.push_back(k.first_occurrence + static_cast<int64_t>(i));
+          if (fresh) d.count.push_back(0), d.first.push_back(position + static_cast<int64_t>(i));
           ++d.count[id];
-          k.local[i] = id;
+          d.ids.push_back(id);
         }
+        position += static_cast<int64_t>(k.hash.size());
+      }
     }
   });
 
@@ -111,18 +113,26 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
     global[key.first][key.second] = static_cast<int64_t>(out.features.size());
     out.features.push_back(std::move(keys[key.first][key.second]));
   }
-  shard.clear();
+  for (uint64_t s = 0; s < shards; ++s)
+    for (int64_t& id : shard[s].ids) id = global[s][id];
 
+  // Each block reads its occurrences' ids from every shard's list, starting after the earlier blocks' ones.
+  std::vector<std::vector<int64_t>> cursor(blocks, std::vector<int64_t>(shards, 0));
+  for (int64_t b = 1; b < blocks; ++b)
+    for (uint64_t s = 0; s < shards; ++s) cursor[b][s] = cursor[b - 1][s] + block[b - 1].in_shard[s];
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const Block& k = block[b];
+      std::vector<int64_t>& next = cursor[b];
       std::size_t i = 0;
       for (auto [s, s1] = sentences(b); s < s1; ++s)
         for (int64_t& c : out.counts[s]) {
           const std::size_t end = i + static_cast<std::size_t>(c);
           c = 0;
-          for (; i < end; ++i)
-            if (const int64_t id = global[shard_of(k.hash[i])][k.local[i]]; id >= 0) out.ids[s].push_back(id), ++c;
+          for (; i < end; ++i) {
+            const uint64_t sh = shard_of(k.hash[i]);
+            if (const int64_t id = shard[sh].ids[next[sh]++]; id >= 0) out.ids[s].push_back(id), ++c;
+          }
         }
     }
   });
