@@ -82,6 +82,9 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
   at::parallel_for(0, static_cast<int64_t>(shards), 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       Shard& d = shard[s];
+      int64_t occurrences = 0;
+      for (const Block& k : block) occurrences += k.in_shard[s];
+      d.ids.reserve(occurrences);
       int64_t position = 0;
       for (const Block& k : block) {
         for (std::size_t i = 0; i < k.hash.size(); ++i) {
