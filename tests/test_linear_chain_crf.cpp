@@ -266,6 +266,18 @@ TEST(Constraints, ConstrainedViterbiIsTheBestAllowedPath) {
 
 // ---- CUDA against CPU ----
 
+TEST(LinearChainCRF, VouchedValuesSkipOnlyTheRangeCheck) {
+  ChainPotentials p = random_chain(3, 4, 2);
+  p.lengths = at::tensor({4, 1, 2}, at::kLong);
+  const at::Tensor tags = random_tags(p);
+  ChainPotentials v = p;
+  v.values_checked = true;
+  expect_close(log_likelihood(v, tags), log_likelihood(p, tags), 0, 0);
+  expect_close(viterbi(v).score, viterbi(p).score, 0, 0);
+  v.transitions = randn({3, 2});
+  EXPECT_THROW(log_partition(v), Error);  // shapes are still checked
+}
+
 TEST(LinearChainCRFCuda, MatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
   // K from one warp-shared block to one sequence per block, and past the fused kernels' shared-memory limit (the
@@ -287,6 +299,9 @@ TEST(LinearChainCRFCuda, MatchesCpu) {
       }
       const double tol = dtype == at::kFloat ? 2e-4 : 1e-10;
       SCOPED_TRACE("K=" + std::to_string(K) + (dtype == at::kFloat ? " float" : " double"));
+      ChainPotentials vouched = g;
+      vouched.values_checked = true;
+      expect_close(log_likelihood(vouched, tags.to(cuda)), log_likelihood(g, tags.to(cuda)), 0, 0);
       expect_close(log_partition(g), log_partition(c), tol, tol);
       for (auto [x, y] : {std::pair{&g.emissions, &c.emissions}, std::pair{&g.transitions, &c.transitions},
                           std::pair{&g.start, &c.start}, std::pair{&g.end, &c.end}})

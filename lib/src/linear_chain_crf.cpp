@@ -43,7 +43,8 @@ at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
   throw Error("CRF: " + what + index + " = " + std::to_string(value.item<int64_t>()) + " is outside " + range);
 }
 
-// Validates shapes, dtypes and devices, and the values of lengths and tags (if given) with a single host transfer.
+// Validates shapes, dtypes and devices, and the values of lengths and tags (if given, and unless the caller vouched
+// for them) with a single host transfer.
 Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
   const at::Tensor& e = p.emissions;
   if (!e.defined() || e.dim() != 3) throw Error("CRF: emissions must be a [B,T,K] tensor");
@@ -66,7 +67,7 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
     throw Error("CRF: lengths must be a [B] tensor");
   if (tags && (!tags->defined() || tags->sizes() != at::IntArrayRef{s.B, s.T}))
     throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
-  if (!p.lengths.defined() && !tags) return s;
+  if (p.values_checked || (!p.lengths.defined() && !tags)) return s;
   // min and max of lengths and of the tags at valid positions, in one transfer: [len_min, len_max, tag_min, tag_max].
   std::vector<at::Tensor> stats;
   at::Tensor lengths, y;

@@ -18,6 +18,9 @@ struct ChainPotentials {
   at::Tensor start;        // [K] or undefined (zeros): score of the first label
   at::Tensor end;          // [K] or undefined (zeros): score of the last label
   at::Tensor lengths;      // [B] int64 (any device) or undefined (all T); each in [1, T]
+  // Every function checks that lengths and tags lie in range, which on a GPU costs a device-to-host transfer (a
+  // sync). A caller that built them itself, like the trainer in its inner loop, may vouch for them and skip that.
+  bool values_checked = false;
 };
 
 // log Z [B]: ⊕ over all label sequences of their total score (LogSemiring).
