@@ -65,13 +65,14 @@ __device__ Acc block_reduce(Acc v, Op op, Acc* scratch) {
 
 // The row's log-sum-exp and its gradient in one read of the logits: a cluster of kCluster blocks holds a row in shared
 // memory (a slice each), merges the slices' (max, Σ e^(z−max)) through distributed shared memory, and writes dz from
-// the slices. The separate log-sum-exp pass over the slab is gone.
+// the slices. The separate log-sum-exp pass over the slab is gone. Every block of the cluster has its slice on chip
+// before any block writes, so dz (row stride dz_stride) may overlay the row's own memory (z and dz are not restrict).
 constexpr int kCluster = 8;
 
 template <class Acc, class Out>
 __global__ void __launch_bounds__(kThreads)
-    logit_gradient_lse_kernel(const Acc* __restrict__ z, const Acc* __restrict__ g, const int64_t* __restrict__ targets,
-                              Out* __restrict__ dz, Acc* __restrict__ lse, int64_t V, int64_t slice, Acc smooth,
+    logit_gradient_lse_kernel(const Acc* z, const Acc* __restrict__ g, const int64_t* __restrict__ targets, Out* dz,
+                              int64_t dz_stride, Acc* __restrict__ lse, int64_t V, int64_t slice, Acc smooth,
                               Acc target_weight, Acc z_loss2, Acc softcap) {
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char raw_smem[];
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kThreads)
   const Acc gr = g[r];
   const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
   const int64_t t = targets[r] - c0;
-  Out* dr = dz + r * V + c0;
+  Out* dr = dz + r * dz_stride + c0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads)
     dr[i] = static_cast<Out>(logit_gradient(zs[i], l, p_weight, shift, hit, i == t, softcap));
 }
@@ -190,8 +191,8 @@ bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g
       config.attrs = &cluster;
       config.numAttrs = 1;
       check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * V, g.data_ptr<Acc>() + r0,
-                               targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * V, lse.data_ptr<Acc>() + r0,
-                               V, slice, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing),
+                               targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0),
+                               lse.data_ptr<Acc>() + r0, V, slice, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing),
                                Acc(2 * z_loss), Acc(softcap)),
             "linear head: lse and logit gradient kernel");
     }

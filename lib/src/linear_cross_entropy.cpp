@@ -119,18 +119,21 @@ using SlabStats = cuda::HeadRowStats;
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
-// Statistics of one slab of logits; the target logit is 0 where the target is ignored. `lse`, when given, is the
-// slab's log-sum-exp already formed.
-SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false,
-                     const at::Tensor& lse = {}) {
-  SlabStats s;
-  s.lse = lse.defined() ? lse : trellis::logsumexp(z, 1);
+// The target logit (0 where the target is ignored) and, if wanted, Σ z of each row of a slab of logits.
+void target_and_sum(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, SlabStats& s) {
   if (h.targets.defined()) {
     const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
     const at::Tensor valid = valid_targets(t, h.ignore_index);
     s.target_logit = z.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1) * valid;
   }
   if (want_sum) s.logit_sum = z.sum(1);
+}
+
+// Statistics of one slab of logits.
+SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false) {
+  SlabStats s;
+  s.lse = trellis::logsumexp(z, 1);
+  target_and_sum(h, z, r0, want_sum, s);
   if (want_expected) s.expected_logit = ((z - s.lse.unsqueeze(1)).exp() * z).sum(1);
   return s;
 }
@@ -202,17 +205,22 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
     if (lse.defined()) {
       slab_lse = lse.narrow(0, r0, n);
     } else {
+      SlabStats s;
+      if (loss) target_and_sum(h, z, r0, o.label_smoothing != 0, s);  // before dz may take z's memory
 #if TRELLIS_WITH_CUDA
-      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab.
+      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
+      // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
+      // inputs) instead of a second slab-sized buffer.
       if (z.is_cuda()) {
-        at::Tensor row_lse = at::empty({n}, z.options()), d = at::empty(z.sizes(), z.options().dtype(h.x.scalar_type()));
+        at::Tensor row_lse = at::empty({n}, z.options());
+        at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
         if (cuda::linear_head_lse_and_logit_gradient(z, g.narrow(0, r0, n).contiguous(),
                                                      h.targets.narrow(0, r0, n).contiguous(), o.label_smoothing,
                                                      o.z_loss, h.softcap.value_or(0), row_lse, d))
-          slab_lse = row_lse, dz = d;
+          s.lse = row_lse, dz = d;
       }
 #endif
-      const SlabStats s = slab_stats(h, z, r0, o.label_smoothing != 0, false, slab_lse);
+      if (!s.lse.defined()) s.lse = trellis::logsumexp(z, 1);
       slab_lse = s.lse;
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
