@@ -26,8 +26,9 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
 
 // The same gradient with the rows' log-sum-exp formed on the way (lse [n] of z's type receives it), reading z once: a
 // cluster of thread blocks per row on compute capability 9.0 and later. Returns false (nothing done) elsewhere, or
-// when a row's slice does not fit in shared memory. dz ([n, V], unit column stride) may overlay z's own memory: each
-// row is on chip before any of its gradient is written.
+// when a row's slice does not fit in shared memory. dz ([n, V], unit column stride) may overlay z's own memory as long
+// as row r of dz lies inside row r of z (dz.stride(0)·sizeof(dz) == V·sizeof(z)): each row is on chip before any of its
+// gradient is written, but rows (clusters) are not ordered against each other.
 bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
                                         double label_smoothing, double z_loss, double softcap, at::Tensor& lse,
                                         at::Tensor& dz);

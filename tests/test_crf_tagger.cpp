@@ -261,9 +261,20 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);
 }
 
+TEST(CrfTagger, AnExtractorThatLeavesAFeatureOpenIsAnError) {
+  // An unclosed feature would run into the next token's first one in training's packed buffers.
+  struct Unclosed final : FeatureExtractor {
+    void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const override { out << rows[t][0]; }
+    std::string spec() const override { return "unclosed"; }
+  };
+  CrfTrainOptions o;
+  o.max_iterations = 1;
+  EXPECT_THROW(train_crf(toy_corpus(4, 1), nullptr, std::make_unique<Unclosed>(), o), Error);
+}
+
 TEST(CrfTagger, FeatureCutOffAndThreadCountGiveTheSameDictionaryAndModel) {
-  // Training extracts features once, in parallel ranges whose dictionaries are merged: the result must be the
-  // serial first-seen dictionary, cut at min_feature_count, and the same model for any thread count.
+  // Training extracts features once, in parallel blocks and hash shards: the result must be the serial first-seen
+  // dictionary, cut at min_feature_count, and the same model for any thread count.
   const LabeledSentences train = toy_corpus(80, 11);
   const auto fx = builtin_features();
   std::unordered_map<std::string, int> count;

@@ -37,6 +37,16 @@ TEST(StringIndex, AgreesWithAHashMapThroughManyRehashes) {
   EXPECT_EQ(index.find(keys[0]), -1);
 }
 
+TEST(StringIndex, KeysWithTheSameHashStayApart) {
+  StringIndex index;
+  EXPECT_EQ(index.insert("a", 5), (std::pair<int64_t, bool>{0, true}));
+  EXPECT_EQ(index.insert("b", 5), (std::pair<int64_t, bool>{1, true}));
+  EXPECT_EQ(index.insert("a", 5), (std::pair<int64_t, bool>{0, false}));
+  EXPECT_EQ(index.find("b", 5), 1);
+  EXPECT_EQ(index.find("c", 5), -1);
+  EXPECT_EQ(index.find("b", 6), -1);  // a lookup goes by the hash it is given
+}
+
 TEST(StringIndex, EmptyIndexAndDuplicateKeys) {
   const StringIndex empty;
   EXPECT_EQ(empty.find("x"), -1);

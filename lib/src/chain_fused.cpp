@@ -206,7 +206,10 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
                   const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
                   at::Tensor& g_start, at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
-  const int64_t chunks = std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), 1, std::min<int64_t>(B, 64));
+  // At most 64 chunks, fewer when their K×K buffers would pass 64 MiB, but at least 4 (while B allows) so that large
+  // K stays parallel.
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(B, 64));
+  const int64_t chunks = std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), std::min<int64_t>(most, 4), most);
   const StepFactory<S, T> steps(trans);
   at::Tensor part_w = at::zeros({chunks, K, K}, alpha.options());
   at::Tensor part_s = at::zeros({chunks, K}, alpha.options()), part_e = at::zeros({chunks, K}, alpha.options());

@@ -22,7 +22,7 @@ FeatureList& lower(FeatureList& out, std::string_view w) {
 
 // Character classes with runs collapsed: "McDonald's" -> "XxXx'x", "1,234.5" -> "d,d.d".
 FeatureList& shape(FeatureList& out, std::string_view w) {
-  char last = 0;
+  int last = -1;  // no class yet
   for (unsigned char c : w) {
     const char k = std::isupper(c) ? 'X' : std::islower(c) ? 'x' : std::isdigit(c) ? 'd' : c >= 0x80 ? 'u' : char(c);
     if (k != last) out << k;

@@ -47,7 +47,7 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
   const int64_t blocks = std::min<int64_t>(n, 4 * threads);
   const uint64_t shards = static_cast<uint64_t>(threads);
   const auto shard_of = [&](uint64_t h) { return (h >> 32) % shards; };  // the index probes with the low bits
-  struct Block {
+  struct alignas(64) Block {  // own cache lines: each thread appends to its blocks' vectors
     FeatureList text;
     std::vector<uint64_t> hash;
     std::vector<int64_t> in_shard;  // occurrences per shard
@@ -65,6 +65,7 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
         for (std::size_t t = 0; t < rows.size(); ++t) {
           const std::size_t before = k.text.size();
           fx.extract(rows, t, k.text);
+          if (!k.text.closed()) throw Error("the feature extractor left a feature open");
           out.counts[s].push_back(static_cast<int64_t>(k.text.size() - before));
         }
       }
@@ -74,7 +75,7 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
     }
   });
 
-  struct Shard {
+  struct alignas(64) Shard {
     StringIndex index;
     std::vector<int64_t> count, first;  // per key: occurrences, and the first one's position in the corpus
     std::vector<int64_t> ids;           // the shard's occurrences' ids, in corpus order
@@ -99,6 +100,7 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
       }
     }
   });
+  for (Block& k : block) k.text = FeatureList();  // the hashes carry on; the text is in the shards' keys now
 
   // The kept keys in first-seen order get ids 0, 1, ...; a shard-local id maps to its global id, or -1.
   std::vector<std::pair<int64_t, std::pair<uint64_t, int64_t>>> kept;  // (first occurrence, (shard, local id))

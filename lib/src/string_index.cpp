@@ -37,8 +37,8 @@ std::pair<int64_t, bool> StringIndex::insert(std::string_view key, uint64_t h) {
   if (2 * (keys_.size() + 1) > slots_.size()) rehash(std::max<std::size_t>(16, 2 * slots_.size()));
   Slot& s = slots_[probe(key, h)];
   if (s.id >= 0) return {s.id, false};
-  s = {h, static_cast<int64_t>(keys_.size())};
-  keys_.emplace_back(key);
+  keys_.emplace_back(key);  // first, so that a failed allocation leaves no slot pointing past the keys
+  s = {h, static_cast<int64_t>(keys_.size()) - 1};
   return {s.id, true};
 }
 

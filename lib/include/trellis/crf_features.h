@@ -25,6 +25,7 @@ class FeatureList {
   void add(std::string_view feature) { *this << feature, close(); }
 
   std::size_t size() const { return ends_.size(); }
+  bool closed() const { return text_.size() == (ends_.empty() ? 0 : ends_.back()); }  // no feature left open
   std::string_view operator[](std::size_t i) const {
     const std::size_t from = i == 0 ? 0 : ends_[i - 1];
     return std::string_view(text_).substr(from, ends_[i] - from);
@@ -59,7 +60,7 @@ class FeatureList {
 class FeatureExtractor {
  public:
   virtual ~FeatureExtractor() = default;
-  // Appends the features of token t to `out`.
+  // Appends the features of token t to `out`, each one closed.
   virtual void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const = 0;
   // Text that recreates this extractor through from_spec(); stored in model files.
   virtual std::string spec() const = 0;
