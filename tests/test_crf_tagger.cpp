@@ -264,7 +264,7 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
 TEST(CrfTagger, AnExtractorThatLeavesAFeatureOpenIsAnError) {
   // An unclosed feature would run into the next token's first one in training's packed buffers.
   struct Unclosed final : FeatureExtractor {
-    void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const override { out << rows[t][0]; }
+    void add_features(const TokenRows& rows, std::size_t t, FeatureList& out) const override { out << rows[t][0]; }
     std::string spec() const override { return "unclosed"; }
   };
   CrfTrainOptions o;

@@ -12,6 +12,11 @@ FeatureList& FeatureList::operator<<(long n) {
   return *this << std::string_view(digits, std::to_chars(digits, digits + sizeof digits, n).ptr - digits);
 }
 
+void FeatureExtractor::extract(const TokenRows& rows, std::size_t t, FeatureList& out) const {
+  add_features(rows, t, out);
+  if (!out.closed()) throw Error("the feature extractor '" + spec().substr(0, 40) + "' left a feature open");
+}
+
 namespace {
 
 // Writes w in lowercase (ASCII letters).
@@ -52,7 +57,7 @@ std::string_view suffix_chars(std::string_view w, int n) {
 
 class BuiltinFeatures final : public FeatureExtractor {
  public:
-  void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const override {
+  void add_features(const TokenRows& rows, std::size_t t, FeatureList& out) const override {
     // Column col of the token at pos, lowercased for words; sentence boundaries read <s> and </s>.
     const auto at = [&](long pos, std::size_t col) -> FeatureList& {
       if (pos < 0) return out << "<s>";

@@ -130,7 +130,6 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
                       std::to_string(input_columns_) + " input columns, found " + std::to_string(rows[t].size()));
         feats.clear();
         extractor_->extract(rows, t, feats);
-        if (!feats.closed()) throw Error("the feature extractor left a feature open");
         const std::size_t before = ids[b].size();
         for (const std::string_view f : feats)
           if (const int64_t id = features_.find(f); id >= 0) ids[b].push_back(id);

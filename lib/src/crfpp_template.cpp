@@ -89,7 +89,7 @@ class TemplateFeatures final : public FeatureExtractor {
                       " input columns (numbered from 0, the label column not counted)");
   }
 
-  void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const override {
+  void add_features(const TokenRows& rows, std::size_t t, FeatureList& out) const override {
     const long n = static_cast<long>(rows.size());
     for (const auto& u : units_) {
       for (const Piece& p : u) {

@@ -60,14 +60,19 @@ class FeatureList {
 class FeatureExtractor {
  public:
   virtual ~FeatureExtractor() = default;
-  // Appends the features of token t to `out`, each one closed.
-  virtual void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const = 0;
+  // Appends the features of token t to `out`. A feature left open (an add_features that forgot close()) is an Error:
+  // it would run into the next token's first feature where callers pack many tokens into one list.
+  void extract(const TokenRows& rows, std::size_t t, FeatureList& out) const;
   // Text that recreates this extractor through from_spec(); stored in model files.
   virtual std::string spec() const = 0;
   // Checks that sentences with this many input columns can be featurised; `source` names the data for messages.
   virtual void validate(std::size_t /*input_columns*/, const std::string& /*source*/) const {}
 
   static std::unique_ptr<FeatureExtractor> from_spec(const std::string& spec);
+
+ private:
+  // What extract() appends, each feature closed.
+  virtual void add_features(const TokenRows& rows, std::size_t t, FeatureList& out) const = 0;
 };
 
 // The built-in tagging feature set: bias; word and lowercase word; prefixes and suffixes of 1-4 characters; word
