@@ -371,6 +371,36 @@ TEST(LinearChainCRF, ManyLabelsScaledPathIsExactForAnyRange) {
   }
 }
 
+TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // The streamed recursion for few sequences (cuda/scaled_chain_forward.cu): one sequence, one partly filled group of
+  // 16, two groups; K not a multiple of the 16-byte vectors and K spanning several blocks; inputs up to ±1e3, where
+  // many outputs take the exact log-space fallback; masked transitions; float32 and float64.
+  const at::Device cuda(at::kCUDA);
+  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {5, 150}, {20, 1030}})
+    for (double scale : {1.0, 1e3})
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
+        ChainPotentials p = random_chain(B, 7, K);
+        p.emissions = p.emissions * scale;
+        p.transitions = p.transitions * scale;
+        p.transitions[2].fill_(-kInf);
+        p.transitions.select(1, 3).fill_(-kInf);
+        c10::NoGradGuard no_grad;
+        const at::Tensor reference = log_partition(p);  // float64 on the CPU
+        ChainPotentials g;
+        g.emissions = p.emissions.to(cuda, dtype);
+        g.transitions = p.transitions.to(cuda, dtype);
+        g.start = p.start.to(cuda, dtype);
+        g.end = p.end.to(cuda, dtype);
+        g.lengths = p.lengths.to(cuda);
+        const at::Tensor z = log_partition(g).cpu().to(at::kDouble);
+        EXPECT_TRUE(z.isfinite().all().item<bool>());
+        if (dtype == at::kDouble) expect_close(z, reference, 1e-12, 1e-9 * scale);
+        else expect_close(z, reference, 1e-5, 1e-4 * scale);
+      }
+}
+
 TEST(LinearChainCRF, KBestMatchesSortedEnumeration) {
   ChainPotentials p = random_chain(5, 4, 3);
   p.transitions[2][0] = -kInf;  // some sequences are forbidden

@@ -12,6 +12,9 @@
 #include "scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
+#if TRELLIS_WITH_CUDA
+#include "cuda/semiring_kernels.h"
+#endif
 
 namespace trellis {
 namespace {
@@ -167,9 +170,20 @@ bool needs_grad(const ChainPotentials& p) {
 
 // The forward recursion for many labels when no gradient is wanted (likelihoods, e.g. of large HMMs): each step is
 // one scaled GEMM against the transitions, scaled once (detail::scaled_log_matmul, exact for any input range).
+// On CUDA with few sequences, the whole recursion runs in cuda/scaled_chain_forward.cu, which streams the scaled
+// transitions once per step (a GEMM with M = B runs well below the memory's speed).
 at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   const at::Tensor lengths = lengths_or_full(p, s);
   const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
+#if TRELLIS_WITH_CUDA
+  if (p.emissions.is_cuda() && cuda::scaled_chain_supported(s.B, s.K)) {
+    const at::Tensor alpha = cuda::scaled_chain_forward(
+        p.emissions.contiguous(), w.original[0], w.scaled[0], w.colmax.view({s.K}),
+        or_zeros(p.start, p, s.K).contiguous(), lengths.contiguous(),
+        detail::underflow_threshold(p.emissions.scalar_type(), s.K));
+    return semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
+  }
+#endif
   at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
   for (int64_t t = 1; t < s.T; ++t) {
     const at::Tensor next = detail::scaled_log_matmul(alpha.unsqueeze(0), w).squeeze(0) + p.emissions.select(1, t);

@@ -1,0 +1,331 @@
+// The forward recursion of a chain with many labels and few sequences (HMMs with thousands of states), without
+// gradients. Each step is the skinny product s = v·P of the scaled messages v = exp(alpha − max alpha) [B,K] with the
+// scaled transitions P = exp(W − colmax) [K,K] (see lib/src/scaled_log_matmul.h), followed by
+// alpha' = log s + max alpha + colmax + emission. With B ≤ 16 rows per pass the product does 2·B flops per element of
+// P it reads, so the step costs one read of P from memory: these kernels stream P once per step at the memory's
+// speed, where a GEMM with M = B leaves its tensor-core tiles mostly empty and runs well below it.
+//
+// Two launches per step:
+// - scaled_step_kernel: a block takes a tile of columns and a span of rows of P for up to kGroup sequences; each lane
+//   owns 16 bytes of columns and accumulates them for every sequence, the block's warps split the rows and merge in
+//   shared memory, and the block writes one partial sum per (sequence, column) (no atomics: results do not depend on
+//   scheduling).
+// - scaled_finish_kernel: sums the partials, takes the log, and recomputes exactly in log space every output whose
+//   scaled sum is below the underflow threshold (so the result is exact to rounding for any input range); sequences
+//   past their length keep their message. It also writes per-block maxima that the next step reduces to max alpha.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_pipeline.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/semiring_kernels.h"
+#include "trellis/semiring.h"
+
+namespace trellis::cuda {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kGroup = 16;        // sequences per pass over P
+constexpr int kFinishCols = 256;  // columns per block of the finish kernel (one per thread)
+constexpr int kStages = 8;        // rows of P in flight per lane
+
+template <class T>
+using Vec = std::conditional_t<sizeof(T) == 4, float4, double2>;
+template <class T>
+constexpr int kVec = sizeof(Vec<T>) / sizeof(T);
+template <class T>
+constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
+
+// Programmatic dependent launch (sm_90): each kernel lets the next one start as soon as all its blocks run, and waits
+// for the previous one's results only where it reads them, so launches overlap and the step's first reads of P
+// (which no kernel writes) are in flight before the previous kernel has finished.
+__device__ __forceinline__ void allow_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
+template <class T>
+__device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {
+  T m = neg_inf<T>();
+  for (int q = 0; q < blocks; ++q) m = max(m, block_max[b * blocks + q]);
+  return isinf(m) ? T(0) : m;
+}
+
+// Row stride of the scaled messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
+// vector so that the transposing stores spread over the banks.
+template <class T, int NB>
+constexpr int v_stride() {
+  return NB < kVec<T> ? NB : NB + kVec<T>;
+}
+
+// Shared memory of a step block, in elements: the lanes' rings of P rows in flight, then the scaled messages of the
+// block's rows and those messages as copied from memory, whose space the warps' partial sums reuse for the merge.
+template <class T, int NB>
+__host__ __device__ std::size_t step_smem_elements(int rows) {
+  const std::size_t messages = std::size_t(rows) * (v_stride<T, NB>() + NB), merge = std::size_t(kWarps) * NB * kCols<T>;
+  return std::size_t(kWarps) * kStages * kCols<T> + (messages > merge ? messages : merge);
+}
+
+template <class T, int NB>
+__global__ void __launch_bounds__(kThreads, 2)
+    scaled_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
+                       const T* __restrict__ P, T* __restrict__ partial, int B, int K, int rows) {
+  constexpr int kStride = v_stride<T, NB>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* ring = reinterpret_cast<T*>(smem_raw);   // [kWarps][kStages][kCols]: each lane's 16 bytes of rows in flight
+  T* v = ring + kWarps * kStages * kCols<T>;  // [rows][kStride], then [kWarps][NB][kCols] for the merge
+  T* raw = v + rows * kStride;                // [NB][rows]: the messages as copied
+  __shared__ T m[NB];
+  const int b0 = blockIdx.z * NB, nb = min(NB, B - b0);
+  const int c0 = blockIdx.x * kCols<T>, k0 = blockIdx.y * rows, k1 = min(K, k0 + rows), n = k1 - k0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = c0 + lane * kVec<T>;
+  // This warp's rows are k0 + warp + i·kWarps; each lane copies its 16 bytes of them into its own ring slots
+  // asynchronously (no registers held while in flight, and no lane reads another's slot).
+  const int my_rows = n > warp ? (n - warp + kWarps - 1) / kWarps : 0;
+  const bool streamed = K % kVec<T> == 0 && col < K;
+  T* slots = ring + (warp * kStages) * kCols<T> + lane * kVec<T>;
+  const T* src = P + int64_t(k0 + warp) * K + col;  // row i is src + i·kWarps·K
+  const int64_t src_step = int64_t(kWarps) * K;
+  const auto fetch = [&](int i, int slot) {
+    if (streamed && i < my_rows) __pipeline_memcpy_async(slots + slot * kCols<T>, src + i * src_step, sizeof(Vec<T>));
+    __pipeline_commit();
+  };
+  allow_next_launch();
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) fetch(i, i);  // in flight while the previous step finishes
+  wait_for_previous();
+  // The messages of this block's rows, [nb][rows]: all copies in flight at once where rows are 16-byte aligned.
+  if (K % kVec<T> == 0) {
+    const int chunks = n / kVec<T>;
+    for (int e = threadIdx.x; e < nb * chunks; e += kThreads) {
+      const int b = e / chunks, c = e % chunks;
+      __pipeline_memcpy_async(raw + b * rows + c * kVec<T>, alpha + int64_t(b0 + b) * K + k0 + c * kVec<T>,
+                              sizeof(Vec<T>));
+    }
+    __pipeline_commit();
+  } else {
+    for (int e = threadIdx.x; e < nb * n; e += kThreads) raw[e / n * rows + e % n] = alpha[int64_t(b0 + e / n) * K + k0 + e % n];
+  }
+  if (threadIdx.x < NB) m[threadIdx.x] = threadIdx.x < nb ? row_max(block_max, max_blocks, b0 + threadIdx.x) : T(0);
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  for (int e = threadIdx.x; e < n * NB; e += kThreads) {
+    const int b = e / n, k = e % n;
+    v[k * kStride + b] = b < nb ? exp(raw[b * rows + k] - m[b]) : T(0);
+  }
+  __syncthreads();
+  T acc[NB][kVec<T>];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < kVec<T>; ++c) acc[b][c] = T(0);
+  const auto fma_row = [&](const T* p, int i) {
+    const T* vk = v + (warp + i * kWarps) * kStride;
+    T vr[NB];
+    if constexpr (NB % kVec<T> == 0) {
+#pragma unroll
+      for (int q = 0; q < NB / kVec<T>; ++q)
+        *reinterpret_cast<Vec<T>*>(vr + q * kVec<T>) = reinterpret_cast<const Vec<T>*>(vk)[q];
+    } else {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) vr[b] = vk[b];
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int c = 0; c < kVec<T>; ++c) acc[b][c] += vr[b] * p[c];
+  };
+  if (streamed) {
+    for (int i0 = 0; i0 < my_rows; i0 += kStages) {
+#pragma unroll
+      for (int u = 0; u < kStages; ++u) {  // unrolled over the ring: slot numbers are constants
+        const int i = i0 + u;
+        if (i >= my_rows) break;
+        fetch(i + kStages - 1, (u + kStages - 1) % kStages);
+        __pipeline_wait_prior(kStages - 1);  // row i has landed
+        const Vec<T> p = *reinterpret_cast<const Vec<T>*>(slots + u * kCols<T>);
+        fma_row(reinterpret_cast<const T*>(&p), i);
+      }
+    }
+  } else if (col < K) {  // rows not 16-byte aligned: element loads
+    for (int i = 0; i < my_rows; ++i) {
+      const int64_t k = k0 + warp + i * kWarps;
+      T p[kVec<T>];
+#pragma unroll
+      for (int c = 0; c < kVec<T>; ++c) p[c] = col + c < K ? __ldg(P + k * K + col + c) : T(0);
+      fma_row(p, i);
+    }
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();  // v is read no more: its memory takes the warps' partial sums
+  T* red = v;
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < kVec<T>; ++c) red[(warp * NB + b) * kCols<T> + lane * kVec<T> + c] = acc[b][c];
+  __syncthreads();
+  for (int e = threadIdx.x; e < NB * kCols<T>; e += kThreads) {
+    const int b = e / kCols<T>, j = c0 + e % kCols<T>;
+    if (b >= nb || j >= K) continue;
+    T s = T(0);
+    for (int w = 0; w < kWarps; ++w) s += red[w * NB * kCols<T> + e];
+    partial[(int64_t(blockIdx.y) * B + b0 + b) * K + j] = s;
+  }
+}
+
+// alpha' [b, j] from the partial sums (t ≥ 1) or the start scores (t = 0); one thread per (b, j).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    scaled_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ alpha,
+                         const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
+                         const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ len,
+                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, int B, int Tn, int K, int t,
+                         T threshold) {
+  __shared__ T scratch[kWarps];
+  allow_next_launch();
+  wait_for_previous();
+  const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  T a = neg_inf<T>();
+  if (j < K) {
+    const int64_t row = int64_t(b) * K;
+    if (t == 0) {
+      a = start[j] + E[int64_t(b) * Tn * K + j];
+    } else if (t < len[b]) {
+      T s = T(0);
+      for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
+      T pre;
+      if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
+        LogSemiring::Accumulator<T> acc;
+        for (int i = 0; i < K; ++i) acc.add(alpha[row + i] + W[int64_t(i) * K + j], i);
+        pre = acc.value();
+      } else {
+        pre = log(s) + row_max(block_max, gridDim.x, b) + colmax[j];
+      }
+      a = pre + E[(int64_t(b) * Tn + t) * K + j];
+    } else {
+      a = alpha[row + j];
+    }
+    alpha_next[row + j] = a;
+  }
+  T m = a;
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
+    block_max_next[b * gridDim.x + blockIdx.x] = m;
+  }
+}
+
+// The step grid: column tiles × row spans × sequence groups. Row spans are as long as the messages' shared memory
+// allows (fewer partial sums to merge and write), and short enough that the grid fills every SM's block slots.
+struct StepPlan {
+  int rows, splits;
+  std::size_t smem;
+};
+
+template <class T, int NB>
+StepPlan plan_step(int64_t B, int64_t K, int sms) {
+  const auto kernel = scaled_step_kernel<T, NB>;
+  const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
+  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)),
+        "scaled chain step: shared memory");
+  int per_sm = 1;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem), "scaled chain: occupancy");
+  const int64_t tiles = grid_dim(K, kCols<T>) * grid_dim(B, NB);
+  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
+  int rows = static_cast<int>(grid_dim(K, splits));
+  rows = (rows + kWarps - 1) / kWarps * kWarps;
+  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
+}
+
+// Launches kernel<<<grid, kThreads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in
+// the stream where the device supports it.
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
+                      Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  check(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...), "scaled chain kernel launch");
+}
+
+template <class T, int NB>
+void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int K,
+                 const StepPlan& plan, cudaStream_t stream, bool pdl) {
+  const dim3 grid(grid_dim(K, kCols<T>), plan.splits, grid_dim(B, NB));
+  launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial,
+                   B, K, plan.rows);
+}
+
+// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to kGroup.
+template <class F>
+void with_group(int64_t B, F&& f) {
+  if (B <= 1) f(std::integral_constant<int, 1>());
+  else if (B <= 2) f(std::integral_constant<int, 2>());
+  else if (B <= 4) f(std::integral_constant<int, 4>());
+  else if (B <= 8) f(std::integral_constant<int, 8>());
+  else f(std::integral_constant<int, kGroup>());
+}
+
+}  // namespace
+
+bool scaled_chain_supported(int64_t B, int64_t K) { return B >= 1 && B <= 2 * kGroup && K >= 1 && K <= (1 << 20); }
+
+at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
+                                const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
+                                double threshold) {
+  const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int sms = prop->multiProcessorCount;
+  const bool pdl = prop->major >= 9;
+  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
+  at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
+  at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "scaled_chain_forward_cuda", [&] {
+    using T = scalar_t;
+    with_group(B, [&](auto group) {
+      constexpr int NB = decltype(group)::value;
+      const StepPlan plan = plan_step<T, NB>(B, K, sms);
+      at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
+      const T *W = transitions.data_ptr<T>(), *P = scaled.data_ptr<T>(), *cmax = colmax.data_ptr<T>();
+      const T *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
+      const int64_t* len = lengths.data_ptr<int64_t>();
+      for (int t = 0; t < Tn; ++t) {
+        if (t > 0) {
+          launch_step<T, NB>(alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(),
+                             int(B), int(K), plan, stream, pdl);
+        }
+        launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, B), 0, stream, pdl && t > 0,
+                         partial.data_ptr<T>(), plan.splits, alpha.data_ptr<T>(), block_max.data_ptr<T>(), W, cmax,
+                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), int(B), int(Tn), int(K), t,
+                         static_cast<T>(threshold));
+        std::swap(alpha, next);
+        std::swap(block_max, next_max);
+      }
+    });
+  });
+  return alpha;
+}
+
+}  // namespace trellis::cuda
