@@ -15,6 +15,7 @@
 //   past their length keep their message. It also writes per-block maxima that the next step reduces to max alpha.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -295,6 +296,7 @@ at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& t
                                 const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
                                 double threshold) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
+  const c10::cuda::CUDAGuard guard(emissions.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   const int sms = prop->multiProcessorCount;

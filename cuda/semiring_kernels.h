@@ -29,7 +29,7 @@ void semiring_reduce_backward(const at::Tensor& grad_out, const at::Tensor& x, c
 void log_matmul_fixup(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at::Tensor& c, double threshold);
 
 // Whether scaled_chain_forward takes B sequences of K labels (few sequences: it streams the transitions once per
-// step for up to 16 of them).
+// step for every 16 of them, up to 32).
 bool scaled_chain_supported(int64_t B, int64_t K);
 
 // The LogSemiring forward messages at each sequence's last position, alpha [B,K], without gradients: emissions

@@ -373,11 +373,12 @@ TEST(LinearChainCRF, ManyLabelsScaledPathIsExactForAnyRange) {
 
 TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
-  // The streamed recursion for few sequences (cuda/scaled_chain_forward.cu): one sequence, one partly filled group of
-  // 16, two groups; K not a multiple of the 16-byte vectors and K spanning several blocks; inputs up to ±1e3, where
-  // many outputs take the exact log-space fallback; masked transitions; float32 and float64.
+  // The streamed recursion for few sequences (cuda/scaled_chain_forward.cu): sequence groups of 1, 2, 4, 8 and 16, and
+  // two groups of 16; K a multiple of the 16-byte vectors (streamed rows) and not (element loads), K spanning several
+  // blocks; inputs up to ±1e3, where many outputs take the exact log-space fallback; masked transitions; float32 and
+  // float64.
   const at::Device cuda(at::kCUDA);
-  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {5, 150}, {20, 1030}})
+  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {2, 1024}, {3, 256}, {5, 150}, {13, 512}, {20, 1032}})
     for (double scale : {1.0, 1e3})
       for (auto dtype : {at::kFloat, at::kDouble}) {
         SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
