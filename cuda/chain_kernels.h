@@ -27,4 +27,20 @@ void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions,
 // arg from end_arg at the last position) and -1 at padding. One thread per sequence.
 void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path);
 
+// The fused LogSemiring chain for many labels (cuda/scaled_chain_crf.cu): whether it takes K labels of this dtype,
+// and the same forward and backward as chain_forward / chain_backward, given also the scaled transitions
+// exp(W − colmax) [K,K], colmax [K] and the underflow threshold below which a column is computed exactly.
+bool scaled_chain_crf_supported(int64_t K, at::ScalarType dtype);
+
+void scaled_chain_crf_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
+                              const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& end,
+                              const at::Tensor& lengths, const at::Tensor& tags, double threshold, at::Tensor& alpha,
+                              at::Tensor& pre, at::Tensor& score, at::Tensor& loglik);
+
+void scaled_chain_crf_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& scaled,
+                               const at::Tensor& colmax, const at::Tensor& end, const at::Tensor& lengths,
+                               const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre,
+                               const at::Tensor& score, double threshold, at::Tensor& grad_emissions,
+                               at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
+
 }  // namespace trellis::cuda

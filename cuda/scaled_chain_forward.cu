@@ -207,9 +207,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
       T pre;
       if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
-        LogSemiring::Accumulator<T> acc;
-        for (int i = 0; i < K; ++i) acc.add(alpha[row + i] + W[int64_t(i) * K + j], i);
-        pre = acc.value();
+        pre = exact_log_dot(alpha + row, W + j, K, K);
       } else {
         pre = log(s) + row_max(block_max, gridDim.x, b) + colmax[j];
       }

@@ -88,9 +88,7 @@ __global__ void log_matmul_fixup_kernel(const T* __restrict__ A, const T* __rest
   const int64_t row = e / N, j = e % N, b = row / M;
   const T* Ar = A + b * sa + (row % M) * K;
   const T* Bb = B + b * sb;
-  LogSemiring::Accumulator<T> acc;
-  for (int k = 0; k < K; ++k) acc.add(Ar[k] + Bb[int64_t(k) * N + j], k);
-  C[e] = acc.value();
+  C[e] = exact_log_dot(Ar, Bb + j, K, N);
 }
 
 dim3 batch_grid(int64_t cols, int64_t rows, int64_t batch) {

@@ -2,6 +2,8 @@
 
 #include <c10/core/GradMode.h>
 
+#include <tuple>
+
 #include "test_util.h"
 #include "trellis/error.h"
 
@@ -400,6 +402,48 @@ TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
         if (dtype == at::kDouble) expect_close(z, reference, 1e-12, 1e-9 * scale);
         else expect_close(z, reference, 1e-5, 1e-4 * scale);
       }
+}
+
+TEST(LinearChainCRFCuda, ManyLabelsFusedChainMatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // The fused chain for many labels with gradients (cuda/scaled_chain_crf.cu), log-likelihood and log-partition:
+  // the transitions in one block and split over clusters of 2 and 4 (float32 K=180, 256, 400; float64 K=150 past the
+  // one-block kernel's limit), sequence groups cut short by B, ragged lengths, masked transitions, and inputs up to
+  // ±1e3, where columns take the exact log-space path in both directions. Against the CPU float64 path.
+  const at::Device cuda(at::kCUDA);
+  for (auto [B, K, dtype] : {std::tuple{7, 180, at::kFloat}, {6, 256, at::kFloat}, {5, 400, at::kFloat},
+                             {3, 150, at::kDouble}})
+    for (double scale : {1.0, 1e3}) {
+      SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
+      ChainPotentials p = random_chain(B, 9, K);
+      p.emissions = p.emissions * scale;
+      p.transitions = p.transitions * scale;
+      p.transitions[2].fill_(-kInf);
+      p.transitions.select(1, 3).fill_(-kInf);
+      const at::Tensor tags = random_tags(p);
+      for (bool tagged : {true, false}) {
+        ChainPotentials c = p, g = p;
+        for (auto [dst, dev, type] : {std::tuple{&c, at::Device(at::kCPU), at::kDouble}, std::tuple{&g, cuda, dtype}}) {
+          dst->emissions = p.emissions.detach().to(dev, type).requires_grad_();
+          dst->transitions = p.transitions.detach().to(dev, type).requires_grad_();
+          dst->start = p.start.detach().to(dev, type).requires_grad_();
+          dst->end = p.end.detach().to(dev, type).requires_grad_();
+          dst->lengths = p.lengths.to(dev);
+        }
+        // Random output weights, so that every sequence's share of the gradient is checked.
+        const at::Tensor weights = at::rand({B}, at::kDouble) + 0.5;
+        const at::Tensor zc = tagged ? log_likelihood(c, tags) : log_partition(c);
+        const at::Tensor zg = tagged ? log_likelihood(g, tags.to(cuda)) : log_partition(g);
+        (zc * weights).sum().backward();
+        (zg * weights.to(cuda, dtype)).sum().backward();
+        const double tol = dtype == at::kDouble ? 1e-10 : 2e-4;
+        ASSERT_TRUE(zg.isfinite().all().item<bool>());
+        expect_close(zg, zc, tol, tol * scale);
+        for (auto [x, y] : {std::pair{&g.emissions, &c.emissions}, std::pair{&g.transitions, &c.transitions},
+                            std::pair{&g.start, &c.start}, std::pair{&g.end, &c.end}})
+          expect_close(x->grad(), y->grad(), tol, scale > 1 ? 10 * tol : tol);
+      }
+    }
 }
 
 TEST(LinearChainCRF, KBestMatchesSortedEnumeration) {

@@ -121,11 +121,7 @@ class ScaledLogStep {
     for (int64_t i = 0; i < K_; ++i) v_[i] = std::exp(a[i] - m);
     return m;
   }
-  T exact(const T* a, int64_t j) const {
-    LogSemiring::Accumulator<T> acc;
-    for (int64_t i = 0; i < K_; ++i) acc.add(a[i] + W_[i * K_ + j], i);
-    return acc.value();
-  }
+  T exact(const T* a, int64_t j) const { return exact_log_dot(a, W_ + j, K_, K_); }
 
   const T *W_, *P_, *cmax_;
   int64_t K_;
@@ -261,6 +257,20 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
   g_end.copy_(part_e.sum(0));
 }
 
+// Which kernels run the fused chain: the CPU loops, the CUDA kernels with the transitions in one block's shared memory,
+// the many-label CUDA kernels (LogSemiring: scaled, the transitions split over a cluster), or none.
+enum class Backend { kCpu, kCudaShared, kCudaScaled, kNone };
+
+template <class S>
+Backend backend(const at::Tensor& em) {
+  if (!em.is_cuda()) return Backend::kCpu;
+#if TRELLIS_WITH_CUDA
+  if (cuda::chain_supported(em.size(2), em.scalar_type())) return Backend::kCudaShared;
+  if (!S::kIsMax && cuda::scaled_chain_crf_supported(em.size(2), em.scalar_type())) return Backend::kCudaScaled;
+#endif
+  return Backend::kNone;
+}
+
 template <class S>
 struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& em, const at::Tensor& trans,
@@ -272,9 +282,18 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
     const auto long_opts = em.options().dtype(at::kLong);
     at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
     at::Tensor end_arg = S::kIsMax ? at::empty({B}, long_opts) : at::Tensor();
+    at::Tensor scaled, colmax;  // the scaled transitions, for the many-label CUDA kernels
     if (em.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
+      if (backend<S>(em) == Backend::kCudaScaled) {
+        const ScaledRight w = scale_right(trans.unsqueeze(0));
+        scaled = w.scaled[0].contiguous();
+        colmax = w.colmax.view({em.size(2)});
+        cuda::scaled_chain_crf_forward(em, trans, scaled, colmax, start, end, lengths, tags,
+                                       underflow_threshold(em.scalar_type(), em.size(2)), alpha, pre, score, loglik);
+      } else {
+        cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
+      }
 #else
       throw Error("this Trellis build has no CUDA kernels");
 #endif
@@ -283,7 +302,7 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
         forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
       });
     }
-    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score, tags});
+    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score, tags, scaled, colmax});
     return tags.numel() ? loglik : score;
   }
 
@@ -296,8 +315,13 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                g_end = at::empty_like(end);
     if (alpha.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-      cuda::chain_backward<S>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
-                              g_end);
+      if (s[9].defined())
+        cuda::scaled_chain_crf_backward(g, trans, s[9], s[10], end, lengths, s[8], alpha, s[4], s[7],
+                                        underflow_threshold(alpha.scalar_type(), alpha.size(2)), g_em, g_trans,
+                                        g_start, g_end);
+      else
+        cuda::chain_backward<S>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
+                                g_end);
 #endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "fused_chain_backward", [&] {
@@ -311,11 +335,9 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
 
 }  // namespace
 
+template <class S>
 bool fused_chain_supported(const at::Tensor& emissions) {
-#if TRELLIS_WITH_CUDA
-  if (emissions.is_cuda()) return cuda::chain_supported(emissions.size(2), emissions.scalar_type());
-#endif
-  return !emissions.is_cuda();
+  return backend<S>(emissions) != Backend::kNone;
 }
 
 template <class S>
@@ -362,6 +384,8 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
   return {path, score};
 }
 
+template bool fused_chain_supported<LogSemiring>(const at::Tensor&);
+template bool fused_chain_supported<MaxSemiring>(const at::Tensor&);
 template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    const at::Tensor&, const at::Tensor&, const at::Tensor&);
 template at::Tensor fused_chain_score<MaxSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,

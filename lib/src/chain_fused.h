@@ -10,7 +10,9 @@
 
 namespace trellis::detail {
 
-// Whether fused_chain_score takes these emissions (always on CPU; on CUDA while K is small enough for shared memory).
+// Whether fused_chain_score<S> takes these emissions (always on CPU; on CUDA while the transitions fit in the shared
+// memory of a block, or for LogSemiring of a cluster of blocks).
+template <class S>
 bool fused_chain_supported(const at::Tensor& emissions);
 
 // score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b];

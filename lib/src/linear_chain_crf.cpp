@@ -129,7 +129,7 @@ at::Tensor chain_forward(const ChainPotentials& p, const Shape& s, const at::Ten
 // the fused kernels take the label count.
 template <class S>
 at::Tensor chain_score(const ChainPotentials& p, const Shape& s) {
-  if (!detail::fused_chain_supported(p.emissions)) return chain_forward<S>(p, s, at::Tensor());
+  if (!detail::fused_chain_supported<S>(p.emissions)) return chain_forward<S>(p, s, at::Tensor());
   return detail::fused_chain_score<S>(p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K),
                                       lengths_or_full(p, s));
 }
@@ -207,7 +207,7 @@ at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
 
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
   const Shape s = check(p, &tags);
-  if (!detail::fused_chain_supported(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
+  if (!detail::fused_chain_supported<LogSemiring>(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
   // One fused node computes gold score − log Z and its gradient (gold indicators minus marginals).
   return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
                                                  or_zeros(p.end, p, s.K), lengths_or_full(p, s),
@@ -263,7 +263,7 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 ViterbiResult viterbi(const ChainPotentials& p) {
   const Shape s = check(p);
   c10::NoGradGuard no_grad;
-  if (detail::fused_chain_supported(p.emissions)) {
+  if (detail::fused_chain_supported<MaxSemiring>(p.emissions)) {
     // The fused MaxSemiring recursion records each step's argmax; the backtrace follows it (on the device).
     auto [path, score] = detail::fused_viterbi(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
                                                or_zeros(p.end, p, s.K), lengths_or_full(p, s));

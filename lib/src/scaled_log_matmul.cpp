@@ -28,9 +28,7 @@ void fixup_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at
       const T* Bb = B + (r / M) * sb;
       for (int64_t j = 0; j < N; ++j) {
         if (!(S[r * N + j] < threshold)) continue;
-        LogSemiring::Accumulator<T> acc;
-        for (int64_t k = 0; k < K; ++k) acc.add(Ar[k] + Bb[k * N + j], k);
-        C[r * N + j] = acc.value();
+        C[r * N + j] = exact_log_dot(Ar, Bb + j, K, N);
       }
     }
   });

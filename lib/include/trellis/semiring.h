@@ -112,6 +112,15 @@ struct LogSemiring : LogSpaceScores {
   }
 };
 
+// ⊕_k a[k] ⊗ w[k·stride], term by term in log space: one output of a log-space matrix product computed exactly, which
+// the scaled (probability-space) paths fall back to wherever their scaled sum may have lost terms to underflow.
+template <class T>
+TRELLIS_HD T exact_log_dot(const T* a, const T* w, int64_t n, int64_t stride) {
+  LogSemiring::Accumulator<T> acc;
+  for (int64_t k = 0; k < n; ++k) acc.add(a[k] + w[k * stride], k);
+  return acc.value();
+}
+
 // ⊕ = max (remembering the first index that reached it), ⊗ = +. The gradient is routed to that one argmax, so
 // differentiating a Viterbi score gives the indicator of one best path even when several tie.
 struct MaxSemiring : LogSpaceScores {
