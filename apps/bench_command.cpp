@@ -353,6 +353,7 @@ int bench_main(const std::vector<std::string>& args) {
   if (what == "all" || what == "hmm") {
     hmm_loglik(b, 16, 128, cuda ? 4096 : 512);
     if (cuda) hmm_loglik(b, 4, 64, 16384);
+    if (cuda) hmm_loglik(b, 256, 128, 256);  // many sequences: the fused chain kernel
   }
   if (what == "all" || what == "semiring") semiring_matmul_bench(b, 16, cuda ? 512 : 128);
   if (what == "all" || what == "head") {

@@ -378,9 +378,10 @@ TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
   // The streamed recursion for few sequences (cuda/scaled_chain_forward.cu): sequence groups of 1, 2, 4, 8 and 16, and
   // two groups of 16; K a multiple of the 16-byte vectors (streamed rows) and not (element loads), K spanning several
   // blocks; inputs up to ±1e3, where many outputs take the exact log-space fallback; masked transitions; float32 and
-  // float64.
+  // float64. Past 32 sequences the fused chain kernels take over (B=40).
   const at::Device cuda(at::kCUDA);
-  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {2, 1024}, {3, 256}, {5, 150}, {13, 512}, {20, 1032}})
+  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {2, 1024}, {3, 256}, {5, 150}, {13, 512}, {20, 1032},
+                      {40, 200}})
     for (double scale : {1.0, 1e3})
       for (auto dtype : {at::kFloat, at::kDouble}) {
         SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
@@ -420,7 +421,8 @@ TEST(LinearChainCRFCuda, ManyLabelsFusedChainMatchesCpu) {
       p.transitions = p.transitions * scale;
       p.transitions[2].fill_(-kInf);
       p.transitions.select(1, 3).fill_(-kInf);
-      const at::Tensor tags = random_tags(p);
+      at::Tensor tags = random_tags(p);
+      tags.masked_fill_((tags == 2) | (tags == 3), 4);  // a tagged path through a masked transition would score -inf
       for (bool tagged : {true, false}) {
         ChainPotentials c = p, g = p;
         for (auto [dst, dev, type] : {std::tuple{&c, at::Device(at::kCPU), at::kDouble}, std::tuple{&g, cuda, dtype}}) {

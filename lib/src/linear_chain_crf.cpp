@@ -171,7 +171,8 @@ bool needs_grad(const ChainPotentials& p) {
 // The forward recursion for many labels when no gradient is wanted (likelihoods, e.g. of large HMMs): each step is
 // one scaled GEMM against the transitions, scaled once (detail::scaled_log_matmul, exact for any input range).
 // On CUDA with few sequences, the whole recursion runs in cuda/scaled_chain_forward.cu, which streams the scaled
-// transitions once per step (a GEMM with M = B runs well below the memory's speed).
+// transitions once per step (a GEMM with M = B runs well below the memory's speed); with many, in the fused chain
+// kernels where they take K.
 at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   const at::Tensor lengths = lengths_or_full(p, s);
   const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
@@ -183,6 +184,8 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
         detail::underflow_threshold(p.emissions.scalar_type(), s.K));
     return semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
   }
+  // Many sequences: the fused chain kernels (one launch for all steps) where they take K.
+  if (p.emissions.is_cuda() && detail::fused_chain_supported<LogSemiring>(p.emissions)) return chain_score<LogSemiring>(p, s);
 #endif
   at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
   for (int64_t t = 1; t < s.T; ++t) {
