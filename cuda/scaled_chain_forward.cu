@@ -35,7 +35,7 @@ namespace {
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kGroup = 16;        // sequences per pass over P
 constexpr int kFinishCols = 256;  // columns per block of the finish kernel (one per thread)
-constexpr int kStages = 8;        // rows of P in flight per lane
+constexpr int kStages = 16;       // rows of P in flight per lane
 constexpr double kL2KeepShare = 0.3;  // of L2's size, for rows of P kept there from step to step
 
 template <class T>
@@ -74,12 +74,12 @@ constexpr int v_stride() {
   return NB < kVec<T> ? NB : NB + kVec<T>;
 }
 
-// Shared memory of a step block, in elements: the lanes' rings of P rows in flight, then the scaled messages of the
-// block's rows and those messages as copied from memory, whose space the warps' partial sums reuse for the merge.
+// Shared memory of a step block, in elements: the lanes' rings of P rows in flight, whose space the warps' partial
+// sums reuse for the merge, then the scaled messages of the block's rows.
 template <class T, int NB>
 __host__ __device__ std::size_t step_smem_elements(int rows) {
-  const std::size_t messages = std::size_t(rows) * (v_stride<T, NB>() + NB), merge = std::size_t(kWarps) * NB * kCols<T>;
-  return std::size_t(kWarps) * kStages * kCols<T> + (messages > merge ? messages : merge);
+  static_assert(NB <= kStages, "the merge reuses the rings");
+  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
 }
 
 template <class T, int NB>
@@ -89,9 +89,9 @@ __global__ void __launch_bounds__(kThreads, 2)
                        int keep_permille) {
   constexpr int kStride = v_stride<T, NB>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* ring = reinterpret_cast<T*>(smem_raw);   // [kWarps][kStages][kCols]: each lane's 16 bytes of rows in flight
-  T* v = ring + kWarps * kStages * kCols<T>;  // [rows][kStride], then [kWarps][NB][kCols] for the merge
-  T* raw = v + rows * kStride;                // [NB][rows]: the messages as copied
+  T* ring = reinterpret_cast<T*>(smem_raw);   // [kWarps][kStages][kCols]: each lane's 16 bytes of rows in flight,
+                                              // then [kWarps][NB][kCols] for the merge
+  T* v = ring + kWarps * kStages * kCols<T>;  // [rows][kStride]
   __shared__ T m[NB];
   const int b0 = blockIdx.z * NB, nb = min(NB, B - b0);
   const int c0 = blockIdx.x * kCols<T>, k0 = blockIdx.y * rows, k1 = min(K, k0 + rows), n = k1 - k0;
@@ -126,24 +126,17 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) fetch(i, i);  // in flight while the previous step finishes
   wait_for_previous();
-  // The messages of this block's rows, [nb][rows]: all copies in flight at once where rows are 16-byte aligned.
-  if (K % kVec<T> == 0) {
-    const int chunks = n / kVec<T>;
-    for (int e = threadIdx.x; e < nb * chunks; e += kThreads) {
-      const int b = e / chunks, c = e % chunks;
-      __pipeline_memcpy_async(raw + b * rows + c * kVec<T>, alpha + int64_t(b0 + b) * K + k0 + c * kVec<T>,
-                              sizeof(Vec<T>));
-    }
-    __pipeline_commit();
-  } else {
-    for (int e = threadIdx.x; e < nb * n; e += kThreads) raw[e / n * rows + e % n] = alpha[int64_t(b0 + e / n) * K + k0 + e % n];
-  }
   if (threadIdx.x < NB) m[threadIdx.x] = threadIdx.x < nb ? row_max(block_max, max_blocks, b0 + threadIdx.x) : T(0);
-  __pipeline_wait_prior(0);
-  __syncthreads();
-  for (int e = threadIdx.x; e < n * NB; e += kThreads) {
-    const int b = e / n, k = e % n;
-    v[k * kStride + b] = b < nb ? exp(raw[b * rows + k] - m[b]) : T(0);
+  // The messages of this block's rows: a thread's NB loads of a row are in flight together.
+  for (int pass = 0; pass * kThreads < n; ++pass) {
+    const int k = pass * kThreads + threadIdx.x;
+    T a[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) a[b] = k < n && b < nb ? alpha[int64_t(b0 + b) * K + k0 + k] : T(0);
+    if (pass == 0) __syncthreads();  // m is written
+    if (k < n)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) v[k * kStride + b] = b < nb ? exp(a[b] - m[b]) : T(0);
   }
   __syncthreads();
   T acc[NB][kVec<T>];
@@ -189,8 +182,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __pipeline_wait_prior(0);
-  __syncthreads();  // v is read no more: its memory takes the warps' partial sums
-  T* red = v;
+  __syncthreads();  // the rings are read no more: their memory takes the warps' partial sums
+  T* red = ring;
 #pragma unroll
   for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -215,23 +208,27 @@ __global__ void __launch_bounds__(kThreads)
                          T threshold) {
   __shared__ T scratch[kWarps];
   allow_next_launch();
-  wait_for_previous();
+  // What no kernel of the chain writes is read before waiting for the step kernel.
   const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  const bool active = j < K && t < len[b];
+  const T e = active ? E[(int64_t(b) * Tn + t) * K + j] : T(0), cmax = active ? colmax[j] : T(0);
+  wait_for_previous();
   T a = neg_inf<T>();
   if (j < K) {
     const int64_t row = int64_t(b) * K;
     if (t == 0) {
-      a = start[j] + E[int64_t(b) * Tn * K + j];
-    } else if (t < len[b]) {
+      a = start[j] + e;
+    } else if (active) {
       T s = T(0);
       for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
+      const T m = row_max(block_max, gridDim.x, b);  // loaded alongside the partial sums
       T pre;
       if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
         pre = exact_log_dot(alpha + row, W + j, K, K);
       } else {
-        pre = log(s) + row_max(block_max, gridDim.x, b) + colmax[j];
+        pre = log(s) + m + cmax;
       }
-      a = pre + E[(int64_t(b) * Tn + t) * K + j];
+      a = pre + e;
     } else {
       a = alpha[row + j];
     }
