@@ -104,6 +104,16 @@ __device__ void load_share(const T* __restrict__ P, T* M, int K, int Kc, int c0)
   }
 }
 
+// What a block keeps for the whole launch: its share of P (columns c0.. forward, rows c0.. backward), colmax, and the
+// lengths of its cluster's sequences b0.. (0 past B).
+template <class T, bool Backward>
+__device__ void load_block(const T* __restrict__ P, const T* __restrict__ colmax, const int64_t* __restrict__ len,
+                           const Smem<T>& sm, const Chain& c, int c0, int b0, int* lens) {
+  load_share<T, Backward>(P, sm.M, c.K, c.Kc, c0);
+  for (int k = threadIdx.x; k < c.K; k += blockDim.x) sm.cmax[k] = colmax[k];
+  if (threadIdx.x < kSeq) lens[threadIdx.x] = b0 + threadIdx.x < c.B ? static_cast<int>(len[b0 + threadIdx.x]) : 0;
+}
+
 // red[s][g][o] = Σ_{k in split s} x[k][g]·M[k][o] for this block's Kc outputs and kSeq sequences: each thread a 4×4
 // register tile (4 sequences × 4 neighbouring columns), so a step of k is two 16-byte shared loads for 16 FMAs.
 template <class T>
@@ -165,9 +175,7 @@ __global__ void __launch_bounds__(kThreads) scaled_chain_forward_kernel(
   cg::cluster_group cluster = cg::this_cluster();
   const Smem<T> sm(smem_raw, c.K, c.Kc, c.splits);
   const int K = c.K, c0 = static_cast<int>(cluster.block_rank()) * c.Kc, b0 = blockIdx.x / cluster.num_blocks() * kSeq;
-  load_share<T, false>(P, sm.M, K, c.Kc, c0);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) sm.cmax[k] = colmax[k];
-  if (threadIdx.x < kSeq) lens[threadIdx.x] = b0 + threadIdx.x < c.B ? static_cast<int>(len[b0 + threadIdx.x]) : 0;
+  load_block<T, false>(P, colmax, len, sm, c, c0, b0, lens);
   // alpha_0 = start + e_0, whole rows in every block; each block stores its own columns.
   for (int e = threadIdx.x; e < kSeq * K; e += blockDim.x) {
     const int g = e / K, k = e % K, b = b0 + g;
@@ -251,9 +259,7 @@ __global__ void __launch_bounds__(kThreads) scaled_chain_backward_kernel(
   cg::cluster_group cluster = cg::this_cluster();
   const Smem<T> sm(smem_raw, c.K, c.Kc, c.splits);
   const int K = c.K, c0 = static_cast<int>(cluster.block_rank()) * c.Kc, b0 = blockIdx.x / cluster.num_blocks() * kSeq;
-  load_share<T, true>(P, sm.M, K, c.Kc, c0);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) sm.cmax[k] = colmax[k];
-  if (threadIdx.x < kSeq) lens[threadIdx.x] = b0 + threadIdx.x < c.B ? static_cast<int>(len[b0 + threadIdx.x]) : 0;
+  load_block<T, true>(P, colmax, len, sm, c, c0, b0, lens);
   __syncthreads();
   // The adjoint of alpha at each sequence's last position: the softmax weights of the end sum.
   for (int e = threadIdx.x; e < kSeq * K; e += blockDim.x) {

@@ -45,6 +45,17 @@ at::Tensor random_tags(const ChainPotentials& p) {
   return at::randint(0, p.emissions.size(2), {p.emissions.size(0), p.emissions.size(1)}, at::kLong);
 }
 
+// Scores scaled (to ±1e3, where the scaled paths take their exact columns), row 2 and column 3 of the transitions
+// masked.
+ChainPotentials scaled_masked_chain(int64_t B, int64_t T, int64_t K, double scale) {
+  ChainPotentials p = random_chain(B, T, K);
+  p.emissions = p.emissions * scale;
+  p.transitions = p.transitions * scale;
+  p.transitions[2].fill_(-kInf);
+  p.transitions.select(1, 3).fill_(-kInf);
+  return p;
+}
+
 }  // namespace
 
 TEST(LinearChainCRF, LogPartitionMatchesEnumeration) {
@@ -385,11 +396,7 @@ TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
     for (double scale : {1.0, 1e3})
       for (auto dtype : {at::kFloat, at::kDouble}) {
         SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
-        ChainPotentials p = random_chain(B, 7, K);
-        p.emissions = p.emissions * scale;
-        p.transitions = p.transitions * scale;
-        p.transitions[2].fill_(-kInf);
-        p.transitions.select(1, 3).fill_(-kInf);
+        const ChainPotentials p = scaled_masked_chain(B, 7, K, scale);
         c10::NoGradGuard no_grad;
         const at::Tensor reference = log_partition(p);  // float64 on the CPU
         ChainPotentials g;
@@ -416,11 +423,7 @@ TEST(LinearChainCRFCuda, ManyLabelsFusedChainMatchesCpu) {
                              {3, 150, at::kDouble}})
     for (double scale : {1.0, 1e3}) {
       SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
-      ChainPotentials p = random_chain(B, 9, K);
-      p.emissions = p.emissions * scale;
-      p.transitions = p.transitions * scale;
-      p.transitions[2].fill_(-kInf);
-      p.transitions.select(1, 3).fill_(-kInf);
+      const ChainPotentials p = scaled_masked_chain(B, 9, K, scale);
       at::Tensor tags = random_tags(p);
       tags.masked_fill_((tags == 2) | (tags == 3), 4);  // a tagged path through a masked transition would score -inf
       for (bool tagged : {true, false}) {
