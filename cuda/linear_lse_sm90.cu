@@ -191,6 +191,81 @@ __device__ __forceinline__ void merge_global(unsigned long long* slot, float m, 
   } while (seen != expected);
 }
 
+// 2^x by the special-function unit alone: exp2f adds range handling for results below 2^-126, which only ever
+// contribute nothing to these sums.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// In the m64n256 accumulator, lane l of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2],
+// d[4c+3]), at columns 8c + 2(l%4) + {0,1} of the tile; h below picks the row.
+
+// Bias, soft-cap and the vocabulary edge (columns past V become -inf), for the tiles that have any of them.
+template <class T>
+__device__ __forceinline__ void prepare_tile(float (&d)[128], const T* bias, float softcap, int64_t col0, int64_t V,
+                                             int quad_col) {
+#pragma unroll
+  for (int c = 0; c < 32; ++c) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t col = col0 + 8 * c + quad_col + j;
+      const bool valid = col < V;
+      const float b = (bias && valid) ? to_float(bias[col]) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float z = d[4 * c + 2 * h + j] + b;
+        if (softcap > 0.f) z = softcap * tanhf(z / softcap);
+        d[4 * c + 2 * h + j] = valid ? z : -INFINITY;
+      }
+    }
+  }
+}
+
+// Folds a finished tile of logits into the thread's running statistics of its two rows. Four partial maxima and sums
+// per row keep the dependent chains short (two warps per scheduler have little else to interleave). kMaybeInf: the
+// tile may hold -inf logits, which the sums of z and p·z skip.
+template <bool kExtras, bool kMaybeInf>
+__device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[2]) {
+  constexpr int kLanes = 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx[kLanes];
+#pragma unroll
+    for (int i = 0; i < kLanes; ++i) mx[i] = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) mx[c % kLanes] = fmaxf(mx[c % kLanes], d[4 * c + 2 * h + j]);
+    const float m = fmaxf(st[h].m, fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])));
+    const float scale = rescale(st[h].m, m);
+    const float ref = m == -INFINITY ? 0.f : m * kLog2e;
+    float s[kLanes] = {}, pz[kLanes] = {}, sum[kLanes] = {};
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float z = d[4 * c + 2 * h + j];
+        const float e = fast_exp2(fmaf(z, kLog2e, -ref));
+        s[c % kLanes] += e;
+        if constexpr (kExtras) {
+          if (!kMaybeInf || z != -INFINITY) {
+            pz[c % kLanes] = fmaf(e, z, pz[c % kLanes]);
+            sum[c % kLanes] += z;
+          }
+        }
+      }
+    }
+    st[h].m = m;
+    st[h].s = st[h].s * scale + ((s[0] + s[1]) + (s[2] + s[3]));
+    if constexpr (kExtras) {
+      st[h].pz = st[h].pz * scale + ((pz[0] + pz[1]) + (pz[2] + pz[3]));
+      st[h].sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    }
+  }
+}
+
 struct Schedule {
   int row_blocks, col_tiles, tiles_per_unit, units_per_row_block, band;
   int64_t units;
@@ -256,8 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    // Consumers: warpgroup 1 takes rows 0-63 of the block, warpgroup 2 rows 64-127. In the m64n256 accumulator, lane l
-    // of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2], d[4c+3]), at columns 8c + 2(l%4) + {0,1}.
+    // Consumers: warpgroup 1 takes rows 0-63 of the block, warpgroup 2 rows 64-127 (the layout is above prepare_tile).
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -297,54 +371,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             phase ^= 1;
           }
         }
-        // Epilogue: bias, soft-cap and the vocabulary edge, then fold the tile into the running row statistics.
+        // Epilogue. The tensor cores idle until both warpgroups are back, so it is kept short: bias, soft-cap and the
+        // vocabulary edge only in tiles that have them, then the fold into the running row statistics.
         const int64_t col0 = int64_t(tile) * kBlockCols;
         const bool edge = col0 + kBlockCols > V;
-        float tile_max[2] = {-INFINITY, -INFINITY};
-  #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-  #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int64_t col = col0 + 8 * c + quad_col + j;
-            const bool valid = !edge || col < V;
-            const float b = (bias && valid) ? to_float(bias[col]) : 0.f;
-  #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float z = d[4 * c + 2 * h + j] + b;
-              if (softcap > 0.f) z = softcap * tanhf(z / softcap);
-              z = valid ? z : -INFINITY;
-              d[4 * c + 2 * h + j] = z;
-              tile_max[h] = fmaxf(tile_max[h], z);
-            }
-          }
+        if (edge || bias || softcap > 0.f) {
+          prepare_tile(d, bias, softcap, col0, V, quad_col);
+          fold_tile<kExtras, true>(d, st);
+        } else {
+          fold_tile<kExtras, false>(d, st);
         }
   #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float m = fmaxf(st[h].m, tile_max[h]);
-          const float scale = rescale(st[h].m, m);
-          const float ref = m == -INFINITY ? 0.f : m * kLog2e;
-          float s = 0.f, pz = 0.f, sum = 0.f;
-  #pragma unroll
-          for (int c = 0; c < 32; ++c) {
-  #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const float z = d[4 * c + 2 * h + j];
-              const float e = exp2f(fmaf(z, kLog2e, -ref));
-              s += e;
-              if constexpr (kExtras) {
-                if (z != -INFINITY) {
-                  pz = fmaf(e, z, pz);
-                  sum += z;
-                }
-              }
-            }
-          }
-          st[h].m = m;
-          st[h].s = st[h].s * scale + s;
-          if constexpr (kExtras) {
-            st[h].pz = st[h].pz * scale + pz;
-            st[h].sum += sum;
-          }
           // The target's logit, stored by the one thread that holds it.
           const int64_t local = target[h] - col0;
           if (local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N) {
