@@ -381,17 +381,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
           fold_tile<kExtras, false>(d, st);
         }
+        // The target's logit, stored by the one thread that holds it. Few tiles hold a target of the warp's rows: the
+        // vote keeps the compiler from predicating the selection into every tile.
+        bool hit[2];
   #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // The target's logit, stored by the one thread that holds it.
           const int64_t local = target[h] - col0;
-          if (local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N) {
+          hit[h] = local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N;
+        }
+        if (__any_sync(0xffffffffu, hit[0] || hit[1])) {
+  #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (!hit[h]) continue;
+            const int local = static_cast<int>(target[h] - col0) & ~6;
             float zt = 0.f;
   #pragma unroll
             for (int c = 0; c < 32; ++c)
   #pragma unroll
               for (int j = 0; j < 2; ++j)
-                if (8 * c + j == (local & ~6)) zt = d[4 * c + 2 * h + j];
+                if (8 * c + j == local) zt = d[4 * c + 2 * h + j];
             target_logit[rows[h]] = zt;
           }
         }
