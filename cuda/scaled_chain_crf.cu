@@ -358,7 +358,6 @@ void launch(Kernel kernel, const Plan& p, int B, const char* what, Args... args)
   check(cudaLaunchKernelEx(&config, kernel, args...), what);
 }
 
-template <class T>
 Chain chain_of(const Plan& p, int64_t B, int64_t Tn, int64_t K, double threshold) {
   return {int(B), int(Tn), int(K), p.Kc, p.pairs, p.splits, static_cast<float>(std::log(threshold))};
 }
@@ -384,7 +383,7 @@ void scaled_chain_crf_forward(const at::Tensor& em, const at::Tensor& trans, con
            tags.numel() ? tags.data_ptr<int64_t>() : static_cast<int64_t*>(nullptr), alpha.data_ptr<scalar_t>(),
            pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(),
            tags.numel() ? loglik.data_ptr<scalar_t>() : static_cast<scalar_t*>(nullptr),
-           chain_of<scalar_t>(p, B, Tn, K, threshold));
+           chain_of(p, B, Tn, K, threshold));
   });
 }
 
@@ -404,7 +403,7 @@ void scaled_chain_crf_backward(const at::Tensor& grad, const at::Tensor& trans, 
              colmax.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0,
              alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(),
              g_em.data_ptr<scalar_t>(), V.data_ptr<scalar_t>(), Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(),
-             chain_of<scalar_t>(p, B, Tn, K, threshold));
+             chain_of(p, B, Tn, K, threshold));
     });
   }
   // Σ over sequences and steps of v_i·P_ij·q_j: one GEMM over the saved vectors, then the elementwise factor P.
