@@ -284,6 +284,11 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
     b.run(wl, shape, c10::str("trellis, ", quarter.chunk_bytes >> 20, " MiB slabs"), [&] { step(quarter_loss); },
           nll_error(step(quarter_loss)));
   }
+  // No slab: the logits formed twice (for the log-sum-exp, then a vocabulary chunk at a time for the gradients).
+  HeadOptions recompute;
+  recompute.recompute_logits = true;
+  const auto recompute_loss = [&] { return linear_cross_entropy(x, w, t, recompute); };
+  b.run(wl, shape, "trellis, logits recomputed", [&] { step(recompute_loss); }, nll_error(step(recompute_loss)));
   {
     c10::NoGradGuard no_grad;
     const at::Tensor xd = x.detach(), wd = w.detach();

@@ -34,18 +34,19 @@ __device__ __forceinline__ Acc logit_gradient(Acc zv, Acc l, Acc p_weight, Acc s
   return d;
 }
 
+// z and dz may be one array (not restrict): each thread reads its element before writing it.
 template <class Acc, class Out>
-__global__ void logit_gradient_kernel(const Acc* __restrict__ z, const Acc* __restrict__ lse,
-                                      const Acc* __restrict__ g, const int64_t* __restrict__ targets,
-                                      Out* __restrict__ dz, int64_t rows, int64_t V, Acc smooth, Acc target_weight,
-                                      Acc z_loss2, Acc softcap) {
+__global__ void logit_gradient_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ lse,
+                                      const Acc* __restrict__ g, const int64_t* __restrict__ targets, Out* dz,
+                                      int64_t dz_stride, int64_t rows, int64_t cols, int64_t first, Acc smooth,
+                                      Acc target_weight, Acc z_loss2, Acc softcap) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const Acc l = lse[r], gr = g[r];
     const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
-    const int64_t t = targets[r];
-    const Acc* zr = z + r * V;
-    Out* dr = dz + r * V;
-    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < V; v += int64_t(gridDim.x) * kThreads)
+    const int64_t t = targets[r] - first;
+    const Acc* zr = z + r * z_stride;
+    Out* dr = dz + r * dz_stride;
+    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < cols; v += int64_t(gridDim.x) * kThreads)
       dr[v] = static_cast<Out>(logit_gradient(zr[v], l, p_weight, shift, hit, v == t, softcap));
   }
 }
@@ -63,17 +64,19 @@ __device__ Acc block_reduce(Acc v, Op op, Acc* scratch) {
   return v;
 }
 
-// The row's log-sum-exp and its gradient in one read of the logits: a cluster of kCluster blocks holds a row in shared
-// memory (a slice each), merges the slices' (max, Σ e^(z−max)) through distributed shared memory, and writes dz from
-// the slices. The separate log-sum-exp pass over the slab is gone. Every block of the cluster has its slice on chip
-// before any block writes, so dz (row stride dz_stride) may overlay the row's own memory (z and dz are not restrict).
+// A row's gradient from one read of its logits: a cluster of kCluster blocks holds the row in shared memory (a slice
+// each) and writes dz from the slices. With form_lse the cluster also merges the slices' (max, Σ e^(z−max)) through
+// distributed shared memory into the row's log-sum-exp, so no separate pass over the slab forms it. Every block of the
+// cluster has its slice on chip before any block writes, so dz (row stride dz_stride) may overlay the row's own memory
+// (z and dz are not restrict).
 constexpr int kCluster = 8;
 
 template <class Acc, class Out>
 __global__ void __launch_bounds__(kThreads)
-    logit_gradient_lse_kernel(const Acc* z, const Acc* __restrict__ g, const int64_t* __restrict__ targets, Out* dz,
-                              int64_t dz_stride, Acc* __restrict__ lse, int64_t V, int64_t slice, Acc smooth,
-                              Acc target_weight, Acc z_loss2, Acc softcap) {
+    logit_gradient_in_place_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ g,
+                                   const int64_t* __restrict__ targets, Out* dz, int64_t dz_stride,
+                                   Acc* __restrict__ lse, bool form_lse, int64_t V, int64_t first, int64_t slice,
+                                   Acc smooth, Acc target_weight, Acc z_loss2, Acc softcap) {
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char raw_smem[];
   Acc* zs = reinterpret_cast<Acc*>(raw_smem);
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned rank = cluster.block_rank();
   const int64_t r = blockIdx.y;
   const int64_t c0 = rank * slice < V ? rank * slice : V, c1 = c0 + slice < V ? c0 + slice : V, n = c1 - c0;
-  const Acc* zr = z + r * V + c0;
+  const Acc* zr = z + r * z_stride + c0;
   const auto max_op = [](Acc a, Acc b) { return a > b ? a : b; };
   const auto sum_op = [](Acc a, Acc b) { return a + b; };
   // The slice into shared memory in 16-byte loads where it is aligned (always, when V is a multiple of 4), so that
@@ -105,26 +108,32 @@ __global__ void __launch_bounds__(kThreads)
     zs[i] = v;
     m = max_op(m, v);
   }
-  m = block_reduce(m, max_op, scratch);
-  Acc s = 0;
-  if (m != -INFINITY)
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) s += exp(zs[i] - m);
-  s = block_reduce(s, sum_op, scratch);
-  if (threadIdx.x == 0) slice_stats[0] = m, slice_stats[1] = s;
-  cluster.sync();
-  Acc M = -INFINITY, S = 0;
-  for (unsigned q = 0; q < kCluster; ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
-  if (M != -INFINITY)
-    for (unsigned q = 0; q < kCluster; ++q) {
-      const Acc* peer = cluster.map_shared_rank(slice_stats, q);
-      S += peer[1] * exp(peer[0] - M);
-    }
-  cluster.sync();  // no block leaves while a peer may still read its statistics
-  const Acc l = M + log(S);
-  if (rank == 0 && threadIdx.x == 0) lse[r] = l;
+  Acc l;
+  if (form_lse) {
+    m = block_reduce(m, max_op, scratch);
+    Acc s = 0;
+    if (m != -INFINITY)
+      for (int64_t i = threadIdx.x; i < n; i += kThreads) s += exp(zs[i] - m);
+    s = block_reduce(s, sum_op, scratch);
+    if (threadIdx.x == 0) slice_stats[0] = m, slice_stats[1] = s;
+    cluster.sync();
+    Acc M = -INFINITY, S = 0;
+    for (unsigned q = 0; q < kCluster; ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
+    if (M != -INFINITY)
+      for (unsigned q = 0; q < kCluster; ++q) {
+        const Acc* peer = cluster.map_shared_rank(slice_stats, q);
+        S += peer[1] * exp(peer[0] - M);
+      }
+    cluster.sync();  // no block leaves while a peer may still read its statistics
+    l = M + log(S);
+    if (rank == 0 && threadIdx.x == 0) lse[r] = l;
+  } else {
+    cluster.sync();  // every slice of the row is on chip before any of its gradient overwrites it
+    l = lse[r];
+  }
   const Acc gr = g[r];
   const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
-  const int64_t t = targets[r] - c0;
+  const int64_t t = targets[r] - first - c0;
   Out* dr = dz + r * dz_stride + c0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads)
     dr[i] = static_cast<Out>(logit_gradient(zs[i], l, p_weight, shift, hit, i == t, softcap));
@@ -142,11 +151,11 @@ void dispatch_types(const at::Tensor& z, const at::Tensor& dz, Launch&& launch) 
 }  // namespace
 
 void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& g,
-                                const at::Tensor& targets, double label_smoothing, double z_loss, double softcap,
-                                at::Tensor& dz) {
-  const int64_t rows = z.size(0), V = z.size(1);
-  if (rows == 0) return;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((V + kThreads - 1) / kThreads, 64)),
+                                const at::Tensor& targets, LogitColumns columns, double label_smoothing, double z_loss,
+                                double softcap, at::Tensor& dz) {
+  const int64_t rows = z.size(0), cols = z.size(1);
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((cols + kThreads - 1) / kThreads, 64)),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
   const c10::cuda::CUDAGuard guard(z.device());
   const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
@@ -154,18 +163,19 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
     using Acc = decltype(acc_zero);
     using Out = decltype(out_zero);
     logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
-        z.data_ptr<Acc>(), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(), dz.data_ptr<Out>(),
-        rows, V, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing), Acc(2 * z_loss),
+        z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(),
+        dz.data_ptr<Out>(), dz.stride(0), rows, cols, columns.first,
+        Acc(label_smoothing / static_cast<double>(columns.vocabulary)), Acc(1 - label_smoothing), Acc(2 * z_loss),
         Acc(softcap));
   });
   check_launch("linear_head_logit_gradient");
 }
 
-bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
-                                        double label_smoothing, double z_loss, double softcap, at::Tensor& lse,
-                                        at::Tensor& dz) {
-  const int64_t rows = z.size(0), V = z.size(1);
-  const int64_t slice = ((V + kCluster - 1) / kCluster + 3) / 4 * 4;  // whole 16-byte loads where V allows
+bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
+                                         LogitColumns columns, double label_smoothing, double z_loss, double softcap,
+                                         bool form_lse, at::Tensor& lse, at::Tensor& dz) {
+  const int64_t rows = z.size(0), cols = z.size(1);
+  const int64_t slice = ((cols + kCluster - 1) / kCluster + 3) / 4 * 4;  // whole 16-byte loads where cols allow
   const std::size_t smem = slice * z.element_size();
   const auto* prop = at::cuda::getDeviceProperties(z.get_device());
   if (prop->major < 9 || smem > static_cast<std::size_t>(prop->sharedMemPerBlockOptin) - 1024 || rows == 0) return false;
@@ -174,7 +184,7 @@ bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g
   dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
     using Acc = decltype(acc_zero);
     using Out = decltype(out_zero);
-    const auto kernel = logit_gradient_lse_kernel<Acc, Out>;
+    const auto kernel = logit_gradient_in_place_kernel<Acc, Out>;
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
           "linear head: shared memory");
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
@@ -190,11 +200,13 @@ bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g
       cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
       config.attrs = &cluster;
       config.numAttrs = 1;
-      check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * V, g.data_ptr<Acc>() + r0,
-                               targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0),
-                               lse.data_ptr<Acc>() + r0, V, slice, Acc(label_smoothing / static_cast<double>(V)), Acc(1 - label_smoothing),
-                               Acc(2 * z_loss), Acc(softcap)),
-            "linear head: lse and logit gradient kernel");
+      check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0),
+                               g.data_ptr<Acc>() + r0, targets.data_ptr<int64_t>() + r0,
+                               dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0), lse.data_ptr<Acc>() + r0,
+                               form_lse, cols, columns.first, slice,
+                               Acc(label_smoothing / static_cast<double>(columns.vocabulary)),
+                               Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap)),
+            "linear head: logit gradient kernel");
     }
   });
   return true;

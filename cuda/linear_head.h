@@ -17,20 +17,27 @@ struct HeadRowStats {
 bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
                       double softcap, bool want_sums, HeadRowStats& out);
 
-// The gradient of the head's loss with respect to a slab of logits z [n,V] (float32 or float64), in one pass:
-//   dz[r,v] = g[r]·(p·(1 + 2·z_loss·lse[r]) - ε/V - (1-ε)·[v = t[r]]) · (1 - (z/c)²  when softcap c > 0),
-// p = exp(z[r,v] - lse[r]); dz [n,V] of the input type (float32, float64, bfloat16 or float16), ready for the GEMMs.
-void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& g,
-                                const at::Tensor& targets, double label_smoothing, double z_loss, double softcap,
-                                at::Tensor& dz);
+// Which logits a slab holds: its columns are vocabulary entries [first, first + z.size(1)) of `vocabulary`.
+struct LogitColumns {
+  int64_t first = 0, vocabulary = 0;
+};
 
-// The same gradient with the rows' log-sum-exp formed on the way (lse [n] of z's type receives it), reading z once: a
-// cluster of thread blocks per row on compute capability 9.0 and later. Returns false (nothing done) elsewhere, or
-// when a row's slice does not fit in shared memory. dz ([n, V], unit column stride) may overlay z's own memory as long
-// as row r of dz lies inside row r of z (dz.stride(0)·sizeof(dz) == V·sizeof(z)): each row is on chip before any of its
-// gradient is written, but rows (clusters) are not ordered against each other.
-bool linear_head_lse_and_logit_gradient(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
-                                        double label_smoothing, double z_loss, double softcap, at::Tensor& lse,
-                                        at::Tensor& dz);
+// The gradient of the head's loss with respect to a slab of logits z [n,c] (float32 or float64), in one pass:
+//   dz[r,v] = g[r]·(p·(1 + 2·z_loss·lse[r]) - ε/V - (1-ε)·[v = t[r]]) · (1 - (z/c)²  when softcap c > 0),
+// p = exp(z[r,v] - lse[r]); dz [n,c] of the input type (float32, float64, bfloat16 or float16), ready for the GEMMs.
+// Both have unit column stride; dz may be z itself when the types match (each element is read before it is written).
+void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, const at::Tensor& g,
+                                const at::Tensor& targets, LogitColumns columns, double label_smoothing, double z_loss,
+                                double softcap, at::Tensor& dz);
+
+// The same gradient reading z once through shared memory: a cluster of thread blocks per row on compute capability
+// 9.0 and later. With form_lse the rows' log-sum-exp is formed on the way (the slab then holds whole rows) and written
+// to lse [n]; otherwise lse is read. Returns false (nothing done) elsewhere, or when a row's slice does not fit in
+// shared memory. dz ([n, c], unit column stride) may overlay z's own memory as long as row r of dz lies inside row r
+// of z (dz.stride(0)·sizeof(dz) == z.stride(0)·sizeof(z)): each row is on chip before any of its gradient is written,
+// but rows (clusters) are not ordered against each other.
+bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
+                                         LogitColumns columns, double label_smoothing, double z_loss, double softcap,
+                                         bool form_lse, at::Tensor& lse, at::Tensor& dz);
 
 }  // namespace trellis::cuda

@@ -73,17 +73,21 @@ HeadOptions head_of(const Inputs& in, const Case& c, int64_t chunk_bytes) {
 double tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 1e-4; }
 double grad_tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 2e-2; }
 
-// Loss and gradients against the reference; chunk_bytes small enough for several slabs of rows.
-void check_case(const Case& c, at::Device device = at::kCPU) {
+// Loss and gradients against the reference; chunk_bytes small enough for several slabs of rows (or, recomputing the
+// logits, a small slab of a few columns for what dW's unwritten rows cannot hold).
+void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = false) {
   SCOPED_TRACE(c10::str("N=", c.N, " D=", c.D, " V=", c.V, " ", c.dtype, " bias=", c.bias, " softcap=",
                         c.softcap.value_or(0), " ls=", c.label_smoothing, " z=", c.z_loss,
-                        " reduction=", int(c.reduction), " ignore=", c.ignore_some, " ", device));
+                        " reduction=", int(c.reduction), " ignore=", c.ignore_some, " ", device,
+                        " recompute=", recompute));
   Inputs in = random_inputs(c, device);
   for (at::Tensor* p : {&in.x, &in.w, &in.b})
     if (p->defined()) p->requires_grad_();
   const int64_t chunk = c.V * 4 * 5;  // five rows per slab
   LossOptions lo{c.reduction, c.label_smoothing, c.z_loss};
-  const at::Tensor loss = linear_cross_entropy(in.x, in.w, in.t, head_of(in, c, chunk), lo);
+  HeadOptions head = head_of(in, c, chunk);
+  head.recompute_logits = recompute;
+  const at::Tensor loss = linear_cross_entropy(in.x, in.w, in.t, head, lo);
   Inputs ref{in.x.detach().cpu().to(at::kDouble).requires_grad_(), in.w.detach().cpu().to(at::kDouble).requires_grad_(),
              c.bias ? in.b.detach().cpu().to(at::kDouble).requires_grad_() : at::Tensor(), in.t.cpu()};
   const at::Tensor expected = reference_loss(ref, c);
@@ -125,6 +129,48 @@ TEST(LinearCrossEntropy, AwkwardShapes) {
   check_case({5, 3, 1, at::kDouble, true, std::nullopt, 0, 0, Reduction::mean, false});  // V = 1
   check_case({1, 1, 2, at::kDouble, false, std::nullopt, 0.2, 0, Reduction::sum, false});
   check_case({64, 33, 257, at::kDouble, true, 5.0, 0, 1e-2, Reduction::mean, true});  // V prime, D odd
+}
+
+// Training without a slab: the logits formed again a vocabulary chunk at a time in dW's unwritten rows. With 16-bit
+// inputs and dx's float32 sum at most half of dW (V ≥ 4N), dx sums in dW's last rows and their chunks run twice.
+TEST(LinearCrossEntropy, RecomputedLogitsMatchTheReference) {
+  at::manual_seed(11);
+  for (const auto reduction : {Reduction::mean, Reduction::none}) {
+    for (const auto dtype : {at::kDouble, at::kFloat}) {
+      check_case({37, 7, 131, dtype, true, 1.5, 0.1, 1e-3, reduction, true}, at::kCPU, true);
+      check_case({37, 7, 131, dtype, false, std::nullopt, 0, 0, reduction, false}, at::kCPU, true);
+    }
+    for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+      check_case({29, 16, 97, dtype, true, std::nullopt, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dx
+      check_case({13, 16, 211, dtype, true, 3.0, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dW's rows
+    }
+  }
+  check_case({5, 3, 1, at::kDouble, true, std::nullopt, 0, 0, Reduction::mean, false}, at::kCPU, true);  // V = 1
+  check_case({64, 33, 257, at::kDouble, true, 5.0, 0, 1e-2, Reduction::sum, true}, at::kCPU, true);
+}
+
+// Only some gradients wanted (a frozen output layer, or frozen inputs): the recomputed ones match the slabs'.
+TEST(LinearCrossEntropy, RecomputedLogitsWithSomeGradients) {
+  at::manual_seed(12);
+  const Case c{13, 16, 211, at::kBFloat16, true, std::nullopt, 0.1, 0, Reduction::mean, true};
+  for (int which = 0; which < 3; ++which) {
+    SCOPED_TRACE(which);
+    std::array<at::Tensor, 2> grads[2];
+    for (const bool recompute : {false, true}) {
+      at::manual_seed(13);  // the same inputs for both runs
+      Inputs in = random_inputs(c);
+      if (which != 1) in.x.requires_grad_();
+      if (which != 0) in.w.requires_grad_();
+      HeadOptions h = head_of(in, c, c.V * 4 * 3);
+      h.recompute_logits = recompute;
+      linear_cross_entropy(in.x, in.w, in.t, h).backward();
+      grads[recompute] = {in.x.grad(), in.w.grad()};
+    }
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_EQ(grads[0][k].defined(), grads[1][k].defined());
+      if (grads[0][k].defined()) expect_close(grads[1][k].to(at::kDouble), grads[0][k].to(at::kDouble), 2e-2, 2e-3);
+    }
+  }
 }
 
 TEST(LinearCrossEntropy, IgnoreIndexInsideTheVocabulary) {
@@ -223,6 +269,15 @@ TEST(LinearCrossEntropyCuda, MatchesReferenceOnTheGpu) {
   Case wide{70, 16, 20011, at::kFloat, true, 10.0, 0.1, 1e-4, Reduction::mean, true};
   wide.ignore_index = 3;
   check_case(wide, at::kCUDA);
+  check_case(wide, at::kCUDA, true);
+  // Recomputed logits: dx summed in dx (first case) or in dW's last rows (the others; D % 8 == 0 takes the fused
+  // forward for 16-bit inputs).
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf})
+    for (const auto reduction : {Reduction::mean, Reduction::none}) {
+      check_case({300, 64, 1031, dtype, true, 4.0, 0.1, 1e-3, reduction, true}, at::kCUDA, true);
+      check_case({40, 64, 1031, dtype, true, 4.0, 0.1, 1e-3, reduction, true}, at::kCUDA, true);
+      check_case({21, 33, 257, dtype, false, std::nullopt, 0, 0, reduction, false}, at::kCUDA, true);
+    }
 }
 
 #if TRELLIS_WITH_CUDA
@@ -305,6 +360,12 @@ TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
   const bool in_place = at::cuda::getCurrentDeviceProperties()->major >= 9;
   EXPECT_LT(train, grads + (in_place ? chunk + chunk / 4 : 4 * chunk) + 64 * N)
       << "forward+backward peak " << train << " bytes";
+  // Recomputing the logits: nothing beyond the gradients but O(N), and a slab of at most chunk_bytes (512 float32
+  // columns at most) for what dW's unwritten rows cannot hold; dx sums in dW's last rows (N·D·4 = 4 MiB of 16).
+  h.recompute_logits = true;
+  const int64_t recomputed = peak_extra_bytes([&] { linear_cross_entropy(x, w, t, h).backward(); });
+  EXPECT_LT(recomputed, grads + (in_place ? N * 2048 : 2 * chunk) + 64 * N)
+      << "forward+backward peak with recomputed logits " << recomputed << " bytes";
 #endif
 }
 

@@ -36,6 +36,7 @@ struct Head {
   at::ScalarType acc = at::kFloat;  // the type logits and statistics are formed in
   std::vector<int64_t> row_shape;   // x's leading dimensions, the shape of per-row results
   int64_t rows_per_slab = 1;
+  int64_t chunk_bytes = 0;
 
   int64_t rows() const { return x.size(0); }
   int64_t vocabulary() const { return weight.size(0); }
@@ -92,6 +93,7 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
       }
     }
   }
+  h.chunk_bytes = o.chunk_bytes;
   const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
   h.rows_per_slab = std::max<int64_t>(1, o.chunk_bytes / bytes);
   if (h.rows_per_slab >= 256) h.rows_per_slab -= h.rows_per_slab % 256;  // whole GEMM tiles: no ragged last wave
@@ -106,11 +108,32 @@ at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b, at::ScalarType acc) 
   return at::mm(a.to(acc), b.to(acc));
 }
 
+// out = a·b, or out += a·b unless `first`, in out's type (the inputs' or the accumulation type), the same way.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool first) {
+  const at::ScalarType type = out.scalar_type();
+  if (a.scalar_type() == type && b.scalar_type() == type) {
+    if (first) at::mm_out(out, a, b);
+    else out.addmm_(a, b);
+  } else if (a.is_cuda()) {
+    if (first) at::mm_out(out, a, b, type);
+    else at::addmm_out(out, out, a, b, type);
+  } else if (first) {
+    at::mm_out(out, a.to(type), b.to(type));
+  } else {
+    out.addmm_(a.to(type), b.to(type));
+  }
+}
+
+// Bias and soft-cap applied to logits of vocabulary columns [v0, v0 + z.size(1)), in place.
+void finish_logits(const Head& h, at::Tensor& z, int64_t v0) {
+  if (h.bias.defined()) z.add_(h.bias.narrow(0, v0, z.size(1)).to(h.acc));
+  if (h.softcap) z.div_(*h.softcap).tanh_().mul_(*h.softcap);
+}
+
 // Soft-capped logits of rows [r0, r0 + n), [n, V] in the accumulation type.
 at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
   at::Tensor z = mm_acc(h.x.narrow(0, r0, n), h.weight.t(), h.acc);
-  if (h.bias.defined()) z.add_(h.bias.to(h.acc));
-  if (h.softcap) z.div_(*h.softcap).tanh_().mul_(*h.softcap);
+  finish_logits(h, z, 0);
   return z;
 }
 
@@ -164,17 +187,28 @@ struct Gradients {
   at::Tensor x, weight, bias;  // undefined where not wanted
 };
 
-// dL/dz for one slab in the input type, ready for the GEMMs: g_i·[p_v·(1 + 2·z_loss·lse) - (1-ε)·[v = t_i] - ε/V],
-// times the soft-cap's derivative 1 - (z/c)². g is 0 for ignored rows. One fused pass on CUDA; tensor operations
-// (overwriting z) on the CPU.
+// dL/dz for a slab of logits z (rows [r0, r0 + n) of vocabulary columns [v0, v0 + c)) in the input type, ready for
+// the GEMMs: g_i·[p_v·(1 + 2·z_loss·lse) - (1-ε)·[v = t_i] - ε/V], times the soft-cap's derivative 1 - (z/c)². g is 0
+// for ignored rows. z is consumed: on CUDA one pass writes dz over z's own memory (the first half of each float32 row
+// for 16-bit inputs); on the CPU, tensor operations.
 at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& lse, const at::Tensor& g, int64_t r0,
-                               const LossOptions& o) {
+                               int64_t v0, const LossOptions& o) {
   const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
+  const at::ScalarType type = h.x.scalar_type();
 #if TRELLIS_WITH_CUDA
   if (z.is_cuda()) {
-    at::Tensor dz = at::empty(z.sizes(), z.options().dtype(h.x.scalar_type()));
-    cuda::linear_head_logit_gradient(z, lse.contiguous(), g.contiguous(), t.contiguous(), o.label_smoothing, o.z_loss,
-                                     h.softcap.value_or(0), dz);
+    const cuda::LogitColumns columns{v0, h.vocabulary()};
+    at::Tensor row_lse = lse.contiguous(), dz = z;
+    const double cap = h.softcap.value_or(0);
+    if (type != z.scalar_type()) {
+      dz = z.view(type).narrow(1, 0, z.size(1));
+      if (cuda::linear_head_logit_gradient_in_place(z, g.contiguous(), t.contiguous(), columns, o.label_smoothing,
+                                                    o.z_loss, cap, /*form_lse=*/false, row_lse, dz))
+        return dz;
+      dz = at::empty(z.sizes(), z.options().dtype(type));  // before compute capability 9.0: beside the slab
+    }
+    cuda::linear_head_logit_gradient(z, row_lse, g.contiguous(), t.contiguous(), columns, o.label_smoothing, o.z_loss,
+                                     cap, dz);
     return dz;
   }
 #endif
@@ -182,10 +216,10 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
   if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
   dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
   if (o.label_smoothing != 0) dz.sub_((g * (o.label_smoothing / static_cast<double>(h.vocabulary()))).unsqueeze(1));
-  const at::Tensor valid = valid_targets(t, h.ignore_index);
-  dz.scatter_add_(1, at::where(valid, t, 0).unsqueeze(1), (-(1 - o.label_smoothing) * g).unsqueeze(1));
+  const at::Tensor column = t - v0, hit = valid_targets(t, h.ignore_index) & (column >= 0) & (column < z.size(1));
+  dz.scatter_add_(1, at::where(hit, column, 0).unsqueeze(1), (-(1 - o.label_smoothing) * g * hit).unsqueeze(1));
   if (h.softcap) dz.mul_(z);
-  return dz.to(h.x.scalar_type());
+  return dz.to(type);
 }
 
 // Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
@@ -214,9 +248,9 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       if (z.is_cuda()) {
         at::Tensor row_lse = at::empty({n}, z.options());
         at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
-        if (cuda::linear_head_lse_and_logit_gradient(z, g.narrow(0, r0, n).contiguous(),
-                                                     h.targets.narrow(0, r0, n).contiguous(), o.label_smoothing,
-                                                     o.z_loss, h.softcap.value_or(0), row_lse, d))
+        if (cuda::linear_head_logit_gradient_in_place(
+                z, g.narrow(0, r0, n).contiguous(), h.targets.narrow(0, r0, n).contiguous(), {0, h.vocabulary()},
+                o.label_smoothing, o.z_loss, h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
 #endif
@@ -224,7 +258,7 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       slab_lse = s.lse;
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
-    if (!dz.defined()) dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, o);
+    if (!dz.defined()) dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o);
     if (want[0]) {
       at::Tensor dx = out.x.narrow(0, r0, n);
       at::mm_out(dx, dz, h.weight);
@@ -232,6 +266,90 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
     if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
     else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
     if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
+  }
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  return out;
+}
+
+// Training without a slab of logits (HeadOptions::recompute_logits), given every row's log-sum-exp: the vocabulary goes
+// a chunk of columns at a time through its logits x·W[c]ᵀ, their gradient dz, dW[c] = dzᵀ·x (complete, written once
+// in W's type) and dx += dz·W[c]. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
+// dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
+// dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW.
+Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
+                               std::array<bool, 3> want) {
+  const int64_t N = h.rows(), V = h.vocabulary(), D = h.x.size(1);
+  Gradients out;
+  if (N == 0) {
+    if (want[0]) out.x = at::zeros_like(h.x);
+    if (want[1]) out.weight = at::zeros_like(h.weight);
+    if (want[2]) out.bias = at::zeros_like(h.bias);
+    return out;
+  }
+  // Every entry is written: dx by the first chunk's product, dW and the bias a chunk at a time.
+  if (want[0]) out.x = at::empty_like(h.x);
+  if (want[1]) out.weight = at::empty_like(h.weight);
+  if (want[2]) out.bias = at::empty({V}, h.x.options().dtype(h.acc));
+  const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc)), row_bytes = D * h.weight.element_size();
+  const int64_t tail_columns = std::clamp<int64_t>(h.chunk_bytes / (N * acc_size), 1, 2048 / acc_size);
+  const at::Tensor dw_bytes = want[1] ? out.weight.view({-1}).view(at::kByte) : at::Tensor();
+  at::Tensor tail;  // the small slab, allocated when first needed
+
+  // The chunk from column v0 (at most `rest` columns) and its slab of logits [N, c]: in `room` (bytes) after the
+  // chunk's own dW rows (after_chunk) or from its start, up to byte `limit`; the small slab where room holds less.
+  auto next_slab = [&](int64_t v0, int64_t rest, const at::Tensor& room, bool after_chunk, int64_t limit) {
+    int64_t c = 0;
+    if (room.defined()) {
+      const int64_t start = after_chunk ? v0 * row_bytes : 0, per_column = N * acc_size + (after_chunk ? row_bytes : 0);
+      c = std::min(rest, std::max<int64_t>(0, limit - start - 15) / per_column);  // 15: the slab's alignment
+    }
+    if (c > 0 && c >= std::min(rest, tail_columns)) {
+      const int64_t begin = ((after_chunk ? (v0 + c) * row_bytes : 0) + 15) / 16 * 16;
+      return std::pair{c, room.narrow(0, begin, N * c * acc_size).view(h.acc).view({N, c})};
+    }
+    c = std::min(rest, tail_columns);
+    if (!tail.defined()) tail = at::empty({N * tail_columns}, h.x.options().dtype(h.acc));
+    return std::pair{c, tail.narrow(0, 0, N * c).view({N, c})};
+  };
+
+  // dx's sum: in dW's last bytes (float32 for 16-bit inputs) when they are at most half of dW, else dx itself.
+  at::Tensor dx_sum = out.x;
+  int64_t v_split = V;  // columns from here run twice
+  if (want[0] && want[1] && h.x.scalar_type() != h.acc && D > 0) {
+    const int64_t sum_bytes = N * D * acc_size, begin = (dw_bytes.numel() - sum_bytes) / 16 * 16;
+    if (begin >= dw_bytes.numel() / 2) {
+      v_split = begin / row_bytes;
+      dx_sum = dw_bytes.narrow(0, begin, sum_bytes).view(h.acc).view({N, D});
+    }
+  }
+  bool first_dx = true;
+  // Columns [v_begin, v_end): each chunk adds to dx (with_dx) and writes its dW rows and bias entries (with_dw).
+  auto sweep = [&](int64_t v_begin, int64_t v_end, const at::Tensor& room, bool after_chunk, int64_t limit,
+                   bool with_dx, bool with_dw) {
+    for (int64_t v0 = v_begin; v0 < v_end;) {
+      auto [c, z] = next_slab(v0, v_end - v0, room, after_chunk, limit);
+      const at::Tensor wc = h.weight.narrow(0, v0, c);
+      mm_into(z, h.x, wc.t(), true);
+      finish_logits(h, z, v0);
+      const at::Tensor dz = slab_logit_gradient(h, z, lse, g, 0, v0, o);
+      if (with_dx && want[0]) {
+        mm_into(dx_sum, dz, wc, first_dx);
+        first_dx = false;
+      }
+      if (with_dw && want[1]) mm_into(out.weight.narrow(0, v0, c), dz.t(), h.x, true);
+      if (with_dw && want[2]) out.bias.narrow(0, v0, c).copy_(dz.sum(0, false, h.acc));
+      v0 += c;
+    }
+  };
+  const int64_t dw_end = want[1] ? dw_bytes.numel() : 0;
+  if (v_split == V) {
+    sweep(0, V, dw_bytes, true, dw_end, true, true);
+  } else {
+    sweep(0, v_split, dw_bytes, true, v_split * row_bytes, true, true);
+    const at::Tensor dx_bytes = out.x.view({-1}).view(at::kByte);
+    sweep(v_split, V, dx_bytes, false, dx_bytes.numel(), true, false);
+    out.x.copy_(dx_sum);
+    sweep(v_split, V, dw_bytes, true, dw_end, false, true);
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
   return out;
@@ -302,11 +420,21 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->saved_data["softcap"] = head->softcap ? *head->softcap : 0.0;
     ctx->saved_data["ignore_index"] = head->ignore_index;
     ctx->saved_data["chunk_bytes"] = head->chunk_bytes;
+    ctx->saved_data["recompute_logits"] = head->recompute_logits;
     const bool any = want[0] || want[1] || want[2];
     if (loss->reduction != Reduction::none && any) {
       // Reduced loss: form the gradients now, from the same logits; backward scales them by the incoming gradient.
-      at::Tensor rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
-      Gradients g = head_gradients(h, row_weights(valid, loss->reduction, h.acc), {}, *loss, want, &rows);
+      const at::Tensor weights = row_weights(valid, loss->reduction, h.acc);
+      at::Tensor rows;
+      Gradients g;
+      if (head->recompute_logits) {
+        RowResults r = head_rows(h, loss, false, false);
+        rows = r.loss;
+        g = recomputed_gradients(h, weights, r.lse, *loss, want);
+      } else {
+        rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
+        g = head_gradients(h, weights, {}, *loss, want, &rows);
+      }
       ctx->save_for_backward({g.x.defined() ? g.x.view(x.sizes()) : g.x, g.weight, g.bias});
       ctx->saved_data["precomputed"] = true;
       return reduce(rows, valid, loss->reduction);
@@ -335,6 +463,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     if (cap > 0) ho.softcap = cap;
     ho.ignore_index = ctx->saved_data["ignore_index"].toInt();
     ho.chunk_bytes = ctx->saved_data["chunk_bytes"].toInt();
+    ho.recompute_logits = ctx->saved_data["recompute_logits"].toBool();
     LossOptions lo;
     lo.reduction = Reduction::none;
     lo.label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
@@ -343,7 +472,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     const at::Tensor g = go.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
     const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       bias.numel() && ctx->needs_input_grad(2)};
-    Gradients d = head_gradients(h, g, lse, lo, want);
+    Gradients d = ho.recompute_logits ? recomputed_gradients(h, g, lse, lo, want) : head_gradients(h, g, lse, lo, want);
     return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }

@@ -31,6 +31,13 @@ struct HeadOptions {
   // inputs, 2× with float32, for the slab's dL/dz in the input type); smaller saves
   // memory, larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
   int64_t chunk_bytes = int64_t(1) << 30;
+  // Training without a slab of logits: the loss takes each row's log-sum-exp from the forward pass (the fused kernel
+  // where it applies) and the gradients form the logits again, a chunk of vocabulary columns at a time, in memory that
+  // nothing needs yet (dW's unwritten rows, dx's buffer) or a slab of at most 2 KiB per row (and chunk_bytes).
+  // Extra memory is then O(N) beyond the gradients, at the price of forming the logits twice (about one GEMM more).
+  // dx sums in float32 inside dW's last rows, whose chunks run twice; where those rows cannot hold it (N·D·4 bytes
+  // over half of dW) or dW is not wanted, dx sums in its own type.
+  bool recompute_logits = false;
 };
 
 struct LossOptions {
@@ -52,7 +59,8 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 
 // Cross-entropy of the targets under softmax(x·Wᵀ + b), with autograd for x, weight and bias. With a mean or sum
 // reduction the gradients are formed in the same pass as the loss (the logits are needed for both), so backward only
-// scales them; with no reduction, backward recomputes the logits slab by slab.
+// scales them (with recompute_logits, the forward forms the gradients by recomputation); with no reduction, backward
+// recomputes the logits.
 at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                 const HeadOptions& head = {}, const LossOptions& loss = {});
 
