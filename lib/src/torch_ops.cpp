@@ -35,12 +35,14 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x, const at:
 at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                 const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                                 double label_smoothing, std::optional<double> softcap, double z_loss,
-                                int64_t chunk_bytes) {
+                                int64_t chunk_bytes, bool recompute_logits) {
   trellis::LossOptions l;
   l.reduction = trellis::parse_reduction(std::string(reduction));
   l.label_smoothing = label_smoothing;
   l.z_loss = z_loss;
-  return trellis::linear_cross_entropy(x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes), l);
+  trellis::HeadOptions h = head_options(bias, softcap, ignore_index, chunk_bytes);
+  h.recompute_logits = recompute_logits;
+  return trellis::linear_cross_entropy(x, weight, targets, h, l);
 }
 
 }  // namespace
@@ -50,8 +52,8 @@ TORCH_LIBRARY(trellis, m) {
   m.def("token_logprobs(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, float? softcap=None, "
         "int ignore_index=-100, bool entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
-        "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0) "
-        "-> Tensor");
+        "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
+        "bool recompute_logits=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trellis, CompositeImplicitAutograd, m) {
