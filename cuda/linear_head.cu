@@ -64,12 +64,14 @@ __device__ Acc block_reduce(Acc v, Op op, Acc* scratch) {
   return v;
 }
 
-// A row's gradient from one read of its logits: a cluster of kCluster blocks holds the row in shared memory (a slice
+// A row's gradient from one read of its logits: a cluster of blocks holds the row in shared memory (a slice
 // each) and writes dz from the slices. With form_lse the cluster also merges the slices' (max, Σ e^(z−max)) through
 // distributed shared memory into the row's log-sum-exp, so no separate pass over the slab forms it. Every block of the
 // cluster has its slice on chip before any block writes, so dz (row stride dz_stride) may overlay the row's own memory
 // (z and dz are not restrict).
-constexpr int kCluster = 8;
+// Blocks per row: always the most when forming the log-sum-exp (whole vocabulary rows), else the fewest whose shared
+// memory holds the row.
+constexpr unsigned kMaxCluster = 8;
 
 template <class Acc, class Out>
 __global__ void __launch_bounds__(kThreads)
@@ -118,9 +120,9 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) slice_stats[0] = m, slice_stats[1] = s;
     cluster.sync();
     Acc M = -INFINITY, S = 0;
-    for (unsigned q = 0; q < kCluster; ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
+    for (unsigned q = 0; q < cluster.num_blocks(); ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
     if (M != -INFINITY)
-      for (unsigned q = 0; q < kCluster; ++q) {
+      for (unsigned q = 0; q < cluster.num_blocks(); ++q) {
         const Acc* peer = cluster.map_shared_rank(slice_stats, q);
         S += peer[1] * exp(peer[0] - M);
       }
@@ -175,10 +177,15 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
                                          LogitColumns columns, double label_smoothing, double z_loss, double softcap,
                                          bool form_lse, at::Tensor& lse, at::Tensor& dz) {
   const int64_t rows = z.size(0), cols = z.size(1);
-  const int64_t slice = ((cols + kCluster - 1) / kCluster + 3) / 4 * 4;  // whole 16-byte loads where cols allow
-  const std::size_t smem = slice * z.element_size();
   const auto* prop = at::cuda::getDeviceProperties(z.get_device());
-  if (prop->major < 9 || smem > static_cast<std::size_t>(prop->sharedMemPerBlockOptin) - 1024 || rows == 0) return false;
+  const std::size_t smem_limit = static_cast<std::size_t>(prop->sharedMemPerBlockOptin) - 1024;
+  // Each block's slice in whole 16-byte loads where cols allow.
+  auto slice_of = [&](unsigned blocks) { return ((cols + blocks - 1) / blocks + 3) / 4 * 4; };
+  unsigned blocks = form_lse ? kMaxCluster : 1;
+  while (blocks < kMaxCluster && slice_of(blocks) * z.element_size() > smem_limit) blocks *= 2;
+  const int64_t slice = slice_of(blocks);
+  const std::size_t smem = slice * z.element_size();
+  if (prop->major < 9 || smem > smem_limit || rows == 0) return false;
   const c10::cuda::CUDAGuard guard(z.device());
   const auto stream = at::cuda::getCurrentCUDAStream(z.get_device());
   dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
@@ -190,13 +197,13 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
       const int64_t n = std::min<int64_t>(65535, rows - r0);
       cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(kCluster, static_cast<unsigned>(n));
+      config.gridDim = dim3(blocks, static_cast<unsigned>(n));
       config.blockDim = dim3(kThreads);
       config.dynamicSmemBytes = smem;
       config.stream = stream;
       cudaLaunchAttribute cluster;
       cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = kCluster;
+      cluster.val.clusterDim.x = blocks;
       cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
       config.attrs = &cluster;
       config.numAttrs = 1;

@@ -144,6 +144,8 @@ TEST(LinearCrossEntropy, RecomputedLogitsMatchTheReference) {
       check_case({29, 16, 97, dtype, true, std::nullopt, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dx
       check_case({13, 16, 211, dtype, true, 3.0, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dW's rows
     }
+    // dx's buffer wide enough to hold the slabs that dW's unwritten rows cannot.
+    check_case({32, 256, 500, at::kBFloat16, false, std::nullopt, 0.1, 0, reduction, true}, at::kCPU, true);
   }
   check_case({5, 3, 1, at::kDouble, true, std::nullopt, 0, 0, Reduction::mean, false}, at::kCPU, true);  // V = 1
   check_case({64, 33, 257, at::kDouble, true, 5.0, 0, 1e-2, Reduction::sum, true}, at::kCPU, true);

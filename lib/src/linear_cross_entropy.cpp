@@ -294,40 +294,49 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   const int64_t tail_columns = std::clamp<int64_t>(h.chunk_bytes / (N * acc_size), 1, 2048 / acc_size);
   const at::Tensor dw_bytes = want[1] ? out.weight.view({-1}).view(at::kByte) : at::Tensor();
   at::Tensor tail;  // the small slab, allocated when first needed
+  // Chunks are whole multiples of 8 columns (but a phase's last) and slabs start on 256 bytes, so that every GEMM's
+  // leading dimensions and pointers suit cuBLAS' Hopper kernels (odd ones fall back to much slower ones).
+  constexpr int64_t kColumns = 8, kAlign = 256;
+  auto whole = [&](int64_t c, int64_t rest) { return c >= rest ? rest : c / kColumns * kColumns; };
+  auto slab_at = [&](const at::Tensor& bytes, int64_t begin, int64_t c) {
+    return bytes.narrow(0, begin, N * c * acc_size).view(h.acc).view({N, c});
+  };
 
-  // The chunk from column v0 (at most `rest` columns) and its slab of logits [N, c]: in `room` (bytes) after the
-  // chunk's own dW rows (after_chunk) or from its start, up to byte `limit`; the small slab where room holds less.
-  auto next_slab = [&](int64_t v0, int64_t rest, const at::Tensor& room, bool after_chunk, int64_t limit) {
-    int64_t c = 0;
-    if (room.defined()) {
-      const int64_t start = after_chunk ? v0 * row_bytes : 0, per_column = N * acc_size + (after_chunk ? row_bytes : 0);
-      c = std::min(rest, std::max<int64_t>(0, limit - start - 15) / per_column);  // 15: the slab's alignment
-    }
+  // The chunk from column v0 (at most `rest` columns) and its slab of logits [N, c]: in dW after the chunk's own rows
+  // up to byte dw_limit (0: not there), or in `spare` (a free buffer, or undefined), whichever holds more columns;
+  // the small slab where neither holds as many as it does.
+  auto next_slab = [&](int64_t v0, int64_t rest, int64_t dw_limit, const at::Tensor& spare) -> std::pair<int64_t, at::Tensor> {
+    const int64_t in_dw =
+        dw_limit > 0 ? whole(std::max<int64_t>(0, dw_limit - v0 * row_bytes - kAlign) / (N * acc_size + row_bytes), rest)
+                     : 0;
+    const int64_t in_spare = spare.defined() ? whole(spare.numel() / (N * acc_size), rest) : 0;
+    const int64_t c = std::max(in_dw, in_spare);
     if (c > 0 && c >= std::min(rest, tail_columns)) {
-      const int64_t begin = ((after_chunk ? (v0 + c) * row_bytes : 0) + 15) / 16 * 16;
-      return std::pair{c, room.narrow(0, begin, N * c * acc_size).view(h.acc).view({N, c})};
+      if (in_dw >= in_spare) return {c, slab_at(dw_bytes, ((v0 + c) * row_bytes + kAlign - 1) / kAlign * kAlign, c)};
+      return {c, slab_at(spare, 0, c)};
     }
-    c = std::min(rest, tail_columns);
+    const int64_t t = std::min(rest, tail_columns);
     if (!tail.defined()) tail = at::empty({N * tail_columns}, h.x.options().dtype(h.acc));
-    return std::pair{c, tail.narrow(0, 0, N * c).view({N, c})};
+    return {t, tail.narrow(0, 0, N * t).view({N, t})};
   };
 
   // dx's sum: in dW's last bytes (float32 for 16-bit inputs) when they are at most half of dW, else dx itself.
   at::Tensor dx_sum = out.x;
-  int64_t v_split = V;  // columns from here run twice
+  int64_t v_split = V, sum_begin = 0;  // columns from v_split on run twice
   if (want[0] && want[1] && h.x.scalar_type() != h.acc && D > 0) {
-    const int64_t sum_bytes = N * D * acc_size, begin = (dw_bytes.numel() - sum_bytes) / 16 * 16;
-    if (begin >= dw_bytes.numel() / 2) {
-      v_split = begin / row_bytes;
-      dx_sum = dw_bytes.narrow(0, begin, sum_bytes).view(h.acc).view({N, D});
+    const int64_t sum_bytes = N * D * acc_size;
+    sum_begin = (dw_bytes.numel() - sum_bytes) / kAlign * kAlign;
+    if (sum_begin >= dw_bytes.numel() / 2) {
+      v_split = sum_begin / row_bytes / kColumns * kColumns;
+      dx_sum = slab_at(dw_bytes, sum_begin, D);
     }
   }
   bool first_dx = true;
   // Columns [v_begin, v_end): each chunk adds to dx (with_dx) and writes its dW rows and bias entries (with_dw).
-  auto sweep = [&](int64_t v_begin, int64_t v_end, const at::Tensor& room, bool after_chunk, int64_t limit,
-                   bool with_dx, bool with_dw) {
+  auto sweep = [&](int64_t v_begin, int64_t v_end, int64_t dw_limit, const at::Tensor& spare, bool with_dx,
+                   bool with_dw) {
     for (int64_t v0 = v_begin; v0 < v_end;) {
-      auto [c, z] = next_slab(v0, v_end - v0, room, after_chunk, limit);
+      auto [c, z] = next_slab(v0, v_end - v0, dw_limit, spare);
       const at::Tensor wc = h.weight.narrow(0, v0, c);
       mm_into(z, h.x, wc.t(), true);
       finish_logits(h, z, v0);
@@ -343,13 +352,14 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   };
   const int64_t dw_end = want[1] ? dw_bytes.numel() : 0;
   if (v_split == V) {
-    sweep(0, V, dw_bytes, true, dw_end, true, true);
+    sweep(0, V, dw_end, {}, true, true);
   } else {
-    sweep(0, v_split, dw_bytes, true, v_split * row_bytes, true, true);
+    // dx's own buffer is free until dx is written: the slabs that dW's rows cannot hold go there.
     const at::Tensor dx_bytes = out.x.view({-1}).view(at::kByte);
-    sweep(v_split, V, dx_bytes, false, dx_bytes.numel(), true, false);
+    sweep(0, v_split, sum_begin, dx_bytes, true, true);
+    sweep(v_split, V, 0, dx_bytes, true, false);
     out.x.copy_(dx_sum);
-    sweep(v_split, V, dw_bytes, true, dw_end, false, true);
+    sweep(v_split, V, dw_end, {}, false, true);
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
   return out;
