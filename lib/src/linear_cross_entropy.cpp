@@ -37,6 +37,7 @@ struct Head {
   std::vector<int64_t> row_shape;   // x's leading dimensions, the shape of per-row results
   int64_t rows_per_slab = 1;
   int64_t chunk_bytes = 0;
+  bool recompute = false;  // HeadOptions::recompute_logits
 
   int64_t rows() const { return x.size(0); }
   int64_t vocabulary() const { return weight.size(0); }
@@ -94,6 +95,7 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
     }
   }
   h.chunk_bytes = o.chunk_bytes;
+  h.recompute = o.recompute_logits;
   const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
   h.rows_per_slab = std::max<int64_t>(1, o.chunk_bytes / bytes);
   if (h.rows_per_slab >= 256) h.rows_per_slab -= h.rows_per_slab % 256;  // whole GEMM tiles: no ragged last wave
@@ -271,6 +273,41 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   return out;
 }
 
+// Columns of the small slab that recompute_logits holds at most: 2 KiB per row, and no more than chunk_bytes.
+int64_t small_slab_columns(const Head& h) {
+  const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc));
+  return std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * acc_size), 1, 2048 / acc_size);
+}
+
+// Per-row log-sum-exp, target logit and (want_sum) Σ z over vocabulary chunks of the small slab, for
+// recompute_logits where the fused kernel does not apply: each chunk's (max, Σ e^(z−max)) merges into the row's
+// running pair, (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)).
+SlabStats chunked_stats(const Head& h, bool want_sum) {
+  const int64_t N = h.rows(), V = h.vocabulary(), columns = small_slab_columns(h);
+  const auto opts = h.x.options().dtype(h.acc);
+  at::Tensor m = at::full({N}, -INFINITY, opts), s = at::zeros({N}, opts), slab = at::empty({N * columns}, opts);
+  SlabStats out;
+  if (h.targets.defined()) out.target_logit = at::zeros({N}, opts);
+  if (want_sum) out.logit_sum = at::zeros({N}, opts);
+  for (int64_t v0 = 0; v0 < V; v0 += columns) {
+    const int64_t c = std::min(columns, V - v0);
+    at::Tensor z = slab.narrow(0, 0, N * c).view({N, c});
+    mm_into(z, h.x, h.weight.narrow(0, v0, c).t(), true);
+    finish_logits(h, z, v0);
+    const at::Tensor top = at::maximum(m, std::get<0>(z.max(1)));
+    s = s * (m - top).exp() + (z - top.unsqueeze(1)).exp_().sum(1);
+    m = top;
+    if (h.targets.defined()) {
+      const at::Tensor column = h.targets - v0, hit = (column >= 0) & (column < c);
+      out.target_logit += z.gather(1, at::where(hit, column, 0).unsqueeze(1)).squeeze(1) * hit;
+    }
+    if (want_sum) out.logit_sum += z.sum(1);
+  }
+  out.lse = m + s.log();
+  if (h.targets.defined()) out.target_logit.mul_(valid_targets(h.targets, h.ignore_index));
+  return out;
+}
+
 // Training without a slab of logits (HeadOptions::recompute_logits), given every row's log-sum-exp: the vocabulary goes
 // a chunk of columns at a time through its logits x·W[c]ᵀ, their gradient dz, dW[c] = dzᵀ·x (complete, written once
 // in W's type) and dx += dz·W[c]. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
@@ -291,7 +328,7 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   if (want[1]) out.weight = at::empty_like(h.weight);
   if (want[2]) out.bias = at::empty({V}, h.x.options().dtype(h.acc));
   const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc)), row_bytes = D * h.weight.element_size();
-  const int64_t tail_columns = std::clamp<int64_t>(h.chunk_bytes / (N * acc_size), 1, 2048 / acc_size);
+  const int64_t tail_columns = small_slab_columns(h);
   const at::Tensor dw_bytes = want[1] ? out.weight.view({-1}).view(at::kByte) : at::Tensor();
   at::Tensor tail;  // the small slab, allocated when first needed
   // Chunks are whole multiples of 8 columns (but a phase's last) and slabs start on 256 bytes, so that every GEMM's
@@ -391,6 +428,10 @@ RowResults head_rows(const Head& h, const LossOptions* loss, bool want_logprob, 
   };
   if (const auto fused = fused_stats(h, want_sum, want_entropy)) {
     emit(0, N, *fused);
+    return r;
+  }
+  if (h.recompute && !want_entropy && N > 0) {
+    emit(0, N, chunked_stats(h, want_sum));
     return r;
   }
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {

@@ -32,8 +32,9 @@ struct HeadOptions {
   // memory, larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
   int64_t chunk_bytes = int64_t(1) << 30;
   // Training without a slab of logits: the loss takes each row's log-sum-exp from the forward pass (the fused kernel
-  // where it applies) and the gradients form the logits again, a chunk of vocabulary columns at a time, in memory that
-  // nothing needs yet (dW's unwritten rows, dx's buffer) or a slab of at most 2 KiB per row (and chunk_bytes).
+  // where it applies, else a chunk of vocabulary columns at a time) and the gradients form the logits again, a chunk
+  // at a time, in memory that nothing needs yet (dW's unwritten rows, dx's buffer) or a small slab of at most 2 KiB per
+  // row (and chunk_bytes).
   // Extra memory is then O(N) beyond the gradients, at the price of forming the logits twice (about one GEMM more).
   // dx sums in float32 inside dW's last rows, whose chunks run twice; where those rows cannot hold it (N·D·4 bytes
   // over half of dW) or dW is not wanted, dx sums in its own type.
