@@ -219,14 +219,61 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
   return true;
 }
 
+bool fused_linear_head_applies(const at::Tensor& x, const at::Tensor& weight) {
+  const auto type = x.scalar_type();
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  return x.is_cuda() && (type == at::kBFloat16 || type == at::kHalf) && x.size(0) > 0 && x.size(1) > 0 &&
+         x.size(1) % 8 == 0 && weight.size(0) > 0 && aligned(x) && aligned(weight) &&
+         sm90::linear_lse_available(x.get_device());
+}
+
+namespace {
+
+sm90::LinearLseArgs fused_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& targets, double softcap) {
+  sm90::LinearLseArgs a;
+  a.dtype = x.scalar_type() == at::kBFloat16 ? sm90::HalfType::bfloat16 : sm90::HalfType::float16;
+  a.x = x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  a.targets = targets.defined() ? targets.data_ptr<int64_t>() : nullptr;
+  a.softcap = static_cast<float>(softcap);
+  a.N = x.size(0);
+  a.V = weight.size(0);
+  a.D = x.size(1);
+  return a;
+}
+
+}  // namespace
+
+bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& targets, LogitColumns columns, const at::Tensor& lse,
+                                 const at::Tensor& g, double label_smoothing, double z_loss, double softcap,
+                                 at::Tensor& dz) {
+  const int64_t cols = dz.size(1);
+  if (cols == 0 || dz.stride(1) != 1 || !targets.defined()) return false;
+  const at::Tensor w = weight.narrow(0, columns.first, cols);
+  if (!fused_linear_head_applies(x, w)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  sm90::LinearLseArgs a = fused_args(x, w, bias.defined() ? bias.narrow(0, columns.first, cols) : bias, targets, softcap);
+  sm90::LogitGradientArgs grad;
+  grad.dz = dz.data_ptr();
+  grad.dz_stride = dz.stride(0);
+  grad.lse = lse.data_ptr<float>();
+  grad.g = g.data_ptr<float>();
+  grad.target_offset = columns.first;
+  grad.smooth = static_cast<float>(label_smoothing / static_cast<double>(columns.vocabulary));
+  grad.target_weight = static_cast<float>(1 - label_smoothing);
+  grad.z_loss2 = static_cast<float>(2 * z_loss);
+  check(sm90::linear_logit_gradient(a, grad, at::cuda::getCurrentCUDAStream(x.get_device())),
+        "fused linear logit gradient kernel");
+  return true;
+}
+
 bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
                       double softcap, bool want_sums, HeadRowStats& out) {
-  const auto type = x.scalar_type();
-  const int64_t N = x.size(0), V = weight.size(0), D = x.size(1);
-  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-  if (!x.is_cuda() || (type != at::kBFloat16 && type != at::kHalf) || N == 0 || D == 0 || D % 8 != 0 ||
-      !aligned(x) || !aligned(weight) || !sm90::linear_lse_available(x.get_device()))
-    return false;
+  const int64_t N = x.size(0);
+  if (!fused_linear_head_applies(x, weight)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   // Each row's (max, Σ e^(z−max)) as two float32 in one int64, starting at (−inf, 0).
   const float start[2] = {-INFINITY, 0.f};
@@ -235,16 +282,7 @@ bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::T
   const auto longs = x.options().dtype(at::kLong), floats = x.options().dtype(at::kFloat);
   at::Tensor lse_pairs = at::full({N}, packed_start, longs), pz_pairs;
   out.target_logit = targets.defined() ? at::zeros({N}, floats) : at::Tensor();
-  sm90::LinearLseArgs a;
-  a.dtype = type == at::kBFloat16 ? sm90::HalfType::bfloat16 : sm90::HalfType::float16;
-  a.x = x.data_ptr();
-  a.weight = weight.data_ptr();
-  a.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  a.targets = targets.defined() ? targets.data_ptr<int64_t>() : nullptr;
-  a.softcap = static_cast<float>(softcap);
-  a.N = N;
-  a.V = V;
-  a.D = D;
+  sm90::LinearLseArgs a = fused_args(x, weight, bias, targets, softcap);
   a.lse_pairs = reinterpret_cast<unsigned long long*>(lse_pairs.data_ptr<int64_t>());
   a.target_logit = targets.defined() ? out.target_logit.data_ptr<float>() : nullptr;
   if (want_sums) {

@@ -40,4 +40,17 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
                                          LogitColumns columns, double label_smoothing, double z_loss, double softcap,
                                          bool form_lse, at::Tensor& lse, at::Tensor& dz);
 
+// Whether the fused Hopper kernel takes x [N, D] and weight [V, D] (contiguous): bfloat16/float16, D % 8 == 0, 16-byte
+// aligned rows, a compute capability 9.0 device.
+bool fused_linear_head_applies(const at::Tensor& x, const at::Tensor& weight);
+
+// The loss gradient of vocabulary columns [columns.first, columns.first + dz.size(1)) formed on the fused kernel's
+// tiles: the logits never reach device memory. The formula is linear_head_logit_gradient's, with each row's lse [N]
+// and weight g [N] (float32) given; targets are required. Applies where fused_linear_lse does (and dz's unit column
+// stride and row stride are in elements of x's type); returns false otherwise, with nothing done.
+bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& targets, LogitColumns columns, const at::Tensor& lse,
+                                 const at::Tensor& g, double label_smoothing, double z_loss, double softcap,
+                                 at::Tensor& dz);
+
 }  // namespace trellis::cuda

@@ -266,6 +266,64 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
   }
 }
 
+// bfloat16/float16 pairs and singles from float32, for the gradient tiles' stores.
+template <class T>
+struct Store;
+template <>
+struct Store<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat162 pair(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ __nv_bfloat16 one(float a) { return __float2bfloat16_rn(a); }
+};
+template <>
+struct Store<__half> {
+  static __device__ __forceinline__ __half2 pair(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ __half one(float a) { return __float2half_rn(a); }
+};
+
+// One row's factors of the loss gradient: g·(1 + 2·z_loss·lse), g·ε/V, g·(1-ε), and lse·log2(e).
+struct RowGradient {
+  float p_weight = 0.f, shift = 0.f, hit = 0.f, ref = 0.f;
+};
+
+// Writes a finished tile's loss gradient, g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²) with
+// p = e^(z - lse), to the thread's two rows of dz (columns at or past V are not written). Pairs of columns go out as
+// one 4-byte store where the row stride keeps them aligned.
+template <class T>
+__device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const LogitGradientArgs& grad,
+                                                    const int64_t (&rows)[2], const int64_t (&target)[2],
+                                                    const RowGradient (&rg)[2], int64_t N, int64_t V, int64_t col0,
+                                                    int quad_col, float softcap) {
+  T* dz = static_cast<T*>(grad.dz);
+  const bool paired = grad.dz_stride % 2 == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rows[h] >= N) continue;
+    T* out = dz + rows[h] * grad.dz_stride;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int64_t col = col0 + 8 * c + quad_col;
+      float v[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float z = d[4 * c + 2 * h + j];
+        float g = fmaf(rg[h].p_weight, fast_exp2(fmaf(z, kLog2e, -rg[h].ref)), -rg[h].shift);
+        if (col + j == target[h]) g -= rg[h].hit;
+        if (softcap > 0.f) {
+          const float u = z / softcap;
+          g *= 1.f - u * u;
+        }
+        v[j] = g;
+      }
+      if (paired && col + 1 < V) {
+        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(out + col) = Store<T>::pair(v[0], v[1]);
+      } else {
+        if (col < V) out[col] = Store<T>::one(v[0]);
+        if (col + 1 < V) out[col + 1] = Store<T>::one(v[1]);
+      }
+    }
+  }
+}
+
 struct Schedule {
   int row_blocks, col_tiles, tiles_per_unit, units_per_row_block, band;
   int64_t units;
@@ -282,13 +340,14 @@ struct Schedule {
   }
 };
 
-template <class T, bool kExtras>
+// kGradient: each tile's loss gradient goes to grad.dz instead of being folded into statistics.
+template <class T, bool kExtras, bool kGradient>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_lse_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const T* __restrict__ bias, const int64_t* __restrict__ targets,
                       float softcap, int64_t N, int64_t V, int64_t D, Schedule sched,
                       unsigned long long* __restrict__ lse_pairs, unsigned long long* __restrict__ pz_pairs,
-                      float* __restrict__ logit_sum, float* __restrict__ target_logit) {
+                      float* __restrict__ logit_sum, float* __restrict__ target_logit, LogitGradientArgs grad) {
   extern __shared__ uint8_t raw_smem[];
   auto& smem = *reinterpret_cast<SharedStorage<T>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
@@ -347,6 +406,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       int64_t target[2];
   #pragma unroll
       for (int h = 0; h < 2; ++h) target[h] = (targets && rows[h] < N) ? targets[rows[h]] : -1;
+      RowGradient rg[2];
+      if constexpr (kGradient) {
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (rows[h] >= N) continue;
+          const float l = grad.lse[rows[h]], g = grad.g[rows[h]];
+          rg[h] = {g * (1.f + grad.z_loss2 * l), g * grad.smooth, g * grad.target_weight, l * kLog2e};
+          target[h] -= grad.target_offset;  // the chunk's own column
+        }
+      }
       RowStats st[2];
       for (int tile = first; tile < last; ++tile) {
         // Each k-block's wgmmas complete before its stage goes back to the producers of the whole cluster (keeping a
@@ -375,6 +444,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // vocabulary edge only in tiles that have them, then the fold into the running row statistics.
         const int64_t col0 = int64_t(tile) * kBlockCols;
         const bool edge = col0 + kBlockCols > V;
+        if constexpr (kGradient) {
+          if (edge || bias || softcap > 0.f) prepare_tile(d, bias, softcap, col0, V, quad_col);
+          store_gradient_tile<T>(d, grad, rows, target, rg, N, V, col0, quad_col, softcap);
+          continue;
+        }
         if (edge || bias || softcap > 0.f) {
           prepare_tile(d, bias, softcap, col0, V, quad_col);
           fold_tile<kExtras, true>(d, st);
@@ -405,22 +479,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       // The unit's partials: merge across the four lanes that share each row, then into the row's global pairs.
+      if constexpr (!kGradient) {
   #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < 2; ++h) {
   #pragma unroll
-        for (int offset = 1; offset < 4; offset <<= 1) {
-          RowStats other;
-          other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
-          other.s = __shfl_xor_sync(0xffffffffu, st[h].s, offset);
-          other.pz = __shfl_xor_sync(0xffffffffu, st[h].pz, offset);
-          other.sum = __shfl_xor_sync(0xffffffffu, st[h].sum, offset);
-          st[h] = merge(st[h], other);
-        }
-        if (lane % 4 == 0 && rows[h] < N) {
-          merge_global(lse_pairs + rows[h], st[h].m, st[h].s);
-          if constexpr (kExtras) {
-            merge_global(pz_pairs + rows[h], st[h].m, st[h].pz);
-            atomicAdd(logit_sum + rows[h], st[h].sum);
+          for (int offset = 1; offset < 4; offset <<= 1) {
+            RowStats other;
+            other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
+            other.s = __shfl_xor_sync(0xffffffffu, st[h].s, offset);
+            other.pz = __shfl_xor_sync(0xffffffffu, st[h].pz, offset);
+            other.sum = __shfl_xor_sync(0xffffffffu, st[h].sum, offset);
+            st[h] = merge(st[h], other);
+          }
+          if (lane % 4 == 0 && rows[h] < N) {
+            merge_global(lse_pairs + rows[h], st[h].m, st[h].s);
+            if constexpr (kExtras) {
+              merge_global(pz_pairs + rows[h], st[h].m, st[h].pz);
+              atomicAdd(logit_sum + rows[h], st[h].sum);
+            }
           }
         }
       }
@@ -459,10 +535,10 @@ CUtensorMap tile_map(const void* data, bool bf16, int64_t rows, int64_t D, int b
   return map;
 }
 
-template <class T, bool kExtras>
-cudaError_t launch(const LinearLseArgs& a, cudaStream_t stream) {
+template <class T, bool kExtras, bool kGradient>
+cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaStream_t stream) {
   const size_t smem_bytes = sizeof(SharedStorage<T>) + 1024;
-  auto kernel = linear_lse_kernel<T, kExtras>;
+  auto kernel = linear_lse_kernel<T, kExtras, kGradient>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
   if (e != cudaSuccess) return e;
   int device = 0, sms = 0;
@@ -493,7 +569,7 @@ cudaError_t launch(const LinearLseArgs& a, cudaStream_t stream) {
   config.attrs = &cluster;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N,
-                            a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit);
+                            a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit, grad);
 }
 
 }  // namespace
@@ -509,9 +585,15 @@ bool linear_lse_available(int device) {
 
 cudaError_t linear_lse(const LinearLseArgs& a, cudaStream_t stream) {
   const bool sums = a.pz_pairs != nullptr;
+  const LogitGradientArgs none;
   if (a.dtype == HalfType::bfloat16)
-    return sums ? launch<__nv_bfloat16, true>(a, stream) : launch<__nv_bfloat16, false>(a, stream);
-  return sums ? launch<__half, true>(a, stream) : launch<__half, false>(a, stream);
+    return sums ? launch<__nv_bfloat16, true, false>(a, none, stream) : launch<__nv_bfloat16, false, false>(a, none, stream);
+  return sums ? launch<__half, true, false>(a, none, stream) : launch<__half, false, false>(a, none, stream);
+}
+
+cudaError_t linear_logit_gradient(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaStream_t stream) {
+  if (a.dtype == HalfType::bfloat16) return launch<__nv_bfloat16, false, true>(a, grad, stream);
+  return launch<__half, false, true>(a, grad, stream);
 }
 
 }  // namespace trellis::cuda::sm90

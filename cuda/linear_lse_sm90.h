@@ -26,9 +26,23 @@ struct LinearLseArgs {
   float* target_logit = nullptr;  // [N] when targets are given; written only where the target is in range
 };
 
+// The gradient mode: instead of statistics, each tile's loss gradient (the logits' columns [0, V) of the weight rows
+// given) is written to dz in x's type:
+//   dz[r, v] = g[r]·(p·(1 + z_loss2·lse[r]) - smooth - target_weight·[v = targets[r] - target_offset]) · (1 - (z/c)²),
+// p = e^(z - lse[r]), c the softcap when > 0. targets are required.
+struct LogitGradientArgs {
+  void* dz = nullptr;  // [N, V] with row stride dz_stride (elements), unit column stride
+  int64_t dz_stride = 0;
+  const float* lse = nullptr;  // [N]
+  const float* g = nullptr;    // [N]: the upstream weight of each row's loss, 0 for ignored rows
+  int64_t target_offset = 0;   // the vocabulary column of the weight's first row
+  float smooth = 0.f, target_weight = 1.f, z_loss2 = 0.f;  // ε / (whole vocabulary), 1 - ε, 2·z_loss
+};
+
 // Whether the kernel can run on this device (compute capability 9.0 and a driver with tensor maps).
 bool linear_lse_available(int device);
 
 cudaError_t linear_lse(const LinearLseArgs& args, cudaStream_t stream);
+cudaError_t linear_logit_gradient(const LinearLseArgs& args, const LogitGradientArgs& grad, cudaStream_t stream);
 
 }  // namespace trellis::cuda::sm90

@@ -274,16 +274,15 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
 }
 
 // Columns of the small slab that recompute_logits holds at most: 2 KiB per row, and no more than chunk_bytes.
-int64_t small_slab_columns(const Head& h) {
-  const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc));
-  return std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * acc_size), 1, 2048 / acc_size);
+int64_t small_slab_columns(const Head& h, int64_t element_size) {
+  return std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * element_size), 1, 2048 / element_size);
 }
 
 // Per-row log-sum-exp, target logit and (want_sum) Σ z over vocabulary chunks of the small slab, for
 // recompute_logits where the fused kernel does not apply: each chunk's (max, Σ e^(z−max)) merges into the row's
 // running pair, (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)).
 SlabStats chunked_stats(const Head& h, bool want_sum) {
-  const int64_t N = h.rows(), V = h.vocabulary(), columns = small_slab_columns(h);
+  const int64_t N = h.rows(), V = h.vocabulary(), columns = small_slab_columns(h, at::elementSize(h.acc));
   const auto opts = h.x.options().dtype(h.acc);
   at::Tensor m = at::full({N}, -INFINITY, opts), s = at::zeros({N}, opts), slab = at::empty({N * columns}, opts);
   SlabStats out;
@@ -310,7 +309,8 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
 
 // Training without a slab of logits (HeadOptions::recompute_logits), given every row's log-sum-exp: the vocabulary goes
 // a chunk of columns at a time through its logits x·W[c]ᵀ, their gradient dz, dW[c] = dzᵀ·x (complete, written once
-// in W's type) and dx += dz·W[c]. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
+// in W's type) and dx += dz·W[c]. Where the fused Hopper kernel applies, it forms dz on its tiles (the logits stay on
+// chip); elsewhere a GEMM writes the chunk's logits and dz takes their memory. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
 // dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
 // dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW.
 Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
@@ -327,16 +327,23 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   if (want[0]) out.x = at::empty_like(h.x);
   if (want[1]) out.weight = at::empty_like(h.weight);
   if (want[2]) out.bias = at::empty({V}, h.x.options().dtype(h.acc));
+  bool fused = false;
+#if TRELLIS_WITH_CUDA
+  fused = h.targets.defined() && cuda::fused_linear_head_applies(h.x, h.weight);
+#endif
+  // The slab holds float32 logits (dz over them), or with the fused kernel dz itself in x's type.
+  const at::ScalarType slab_type = fused ? h.x.scalar_type() : h.acc;
   const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc)), row_bytes = D * h.weight.element_size();
-  const int64_t tail_columns = small_slab_columns(h);
+  const int64_t slab_size = static_cast<int64_t>(at::elementSize(slab_type));
+  const int64_t tail_columns = small_slab_columns(h, slab_size);
   const at::Tensor dw_bytes = want[1] ? out.weight.view({-1}).view(at::kByte) : at::Tensor();
   at::Tensor tail;  // the small slab, allocated when first needed
   // Chunks are whole multiples of 8 columns (but a phase's last) and slabs start on 256 bytes, so that every GEMM's
   // leading dimensions and pointers suit cuBLAS' Hopper kernels (odd ones fall back to much slower ones).
   constexpr int64_t kColumns = 8, kAlign = 256;
   auto whole = [&](int64_t c, int64_t rest) { return c >= rest ? rest : c / kColumns * kColumns; };
-  auto slab_at = [&](const at::Tensor& bytes, int64_t begin, int64_t c) {
-    return bytes.narrow(0, begin, N * c * acc_size).view(h.acc).view({N, c});
+  auto slab_at = [&](const at::Tensor& bytes, int64_t begin, int64_t c, at::ScalarType type) {
+    return bytes.narrow(0, begin, N * c * at::elementSize(type)).view(type).view({N, c});
   };
 
   // The chunk from column v0 (at most `rest` columns) and its slab of logits [N, c]: in dW after the chunk's own rows
@@ -344,16 +351,17 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   // the small slab where neither holds as many as it does.
   auto next_slab = [&](int64_t v0, int64_t rest, int64_t dw_limit, const at::Tensor& spare) -> std::pair<int64_t, at::Tensor> {
     const int64_t in_dw =
-        dw_limit > 0 ? whole(std::max<int64_t>(0, dw_limit - v0 * row_bytes - kAlign) / (N * acc_size + row_bytes), rest)
+        dw_limit > 0 ? whole(std::max<int64_t>(0, dw_limit - v0 * row_bytes - kAlign) / (N * slab_size + row_bytes), rest)
                      : 0;
-    const int64_t in_spare = spare.defined() ? whole(spare.numel() / (N * acc_size), rest) : 0;
+    const int64_t in_spare = spare.defined() ? whole(spare.numel() / (N * slab_size), rest) : 0;
     const int64_t c = std::max(in_dw, in_spare);
     if (c > 0 && c >= std::min(rest, tail_columns)) {
-      if (in_dw >= in_spare) return {c, slab_at(dw_bytes, ((v0 + c) * row_bytes + kAlign - 1) / kAlign * kAlign, c)};
-      return {c, slab_at(spare, 0, c)};
+      if (in_dw >= in_spare)
+        return {c, slab_at(dw_bytes, ((v0 + c) * row_bytes + kAlign - 1) / kAlign * kAlign, c, slab_type)};
+      return {c, slab_at(spare, 0, c, slab_type)};
     }
     const int64_t t = std::min(rest, tail_columns);
-    if (!tail.defined()) tail = at::empty({N * tail_columns}, h.x.options().dtype(h.acc));
+    if (!tail.defined()) tail = at::empty({N * tail_columns}, h.x.options().dtype(slab_type));
     return {t, tail.narrow(0, 0, N * t).view({N, t})};
   };
 
@@ -365,19 +373,29 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
     sum_begin = (dw_bytes.numel() - sum_bytes) / kAlign * kAlign;
     if (sum_begin >= dw_bytes.numel() / 2) {
       v_split = sum_begin / row_bytes / kColumns * kColumns;
-      dx_sum = slab_at(dw_bytes, sum_begin, D);
+      dx_sum = slab_at(dw_bytes, sum_begin, D, h.acc);
     }
   }
+  const at::Tensor row_lse = lse.contiguous(), row_g = g.contiguous();
   bool first_dx = true;
   // Columns [v_begin, v_end): each chunk adds to dx (with_dx) and writes its dW rows and bias entries (with_dw).
   auto sweep = [&](int64_t v_begin, int64_t v_end, int64_t dw_limit, const at::Tensor& spare, bool with_dx,
                    bool with_dw) {
     for (int64_t v0 = v_begin; v0 < v_end;) {
-      auto [c, z] = next_slab(v0, v_end - v0, dw_limit, spare);
+      auto [c, slab] = next_slab(v0, v_end - v0, dw_limit, spare);
       const at::Tensor wc = h.weight.narrow(0, v0, c);
-      mm_into(z, h.x, wc.t(), true);
-      finish_logits(h, z, v0);
-      const at::Tensor dz = slab_logit_gradient(h, z, lse, g, 0, v0, o);
+      at::Tensor dz = slab;
+#if TRELLIS_WITH_CUDA
+      if (fused)
+        TORCH_CHECK(cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, V}, row_lse, row_g,
+                                                      o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
+                    "linear head: the fused gradient kernel did not take a chunk it was chosen for");
+#endif
+      if (!fused) {
+        mm_into(slab, h.x, wc.t(), true);
+        finish_logits(h, slab, v0);
+        dz = slab_logit_gradient(h, slab, lse, g, 0, v0, o);
+      }
       if (with_dx && want[0]) {
         mm_into(dx_sum, dz, wc, first_dx);
         first_dx = false;
