@@ -251,7 +251,8 @@ bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, 
                                  const at::Tensor& g, double label_smoothing, double z_loss, double softcap,
                                  at::Tensor& dz) {
   const int64_t cols = dz.size(1);
-  if (cols == 0 || dz.stride(1) != 1 || !targets.defined()) return false;
+  if (cols == 0 || dz.stride(1) != 1 || reinterpret_cast<uintptr_t>(dz.data_ptr()) % 4 != 0 || !targets.defined())
+    return false;
   const at::Tensor w = weight.narrow(0, columns.first, cols);
   if (!fused_linear_head_applies(x, w)) return false;
   const c10::cuda::CUDAGuard guard(x.device());

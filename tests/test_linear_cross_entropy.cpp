@@ -141,8 +141,9 @@ TEST(LinearCrossEntropy, RecomputedLogitsMatchTheReference) {
       check_case({37, 7, 131, dtype, false, std::nullopt, 0, 0, reduction, false}, at::kCPU, true);
     }
     for (const auto dtype : {at::kBFloat16, at::kHalf}) {
-      check_case({29, 16, 97, dtype, true, std::nullopt, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dx
-      check_case({13, 16, 211, dtype, true, 3.0, 0.1, 1e-4, reduction, true}, at::kCPU, true);  // dx in dW's rows
+      // dx's float32 sum in a buffer of its own (N·D·4 bytes over half of dW), then in dW's last rows.
+      check_case({29, 16, 97, dtype, true, std::nullopt, 0.1, 1e-4, reduction, true}, at::kCPU, true);
+      check_case({13, 16, 211, dtype, true, 3.0, 0.1, 1e-4, reduction, true}, at::kCPU, true);
     }
     // dx's buffer wide enough to hold the slabs that dW's unwritten rows cannot.
     check_case({32, 256, 500, at::kBFloat16, false, std::nullopt, 0.1, 0, reduction, true}, at::kCPU, true);
@@ -272,8 +273,8 @@ TEST(LinearCrossEntropyCuda, MatchesReferenceOnTheGpu) {
   wide.ignore_index = 3;
   check_case(wide, at::kCUDA);
   check_case(wide, at::kCUDA, true);
-  // Recomputed logits: dx summed in dx (first case) or in dW's last rows (the others; D % 8 == 0 takes the fused
-  // forward for 16-bit inputs).
+  // Recomputed logits: for 16-bit inputs dx's float32 sum in a buffer of its own (first case) or in dW's last rows (the
+  // others); D % 8 == 0 takes the fused kernel for 16-bit inputs.
   for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf})
     for (const auto reduction : {Reduction::mean, Reduction::none}) {
       check_case({300, 64, 1031, dtype, true, 4.0, 0.1, 1e-3, reduction, true}, at::kCUDA, true);

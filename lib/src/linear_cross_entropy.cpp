@@ -84,7 +84,7 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
     if (targets.sizes().vec() != h.row_shape)
       throw Error(c10::str("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
     if (targets.device() != x.device()) throw Error("linear head: targets must be on x's device");
-    h.targets = targets.reshape({-1}).to(at::kLong);
+    h.targets = targets.reshape({-1}).to(at::kLong).contiguous();  // kernels read it through a raw pointer
     if (check_targets) {
       const at::Tensor bad = (h.targets != o.ignore_index) & ((h.targets < 0) | (h.targets >= V));
       if (bad.any().item<bool>()) {
@@ -273,9 +273,12 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   return out;
 }
 
-// Columns of the small slab that recompute_logits holds at most: 2 KiB per row, and no more than chunk_bytes.
+// Columns of the small slab that recompute_logits holds at most: 2 KiB per row, and no more than chunk_bytes; whole
+// multiples of 8 where that leaves any (the GEMMs' leading dimensions, see recomputed_gradients).
 int64_t small_slab_columns(const Head& h, int64_t element_size) {
-  return std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * element_size), 1, 2048 / element_size);
+  const int64_t c =
+      std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * element_size), 1, 2048 / element_size);
+  return c >= 8 ? c / 8 * 8 : c;
 }
 
 // Per-row log-sum-exp, target logit and (want_sum) Σ z over vocabulary chunks of the small slab, for
@@ -312,7 +315,8 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
 // in W's type) and dx += dz·W[c]. Where the fused Hopper kernel applies, it forms dz on its tiles (the logits stay on
 // chip); elsewhere a GEMM writes the chunk's logits and dz takes their memory. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
 // dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
-// dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW.
+// dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW. Where dW
+// cannot hold that sum (it would take over half of dW, or dW is not wanted), the sum takes a buffer of its own.
 Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
                                std::array<bool, 3> want) {
   const int64_t N = h.rows(), V = h.vocabulary(), D = h.x.size(1);
@@ -365,16 +369,20 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
     return {t, tail.narrow(0, 0, N * t).view({N, t})};
   };
 
-  // dx's sum: in dW's last bytes (float32 for 16-bit inputs) when they are at most half of dW, else dx itself.
+  // dx's sum: dx itself for float32/float64; for 16-bit inputs float32 in dW's last bytes when they are at most half
+  // of dW, else a float32 buffer of its own.
   at::Tensor dx_sum = out.x;
   int64_t v_split = V, sum_begin = 0;  // columns from v_split on run twice
-  if (want[0] && want[1] && h.x.scalar_type() != h.acc && D > 0) {
-    const int64_t sum_bytes = N * D * acc_size;
-    sum_begin = (dw_bytes.numel() - sum_bytes) / kAlign * kAlign;
-    if (sum_begin >= dw_bytes.numel() / 2) {
-      v_split = sum_begin / row_bytes / kColumns * kColumns;
-      dx_sum = slab_at(dw_bytes, sum_begin, D, h.acc);
+  if (want[0] && h.x.scalar_type() != h.acc) {
+    if (want[1] && D > 0) {
+      const int64_t sum_bytes = N * D * acc_size;
+      sum_begin = (dw_bytes.numel() - sum_bytes) / kAlign * kAlign;
+      if (sum_begin >= dw_bytes.numel() / 2) {
+        v_split = sum_begin / row_bytes / kColumns * kColumns;
+        dx_sum = slab_at(dw_bytes, sum_begin, D, h.acc);
+      }
     }
+    if (v_split == V) dx_sum = at::empty({N, D}, h.x.options().dtype(h.acc));
   }
   const at::Tensor row_lse = lse.contiguous(), row_g = g.contiguous();
   bool first_dx = true;
@@ -406,11 +414,12 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
     }
   };
   const int64_t dw_end = want[1] ? dw_bytes.numel() : 0;
+  // dx's own buffer is free until dx is written, when it is not the sum: the slabs that dW's rows cannot hold go there.
+  const at::Tensor dx_bytes = want[0] && !dx_sum.is_same(out.x) ? out.x.view({-1}).view(at::kByte) : at::Tensor();
   if (v_split == V) {
-    sweep(0, V, dw_end, {}, true, true);
+    sweep(0, V, dw_end, dx_bytes, true, true);
+    if (dx_bytes.defined()) out.x.copy_(dx_sum);
   } else {
-    // dx's own buffer is free until dx is written: the slabs that dW's rows cannot hold go there.
-    const at::Tensor dx_bytes = out.x.view({-1}).view(at::kByte);
     sweep(0, v_split, sum_begin, dx_bytes, true, true);
     sweep(v_split, V, 0, dx_bytes, true, false);
     out.x.copy_(dx_sum);

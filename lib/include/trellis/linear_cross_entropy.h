@@ -36,8 +36,8 @@ struct HeadOptions {
   // at a time, in memory that nothing needs yet (dW's unwritten rows, dx's buffer) or a small slab of at most 2 KiB per
   // row (and chunk_bytes).
   // Extra memory is then O(N) beyond the gradients, at the price of forming the logits twice (about one GEMM more).
-  // dx sums in float32 inside dW's last rows, whose chunks run twice; where those rows cannot hold it (N·D·4 bytes
-  // over half of dW) or dW is not wanted, dx sums in its own type.
+  // For 16-bit inputs dx sums in float32 inside dW's last rows, whose chunks run twice; where those rows cannot hold it
+  // (N·D·4 bytes over half of dW) or dW is not wanted, the float32 sum takes N·D·4 bytes of its own.
   bool recompute_logits = false;
 };
 
