@@ -285,41 +285,64 @@ struct RowGradient {
   float p_weight = 0.f, shift = 0.f, hit = 0.f, ref = 0.f;
 };
 
-// Writes a finished tile's loss gradient, g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²) with
-// p = e^(z - lse), to the thread's two rows of dz (columns at or past V are not written). Pairs of columns go out as
-// one 4-byte store where the row stride keeps them aligned.
+// One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), p = e^(z - lse).
+__device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target, float softcap) {
+  float g = fmaf(rg.p_weight, fast_exp2(fmaf(z, kLog2e, -rg.ref)), -rg.shift);
+  if (target) g -= rg.hit;
+  if (softcap > 0.f) {
+    const float u = z / softcap;
+    g *= 1.f - u * u;
+  }
+  return g;
+}
+
+// Writes a finished tile's loss gradient to the thread's two rows of dz (columns at or past V are not written). Pairs
+// of columns go out as one 4-byte store where the row stride keeps them aligned. The one-hot target term is left to
+// the one thread that holds the target's entry, which rewrites it: few tiles hold a target of the warp's rows, and the
+// vote keeps the selection out of the others.
 template <class T>
 __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const LogitGradientArgs& grad,
                                                     const int64_t (&rows)[2], const int64_t (&target)[2],
                                                     const RowGradient (&rg)[2], int64_t N, int64_t V, int64_t col0,
                                                     int quad_col, float softcap) {
-  T* dz = static_cast<T*>(grad.dz);
   const bool paired = grad.dz_stride % 2 == 0;
+  const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;  // the tile's columns inside V
+  T* out[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    out[h] = static_cast<T*>(grad.dz) + rows[h] * grad.dz_stride + col0 + quad_col;
     if (rows[h] >= N) continue;
-    T* out = dz + rows[h] * grad.dz_stride;
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
-      const int64_t col = col0 + 8 * c + quad_col;
-      float v[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float z = d[4 * c + 2 * h + j];
-        float g = fmaf(rg[h].p_weight, fast_exp2(fmaf(z, kLog2e, -rg[h].ref)), -rg[h].shift);
-        if (col + j == target[h]) g -= rg[h].hit;
-        if (softcap > 0.f) {
-          const float u = z / softcap;
-          g *= 1.f - u * u;
-        }
-        v[j] = g;
-      }
-      if (paired && col + 1 < V) {
-        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(out + col) = Store<T>::pair(v[0], v[1]);
+      const int col = 8 * c + quad_col;
+      const float v0 = logit_gradient(d[4 * c + 2 * h], rg[h], false, softcap);
+      const float v1 = logit_gradient(d[4 * c + 2 * h + 1], rg[h], false, softcap);
+      if (paired && col + 1 < left) {
+        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(out[h] + 8 * c) = Store<T>::pair(v0, v1);
       } else {
-        if (col < V) out[col] = Store<T>::one(v[0]);
-        if (col + 1 < V) out[col + 1] = Store<T>::one(v[1]);
+        if (col < left) out[h][8 * c] = Store<T>::one(v0);
+        if (col + 1 < left) out[h][8 * c + 1] = Store<T>::one(v1);
       }
+    }
+  }
+  bool hit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t local = target[h] - col0;
+    hit[h] = rows[h] < N && local >= 0 && local < left && (local & 6) == quad_col;
+  }
+  if (__any_sync(0xffffffffu, hit[0] || hit[1])) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!hit[h]) continue;
+      const int want = static_cast<int>(target[h] - col0) - quad_col;  // 8c + j of the entry
+      float z = 0.f;
+#pragma unroll
+      for (int c = 0; c < 32; ++c)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (8 * c + j == want) z = d[4 * c + 2 * h + j];
+      out[h][want] = Store<T>::one(logit_gradient(z, rg[h], true, softcap));
     }
   }
 }
