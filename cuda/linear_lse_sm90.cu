@@ -285,6 +285,18 @@ struct RowGradient {
   float p_weight = 0.f, shift = 0.f, hit = 0.f, ref = 0.f;
 };
 
+// The thread's accumulator entry of row h (0, 1) at tile column (col & ~6) + quad_col, given col & ~6 = 8c + j: the
+// target's logit, picked by the thread that holds it.
+__device__ __forceinline__ float held_entry(const float (&d)[128], int h, int local) {
+  float z = 0.f;
+#pragma unroll
+  for (int c = 0; c < 32; ++c)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (8 * c + j == local) z = d[4 * c + 2 * h + j];
+  return z;
+}
+
 // One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), p = e^(z - lse).
 __device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target, float softcap) {
   float g = fmaf(rg.p_weight, fast_exp2(fmaf(z, kLog2e, -rg.ref)), -rg.shift);
@@ -335,14 +347,8 @@ __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!hit[h]) continue;
-      const int want = static_cast<int>(target[h] - col0) - quad_col;  // 8c + j of the entry
-      float z = 0.f;
-#pragma unroll
-      for (int c = 0; c < 32; ++c)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          if (8 * c + j == want) z = d[4 * c + 2 * h + j];
-      out[h][want] = Store<T>::one(logit_gradient(z, rg[h], true, softcap));
+      const int local = static_cast<int>(target[h] - col0) & ~6;  // out[h] already adds quad_col
+      out[h][local] = Store<T>::one(logit_gradient(held_entry(d, h, local), rg[h], true, softcap));
     }
   }
 }
@@ -490,14 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (!hit[h]) continue;
-            const int local = static_cast<int>(target[h] - col0) & ~6;
-            float zt = 0.f;
-  #pragma unroll
-            for (int c = 0; c < 32; ++c)
-  #pragma unroll
-              for (int j = 0; j < 2; ++j)
-                if (8 * c + j == local) zt = d[4 * c + 2 * h + j];
-            target_logit[rows[h]] = zt;
+            target_logit[rows[h]] = held_entry(d, h, static_cast<int>(target[h] - col0) & ~6);
           }
         }
       }
