@@ -144,12 +144,19 @@ using SlabStats = cuda::HeadRowStats;
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
-// The target logit (0 where the target is ignored) and, if wanted, Σ z of each row of a slab of logits.
-void target_and_sum(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, SlabStats& s) {
+// Where targets t fall among vocabulary columns [v0, v0 + c): each one's column there (0 where it is not there) and
+// whether it is (never for ignored targets).
+std::pair<at::Tensor, at::Tensor> target_columns(const Head& h, const at::Tensor& t, int64_t v0, int64_t c) {
+  const at::Tensor column = t - v0, hit = valid_targets(t, h.ignore_index) & (column >= 0) & (column < c);
+  return {at::where(hit, column, 0), hit};
+}
+
+// The target logit (0 where the target is ignored or outside the slab's columns [v0, ...)) and, if wanted, Σ z of
+// each row of a slab of logits.
+void target_and_sum(const Head& h, const at::Tensor& z, int64_t r0, int64_t v0, bool want_sum, SlabStats& s) {
   if (h.targets.defined()) {
-    const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
-    const at::Tensor valid = valid_targets(t, h.ignore_index);
-    s.target_logit = z.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1) * valid;
+    const auto [column, hit] = target_columns(h, h.targets.narrow(0, r0, z.size(0)), v0, z.size(1));
+    s.target_logit = z.gather(1, column.unsqueeze(1)).squeeze(1) * hit;
   }
   if (want_sum) s.logit_sum = z.sum(1);
 }
@@ -158,7 +165,7 @@ void target_and_sum(const Head& h, const at::Tensor& z, int64_t r0, bool want_su
 SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected = false) {
   SlabStats s;
   s.lse = trellis::logsumexp(z, 1);
-  target_and_sum(h, z, r0, want_sum, s);
+  target_and_sum(h, z, r0, 0, want_sum, s);
   if (want_expected) s.expected_logit = ((z - s.lse.unsqueeze(1)).exp() * z).sum(1);
   return s;
 }
@@ -218,8 +225,8 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
   if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
   dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
   if (o.label_smoothing != 0) dz.sub_((g * (o.label_smoothing / static_cast<double>(h.vocabulary()))).unsqueeze(1));
-  const at::Tensor column = t - v0, hit = valid_targets(t, h.ignore_index) & (column >= 0) & (column < z.size(1));
-  dz.scatter_add_(1, at::where(hit, column, 0).unsqueeze(1), (-(1 - o.label_smoothing) * g * hit).unsqueeze(1));
+  const auto [column, hit] = target_columns(h, t, v0, z.size(1));
+  dz.scatter_add_(1, column.unsqueeze(1), (-(1 - o.label_smoothing) * g * hit).unsqueeze(1));
   if (h.softcap) dz.mul_(z);
   return dz.to(type);
 }
@@ -242,7 +249,7 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       slab_lse = lse.narrow(0, r0, n);
     } else {
       SlabStats s;
-      if (loss) target_and_sum(h, z, r0, o.label_smoothing != 0, s);  // before dz may take z's memory
+      if (loss) target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
 #if TRELLIS_WITH_CUDA
       // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
       // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
@@ -299,22 +306,20 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
     const at::Tensor top = at::maximum(m, std::get<0>(z.max(1)));
     s = s * (m - top).exp() + (z - top.unsqueeze(1)).exp_().sum(1);
     m = top;
-    if (h.targets.defined()) {
-      const at::Tensor column = h.targets - v0, hit = (column >= 0) & (column < c);
-      out.target_logit += z.gather(1, at::where(hit, column, 0).unsqueeze(1)).squeeze(1) * hit;
-    }
-    if (want_sum) out.logit_sum += z.sum(1);
+    SlabStats part;
+    target_and_sum(h, z, 0, v0, want_sum, part);
+    if (h.targets.defined()) out.target_logit += part.target_logit;
+    if (want_sum) out.logit_sum += part.logit_sum;
   }
   out.lse = m + s.log();
-  if (h.targets.defined()) out.target_logit.mul_(valid_targets(h.targets, h.ignore_index));
   return out;
 }
 
 // Training without a slab of logits (HeadOptions::recompute_logits), given every row's log-sum-exp: the vocabulary goes
 // a chunk of columns at a time through its logits x·W[c]ᵀ, their gradient dz, dW[c] = dzᵀ·x (complete, written once
 // in W's type) and dx += dz·W[c]. Where the fused Hopper kernel applies, it forms dz on its tiles (the logits stay on
-// chip); elsewhere a GEMM writes the chunk's logits and dz takes their memory. A chunk's logits live in memory that nothing needs yet: dW's rows after the chunk,
-// dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
+// chip); elsewhere a GEMM writes the chunk's logits and dz takes their memory. A chunk's slab lives in memory that
+// nothing needs yet: dW's rows after the chunk, dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
 // dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW. Where dW
 // cannot hold that sum (it would take over half of dW, or dW is not wanted), the sum takes a buffer of its own.
 Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
