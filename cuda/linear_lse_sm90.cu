@@ -266,23 +266,17 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
   }
 }
 
-// bfloat16/float16 from float32 for the gradient tiles' stores: pairs as their 32 bits, and singles.
+// bfloat16/float16 pairs and singles from float32, for the gradient tiles' stores.
 template <class T>
 struct Store;
 template <>
 struct Store<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pair(float a, float b) {
-    const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&p);
-  }
+  static __device__ __forceinline__ __nv_bfloat162 pair(float a, float b) { return __floats2bfloat162_rn(a, b); }
   static __device__ __forceinline__ __nv_bfloat16 one(float a) { return __float2bfloat16_rn(a); }
 };
 template <>
 struct Store<__half> {
-  static __device__ __forceinline__ uint32_t pair(float a, float b) {
-    const __half2 p = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&p);
-  }
+  static __device__ __forceinline__ __half2 pair(float a, float b) { return __floats2half2_rn(a, b); }
   static __device__ __forceinline__ __half one(float a) { return __float2half_rn(a); }
 };
 
@@ -303,15 +297,6 @@ __device__ __forceinline__ float held_entry(const float (&d)[128], int h, int lo
   return z;
 }
 
-// Sets that same entry.
-__device__ __forceinline__ void set_held_entry(float (&d)[128], int h, int local, float v) {
-#pragma unroll
-  for (int c = 0; c < 32; ++c)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      if (8 * c + j == local) d[4 * c + 2 * h + j] = v;
-}
-
 // One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), p = e^(z - lse).
 __device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target, float softcap) {
   float g = fmaf(rg.p_weight, fast_exp2(fmaf(z, kLog2e, -rg.ref)), -rg.shift);
@@ -323,89 +308,47 @@ __device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, 
   return g;
 }
 
-// 4×4 transpose of 32-bit values among the lanes of a quad: lane q's a[j] becomes lane j's a[q]. The 2×2 blocks'
-// off-diagonal entries swap across lane bit 0, then the blocks themselves across lane bit 1.
-__device__ __forceinline__ void transpose_quad(uint32_t (&a)[4], int q) {
-  bool p = q & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, p ? a[0] : a[1], 1);
-  uint32_t r1 = __shfl_xor_sync(0xffffffffu, p ? a[2] : a[3], 1);
-  if (p) a[0] = r0, a[2] = r1;
-  else a[1] = r0, a[3] = r1;
-  p = q & 2;
-  r0 = __shfl_xor_sync(0xffffffffu, p ? a[0] : a[2], 2);
-  r1 = __shfl_xor_sync(0xffffffffu, p ? a[1] : a[3], 2);
-  if (p) a[0] = r0, a[1] = r1;
-  else a[2] = r0, a[3] = r1;
-}
-
-// Writes a finished tile's loss gradient to the thread's two rows of dz (columns at or past V are not written); d is
-// consumed. The one-hot target term is left to the one thread that holds the target's entry, which redoes that entry:
-// few tiles hold a target of the warp's rows, and the vote keeps the selection out of the others.
-// Whole tiles of a 16-byte-aligned dz go out as 16-byte stores: each quad of lanes holds 8 consecutive columns of a
-// row, 2 per lane, and a transpose gives each lane all 8 of one group, so a warp's store fills 64-byte runs of 8 rows
-// with a quarter of the store instructions (the step's gradient kernels: 34.3–36.8 ms in three H100 profiles, against
-// 35.7 ms with 4-byte stores: within the spread, so the stores were not what held the epilogue back).
-// Elsewhere pairs of columns go out as one 4-byte store where the row stride keeps them aligned.
+// Writes a finished tile's loss gradient to the thread's two rows of dz (columns at or past V are not written). Pairs
+// of columns go out as one 4-byte store where the row stride keeps them aligned. The one-hot target term is left to
+// the one thread that holds the target's entry, which rewrites it: few tiles hold a target of the warp's rows, and the
+// vote keeps the selection out of the others.
 template <class T>
-__device__ __forceinline__ void store_gradient_tile(float (&d)[128], const LogitGradientArgs& grad,
+__device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const LogitGradientArgs& grad,
                                                     const int64_t (&rows)[2], const int64_t (&target)[2],
                                                     const RowGradient (&rg)[2], int64_t N, int64_t V, int64_t col0,
                                                     int quad_col, float softcap) {
-  const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;  // the tile's columns inside V
-  bool hit[2];
-  int local[2];
-  float target_z[2] = {0.f, 0.f};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t column = target[h] - col0;
-    hit[h] = rows[h] < N && column >= 0 && column < left && (column & 6) == quad_col;
-    local[h] = static_cast<int>(column & ~int64_t(6));
-  }
-  const bool any_hit = __any_sync(0xffffffffu, hit[0] || hit[1]);
-  if (any_hit)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (hit[h]) target_z[h] = held_entry(d, h, local[h]);
-#pragma unroll
-  for (int c = 0; c < 32; ++c)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) d[4 * c + i] = logit_gradient(d[4 * c + i], rg[i / 2], false, softcap);
-  if (any_hit)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (hit[h]) set_held_entry(d, h, local[h], logit_gradient(target_z[h], rg[h], true, softcap));
-
-  if (left == kBlockCols && grad.dz_stride % 8 == 0 && reinterpret_cast<uintptr_t>(grad.dz) % 16 == 0) {
-    const int q = quad_col / 2;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(grad.dz) + rows[h] * grad.dz_stride + col0);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        uint32_t a[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) a[j] = Store<T>::pair(d[4 * (4 * k + j) + 2 * h], d[4 * (4 * k + j) + 2 * h + 1]);
-        transpose_quad(a, q);
-        if (rows[h] < N) out[4 * k + q] = make_uint4(a[0], a[1], a[2], a[3]);
-      }
-    }
-    return;
-  }
   const bool paired = grad.dz_stride % 2 == 0;
+  const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;  // the tile's columns inside V
+  T* out[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    out[h] = static_cast<T*>(grad.dz) + rows[h] * grad.dz_stride + col0 + quad_col;
     if (rows[h] >= N) continue;
-    T* out = static_cast<T*>(grad.dz) + rows[h] * grad.dz_stride + col0 + quad_col;
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
       const int col = 8 * c + quad_col;
-      const float v0 = d[4 * c + 2 * h], v1 = d[4 * c + 2 * h + 1];
+      const float v0 = logit_gradient(d[4 * c + 2 * h], rg[h], false, softcap);
+      const float v1 = logit_gradient(d[4 * c + 2 * h + 1], rg[h], false, softcap);
       if (paired && col + 1 < left) {
-        *reinterpret_cast<uint32_t*>(out + 8 * c) = Store<T>::pair(v0, v1);
+        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(out[h] + 8 * c) = Store<T>::pair(v0, v1);
       } else {
-        if (col < left) out[8 * c] = Store<T>::one(v0);
-        if (col + 1 < left) out[8 * c + 1] = Store<T>::one(v1);
+        if (col < left) out[h][8 * c] = Store<T>::one(v0);
+        if (col + 1 < left) out[h][8 * c + 1] = Store<T>::one(v1);
       }
+    }
+  }
+  bool hit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t local = target[h] - col0;
+    hit[h] = rows[h] < N && local >= 0 && local < left && (local & 6) == quad_col;
+  }
+  if (__any_sync(0xffffffffu, hit[0] || hit[1])) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!hit[h]) continue;
+      const int local = static_cast<int>(target[h] - col0) & ~6;  // out[h] already adds quad_col
+      out[h][local] = Store<T>::one(logit_gradient(held_entry(d, h, local), rg[h], true, softcap));
     }
   }
 }
