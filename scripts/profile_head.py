@@ -1,5 +1,6 @@
 """Where one training step of the LLM head spends its GPU time: CUDA time per kernel (torch.profiler) of
-linear_cross_entropy's forward+backward, with and without recompute_logits.
+linear_cross_entropy's forward+backward, with and without recompute_logits; the step's time by CUDA events, the GPU's
+idle gaps between kernels, and the host operations that took longest.
 
     python3 scripts/profile_head.py BUILD/lib/libtrellis_ops.so [N D V]
 """
