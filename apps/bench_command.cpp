@@ -293,6 +293,22 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
     c10::NoGradGuard no_grad;
     const at::Tensor xd = x.detach(), wd = w.detach();
     b.run(wl, shape, c10::str("GEMM x*W^T ", dtype, " (cuBLAS on CUDA)"), [&] { at::mm(xd, wd.t()); });
+    // The tensor work alone, by cuBLAS: every design forms the logits and takes the products dz·W (dx) and dzᵀ·x
+    // (dW); one that never holds N×V values forms the logits a second time, since each row's log-sum-exp must be
+    // known before any of its logits can become gradient. dz is the true gradient of the mean loss (its size and
+    // sign pattern, which set the GEMMs' power draw, are those of training), made once outside the timing.
+    const at::Tensor dz = [&] {
+      at::Tensor p = at::softmax(at::mm(xd, wd.t()).to(at::kFloat), 1);
+      p.scatter_add_(1, t.unsqueeze(1), at::full({N, 1}, -1.0, p.options()));
+      return p.div_(static_cast<double>(N)).to(dtype);
+    }();
+    auto products = [&](int logit_products) {
+      for (int i = 0; i < logit_products; ++i) at::mm(xd, wd.t());
+      at::mm(dz, wd);
+      at::mm(dz.t(), xd);
+    };
+    b.run(wl, shape, "floor: 3 GEMMs (logits once)", [&] { products(1); });
+    b.run(wl, shape, "floor: 4 GEMMs (logits twice)", [&] { products(2); });
   }
   b.run(wl, shape, "libtorch logits+cross_entropy", [&] { step(plain_loss); }, nll_error(step(plain_loss)));
 }
