@@ -486,17 +486,21 @@ at::Tensor row_weights(const at::Tensor& valid, Reduction r, at::ScalarType acc)
   return r == Reduction::mean ? w / valid.sum().clamp_min(1) : w;
 }
 
+// The C++ API's autograd: the two halves below, with the options in the context.
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, const at::Tensor& targets, const HeadOptions* head,
+                            const at::Tensor& targets, const std::optional<at::Tensor>& bias, const HeadOptions* head,
                             const LossOptions* loss, bool grad_enabled) {
     HeadOptions ho = *head;
-    ho.bias = bias.numel() ? bias : at::Tensor();
-    const Head h = prepare(x, weight, targets, ho);
+    ho.bias = bias ? *bias : at::Tensor();
     // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
     const std::array<bool, 3> want = {grad_enabled && x.requires_grad(), grad_enabled && weight.requires_grad(),
-                                      grad_enabled && bias.numel() && bias.requires_grad()};
-    const at::Tensor valid = valid_targets(h.targets, h.ignore_index);
+                                      grad_enabled && bias && bias->requires_grad()};
+    LinearCrossEntropyForward f = linear_cross_entropy_forward(x, weight, targets, ho, *loss, want);
+    // The unreduced loss's backward forms the gradients from the inputs; a reduced one's come with the forward.
+    if (loss->reduction == Reduction::none) ctx->save_for_backward({x, weight, targets, ho.bias, f.lse});
+    else ctx->save_for_backward({f.dx, f.dweight, f.dbias});
+    ctx->saved_data["bias"] = bias.has_value();
     ctx->saved_data["reduction"] = static_cast<int64_t>(loss->reduction);
     ctx->saved_data["label_smoothing"] = loss->label_smoothing;
     ctx->saved_data["z_loss"] = loss->z_loss;
@@ -504,60 +508,31 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->saved_data["ignore_index"] = head->ignore_index;
     ctx->saved_data["chunk_bytes"] = head->chunk_bytes;
     ctx->saved_data["recompute_logits"] = head->recompute_logits;
-    const bool any = want[0] || want[1] || want[2];
-    if (loss->reduction != Reduction::none && any) {
-      // Reduced loss: form the gradients now, from the same logits; backward scales them by the incoming gradient.
-      const at::Tensor weights = row_weights(valid, loss->reduction, h.acc);
-      at::Tensor rows;
-      Gradients g;
-      if (head->recompute_logits) {
-        RowResults r = head_rows(h, loss, false, false);
-        rows = r.loss;
-        g = recomputed_gradients(h, weights, r.lse, *loss, want);
-      } else {
-        rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
-        g = head_gradients(h, weights, {}, *loss, want, &rows);
-      }
-      ctx->save_for_backward({g.x.defined() ? g.x.view(x.sizes()) : g.x, g.weight, g.bias});
-      ctx->saved_data["precomputed"] = true;
-      return reduce(rows, valid, loss->reduction);
-    }
-    RowResults r = head_rows(h, loss, false, false);
-    ctx->save_for_backward({x, weight, bias, targets, r.lse});
-    ctx->saved_data["precomputed"] = false;
-    return reduce(r.loss, valid, loss->reduction).view(loss->reduction == Reduction::none ? h.row_shape
-                                                                                           : std::vector<int64_t>{});
+    return f.loss;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor go = grad_out[0];
-    if (ctx->saved_data["precomputed"].toBool()) {
-      // loss.backward() passes 1: hand the gradients over as they are, without a scaled copy.
-      const bool one = go.item<double>() == 1;
-      auto scale = [&](const at::Tensor& t) { return !t.defined() || one ? t : t * go.to(t.scalar_type()); };
-      return {scale(saved[0]), scale(saved[1]), scale(saved[2]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &targets = saved[3], &lse = saved[4];
     HeadOptions ho;
-    if (bias.numel()) ho.bias = bias;
     const double cap = ctx->saved_data["softcap"].toDouble();
     if (cap > 0) ho.softcap = cap;
     ho.ignore_index = ctx->saved_data["ignore_index"].toInt();
     ho.chunk_bytes = ctx->saved_data["chunk_bytes"].toInt();
     ho.recompute_logits = ctx->saved_data["recompute_logits"].toBool();
     LossOptions lo;
-    lo.reduction = Reduction::none;
+    lo.reduction = static_cast<Reduction>(ctx->saved_data["reduction"].toInt());
     lo.label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
     lo.z_loss = ctx->saved_data["z_loss"].toDouble();
-    const Head h = prepare(x, weight, targets, ho, /*check_targets=*/false);
-    const at::Tensor g = go.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
+    const bool unreduced = lo.reduction == Reduction::none;
+    LinearCrossEntropyForward f;
+    at::Tensor x, weight, targets;
+    if (unreduced) x = saved[0], weight = saved[1], targets = saved[2], ho.bias = saved[3], f.lse = saved[4];
+    else f.dx = saved[0], f.dweight = saved[1], f.dbias = saved[2];
     const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                      bias.numel() && ctx->needs_input_grad(2)};
-    Gradients d = ho.recompute_logits ? recomputed_gradients(h, g, lse, lo, want) : head_gradients(h, g, lse, lo, want);
-    return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+                                      ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)};
+    auto d = linear_cross_entropy_backward(grad_out[0], x, weight, targets, ho, lo, f, want);
+    return {d[0], d[1], at::Tensor(), d[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -576,15 +551,73 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
   return {r.logprob.view(h.row_shape), with_entropy ? r.entropy.view(h.row_shape) : at::Tensor()};
 }
 
-at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
-                                const HeadOptions& head, const LossOptions& loss) {
+LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                       const at::Tensor& targets, const HeadOptions& head,
+                                                       const LossOptions& loss, std::array<bool, 3> want) {
   if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
   if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
     throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
   if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
-  // Autograd inputs must be defined tensors: an empty one stands for "no bias" (a real bias has V >= 1 entries).
-  const at::Tensor bias = head.bias.defined() ? head.bias : at::empty({0}, x.options());
-  return LinearCrossEntropyFunction::apply(x, weight, bias, targets, &head, &loss, c10::GradMode::is_enabled());
+  c10::NoGradGuard no_grad;
+  const Head h = prepare(x, weight, targets, head);
+  want[2] = want[2] && h.bias.defined();
+  const at::Tensor valid = valid_targets(h.targets, h.ignore_index);
+  LinearCrossEntropyForward out;
+  if (loss.reduction != Reduction::none && (want[0] || want[1] || want[2])) {
+    // Reduced loss: form the gradients now, from the same logits; backward scales them by the incoming gradient.
+    const at::Tensor weights = row_weights(valid, loss.reduction, h.acc);
+    at::Tensor rows;
+    Gradients g;
+    if (h.recompute) {
+      RowResults r = head_rows(h, &loss, false, false);
+      rows = r.loss;
+      g = recomputed_gradients(h, weights, r.lse, loss, want);
+    } else {
+      rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
+      g = head_gradients(h, weights, {}, loss, want, &rows);
+    }
+    out.loss = reduce(rows, valid, loss.reduction);
+    out.dx = g.x.defined() ? g.x.view(x.sizes()) : g.x;
+    out.dweight = g.weight;
+    out.dbias = g.bias;
+    return out;
+  }
+  RowResults r = head_rows(h, &loss, false, false);
+  out.lse = r.lse;
+  out.loss = reduce(r.loss, valid, loss.reduction)
+                 .view(loss.reduction == Reduction::none ? h.row_shape : std::vector<int64_t>{});
+  return out;
+}
+
+std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                        const at::Tensor& weight, const at::Tensor& targets,
+                                                        const HeadOptions& head, const LossOptions& loss,
+                                                        const LinearCrossEntropyForward& forward,
+                                                        std::array<bool, 3> want) {
+  c10::NoGradGuard no_grad;
+  if (loss.reduction != Reduction::none) {
+    // loss.backward() passes 1: hand the gradients over as they are, without a scaled copy. A tensor that
+    // torch.compile traces (fake or functional: the Python or Functionalize key) has no value to look at; it scales.
+    const bool traced =
+        grad.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+    const bool one = !traced && grad.item<double>() == 1;
+    auto scale = [&](const at::Tensor& t, bool wanted) {
+      return !wanted || !t.defined() ? at::Tensor() : one ? t : t * grad.to(t.scalar_type());
+    };
+    return {scale(forward.dx, want[0]), scale(forward.dweight, want[1]), scale(forward.dbias, want[2])};
+  }
+  const Head h = prepare(x, weight, targets, head, /*check_targets=*/false);
+  want[2] = want[2] && h.bias.defined();
+  const at::Tensor g = grad.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
+  Gradients d = h.recompute ? recomputed_gradients(h, g, forward.lse, loss, want)
+                            : head_gradients(h, g, forward.lse, loss, want);
+  return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                const HeadOptions& head, const LossOptions& loss) {
+  const std::optional<at::Tensor> bias = head.bias.defined() ? std::optional<at::Tensor>(head.bias) : std::nullopt;
+  return LinearCrossEntropyFunction::apply(x, weight, targets, bias, &head, &loss, c10::GradMode::is_enabled());
 }
 
 }  // namespace trellis

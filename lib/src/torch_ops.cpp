@@ -1,22 +1,45 @@
 // The LLM head as PyTorch operators, for Python: torch.ops.load_library("libtrellis_ops.so"), then
-// torch.ops.trellis.linear_cross_entropy(x, weight, targets, ...). Registered as CompositeImplicitAutograd, so autograd
-// goes through the library's own backward (gradients formed without the N×V logits).
+// torch.ops.trellis.linear_cross_entropy(x, weight, targets, ...). torch.compile can trace them: every operator has a
+// Meta kernel (shapes and types only, for fake tensors), and linear_cross_entropy's autograd calls two operators of
+// its own, _linear_cross_entropy_forward and _linear_cross_entropy_backward, so that a compiled graph holds those
+// instead of the library's internals (gradients formed without the N×V logits either way).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "trellis/linear_cross_entropy.h"
 
 namespace {
 
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Mask = std::array<bool, 3>;  // gradients wanted for x, weight, bias
+
 trellis::HeadOptions head_options(const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                                  int64_t ignore_index, int64_t chunk_bytes) {
+                                  int64_t ignore_index, int64_t chunk_bytes, bool recompute_logits = false) {
   trellis::HeadOptions o;
   if (bias) o.bias = *bias;
   o.softcap = softcap;
   o.ignore_index = ignore_index;
   if (chunk_bytes > 0) o.chunk_bytes = chunk_bytes;
+  o.recompute_logits = recompute_logits;
   return o;
 }
+
+trellis::LossOptions loss_options(c10::string_view reduction, double label_smoothing, double z_loss) {
+  trellis::LossOptions l;
+  l.reduction = trellis::parse_reduction(std::string(reduction));
+  l.label_smoothing = label_smoothing;
+  l.z_loss = z_loss;
+  return l;
+}
+
+// A schema cannot return an undefined tensor: "none" is an empty one.
+at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options()); }
+at::Tensor or_none(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : none(like); }
+
+// ---- the kernels: the library's functions (CPU and CUDA) ----
 
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             std::optional<double> softcap, int64_t chunk_bytes) {
@@ -28,21 +51,161 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x, const at:
                                                   std::optional<double> softcap, int64_t ignore_index, bool entropy,
                                                   int64_t chunk_bytes) {
   auto r = trellis::token_logprobs(x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes), entropy);
-  // A schema cannot return an optional tensor: no entropy is an empty one.
-  return {r.logprobs, entropy ? r.entropy : at::empty({0}, r.logprobs.options())};
+  return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
 }
 
-at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
-                                const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                                double label_smoothing, std::optional<double> softcap, double z_loss,
-                                int64_t chunk_bytes, bool recompute_logits) {
-  trellis::LossOptions l;
-  l.reduction = trellis::parse_reduction(std::string(reduction));
-  l.label_smoothing = label_smoothing;
-  l.z_loss = z_loss;
-  trellis::HeadOptions h = head_options(bias, softcap, ignore_index, chunk_bytes);
-  h.recompute_logits = recompute_logits;
-  return trellis::linear_cross_entropy(x, weight, targets, h, l);
+Tensors5 linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                      c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
+                                      double z_loss, int64_t chunk_bytes, bool recompute_logits, Mask want) {
+  auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
+                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+                                                 loss_options(reduction, label_smoothing, z_loss), want);
+  return {f.loss, or_none(f.lse, x), or_none(f.dx, x), or_none(f.dweight, x), or_none(f.dbias, x)};
+}
+
+// Backward of the unreduced loss (the reduced one's gradients come from the forward, scaled).
+Tensors3 linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                       const at::Tensor& targets, const std::optional<at::Tensor>& bias,
+                                       const at::Tensor& lse, int64_t ignore_index, double label_smoothing,
+                                       std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                       bool recompute_logits, Mask want) {
+  trellis::LinearCrossEntropyForward f;
+  f.lse = lse;
+  auto d = trellis::linear_cross_entropy_backward(
+      grad, x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+      loss_options("none", label_smoothing, z_loss), f, want);
+  return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
+}
+
+// Without autograd (inference mode, or below it): the loss alone.
+at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                     const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                     c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
+                                     double z_loss, int64_t chunk_bytes, bool recompute_logits) {
+  return std::get<0>(linear_cross_entropy_forward(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
+                                                  softcap, z_loss, chunk_bytes, recompute_logits, {false, false, false}));
+}
+
+// ---- Meta kernels: the same results' shapes and types, with symbolic sizes ----
+
+at::TensorOptions acc_options(const at::Tensor& x) {
+  return x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+}
+c10::SymIntArrayRef row_shape(const at::Tensor& x) { return x.sym_sizes().slice(0, x.dim() - 1); }
+at::Tensor rows_meta(const at::Tensor& x) { return at::empty_symint(row_shape(x), acc_options(x)); }
+at::Tensor shaped_meta(bool wanted, c10::SymIntArrayRef shape, const at::Tensor& x) {
+  return wanted ? at::empty_symint(shape, x.options()) : none(x);
+}
+
+at::Tensor linear_logsumexp_meta(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 std::optional<double>, int64_t) {
+  return rows_meta(x);
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                       const std::optional<at::Tensor>&, std::optional<double>, int64_t,
+                                                       bool entropy, int64_t) {
+  return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
+}
+
+Tensors5 linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&,
+                                           const std::optional<at::Tensor>& bias, int64_t, c10::string_view reduction,
+                                           double, std::optional<double>, double, int64_t, bool, Mask want) {
+  const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
+  want[2] = want[2] && bias;
+  const bool formed = !unreduced && (want[0] || want[1] || want[2]);  // the gradients come with the loss
+  c10::SymInt n = 1;
+  for (const c10::SymInt& s : row_shape(x)) n *= s;
+  return {unreduced ? rows_meta(x) : at::empty({}, acc_options(x)),
+          formed ? none(x) : at::empty_symint({n}, acc_options(x)), shaped_meta(formed && want[0], x.sym_sizes(), x),
+          shaped_meta(formed && want[1], weight.sym_sizes(), x),
+          shaped_meta(formed && want[2], weight.sym_sizes().slice(0, 1), x)};
+}
+
+Tensors3 linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor&, const std::optional<at::Tensor>& bias, const at::Tensor&,
+                                            int64_t, double, std::optional<double>, double, int64_t, bool, Mask want) {
+  return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
+          shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
+}
+
+at::Tensor linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, int64_t, c10::string_view reduction, double,
+                                          std::optional<double>, double, int64_t, bool) {
+  const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
+  return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
+}
+
+// ---- autograd: the forward and backward operators above, through the dispatcher ----
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& targets, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                            c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
+                            double z_loss, int64_t chunk_bytes, bool recompute_logits, Mask want) {
+    static const auto op = find<decltype(linear_cross_entropy_forward)>("trellis::_linear_cross_entropy_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [loss, lse, dx, dweight, dbias] = op.call(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
+                                                   softcap, z_loss, chunk_bytes, recompute_logits, want);
+    // The unreduced loss's backward forms the gradients from the inputs; a reduced one's come with the forward.
+    if (reduction == "none") ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
+    else ctx->save_for_backward({dx, dweight, dbias});
+    ctx->saved_data["bias"] = bias.has_value();
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["z_loss"] = z_loss;
+    ctx->saved_data["chunk_bytes"] = chunk_bytes;
+    ctx->saved_data["recompute_logits"] = recompute_logits;
+    return loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    static const auto op = find<decltype(linear_cross_entropy_backward)>("trellis::_linear_cross_entropy_backward");
+    const auto s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                       d.at("bias").toBool() && ctx->needs_input_grad(3)};
+    const std::optional<double> softcap =
+        d.at("softcap").isNone() ? std::nullopt : std::optional<double>(d.at("softcap").toDouble());
+    std::array<at::Tensor, 3> g;
+    const std::string reduction = d.at("reduction").toStringRef();
+    if (reduction != "none") {
+      // The forward formed the gradients; the library scales them by grad (in operators that torch.compile traces).
+      trellis::LinearCrossEntropyForward f;
+      f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
+      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {}, loss_options(reduction, 0, 0), f, want);
+    } else {
+      const std::optional<at::Tensor> bias = s[3].defined() ? std::optional<at::Tensor>(s[3]) : std::nullopt;
+      auto [dx, dweight, dbias] =
+          op.call(grad[0], s[0], s[1], s[2], bias, s[4], d.at("ignore_index").toInt(),
+                  d.at("label_smoothing").toDouble(), softcap, d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
+                  d.at("recompute_logits").toBool(), want);
+      g = {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
+    }
+    return {g[0], g[1], at::Tensor(), g[2], {}, {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                         const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                         c10::string_view reduction, double label_smoothing,
+                                         std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                         bool recompute_logits) {
+  // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
+  const bool grad = c10::GradMode::is_enabled();
+  const Mask want = {grad && x.requires_grad(), grad && weight.requires_grad(),
+                     grad && bias && bias->defined() && bias->requires_grad()};
+  return LinearCrossEntropy::apply(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                                   chunk_bytes, recompute_logits, want);
 }
 
 }  // namespace
@@ -54,10 +217,30 @@ TORCH_LIBRARY(trellis, m) {
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
         "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
         "bool recompute_logits=False) -> Tensor");
+  // linear_cross_entropy's halves. The forward returns (loss, lse, dx, dweight, dbias): the gradients when it forms
+  // them (a mean or sum reduction with gradients wanted), else lse for the backward; empty tensors stand for none.
+  m.def("_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, Tensor? bias, int ignore_index, "
+        "str reduction, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, Tensor? bias, "
+        "Tensor lse, int ignore_index, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, "
+        "bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(trellis, CompositeImplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("linear_logsumexp", &linear_logsumexp);
   m.impl("token_logprobs", &token_logprobs);
-  m.impl("linear_cross_entropy", &linear_cross_entropy);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_loss);
+  m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward);
+  m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward);
 }
+
+TORCH_LIBRARY_IMPL(trellis, Meta, m) {
+  m.impl("linear_logsumexp", &linear_logsumexp_meta);
+  m.impl("token_logprobs", &token_logprobs_meta);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_loss_meta);
+  m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_meta);
+  m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(trellis, Autograd, m) { m.impl("linear_cross_entropy", &linear_cross_entropy_autograd); }

@@ -13,6 +13,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -64,5 +65,24 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 // recomputes the logits.
 at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                 const HeadOptions& head = {}, const LossOptions& loss = {});
+
+// linear_cross_entropy in its two halves, for callers that wire autograd themselves (the PyTorch operators, which
+// torch.compile traces as a forward and a backward operator). want: which of x, weight, bias need gradients.
+struct LinearCrossEntropyForward {
+  at::Tensor loss;                 // what linear_cross_entropy returns
+  at::Tensor lse;                  // [N], each row's log-sum-exp: backward's input where it forms the gradients
+  at::Tensor dx, dweight, dbias;   // the loss's own gradients where the forward formed them (a mean or sum reduction)
+};
+LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                       const at::Tensor& targets, const HeadOptions& head,
+                                                       const LossOptions& loss, std::array<bool, 3> want);
+// The gradients of grad·loss for x, weight and bias (undefined where not wanted), given the forward's results; grad
+// has the loss's shape. With a mean or sum reduction they are the forward's, scaled by grad (handed over as they are
+// when grad is 1).
+std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                        const at::Tensor& weight, const at::Tensor& targets,
+                                                        const HeadOptions& head, const LossOptions& loss,
+                                                        const LinearCrossEntropyForward& forward,
+                                                        std::array<bool, 3> want);
 
 }  // namespace trellis
