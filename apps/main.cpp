@@ -5,7 +5,12 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
+#include <new>
+
 #include "commands.h"
+#include "trellis/atomic_file.h"
 #include "trellis/error.h"
 
 namespace {
@@ -36,6 +41,14 @@ int run(const std::vector<std::string>& args) {
     if (args[0] == "crf") return trellis::cli::crf_main(rest);
     if (args[0] == "hmm") return trellis::cli::hmm_main(rest);
     if (args[0] == "bench") return trellis::cli::bench_main(rest);
+  } catch (const c10::Error& e) {
+    // LibTorch's own checks (a device that is not there, an allocation that fails): the message without its C++
+    // stack trace, which tells a user nothing.
+    std::cerr << "trellis: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "trellis: error: out of memory\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "trellis: error: " << e.what() << "\n";
     return 1;
@@ -47,6 +60,7 @@ int run(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  trellis::remove_temporaries_on_signals();
   const int rc = run(std::vector<std::string>(argv + 1, argv + argc));
   // Every command has written and closed its files by now. What is left is LibTorch's static destructors
   // (unregistering thousands of operators) and freeing the run's memory, a quarter of a second after a training

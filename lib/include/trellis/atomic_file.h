@@ -1,4 +1,4 @@
-// Whole-file writes that never leave a partial file under the final name.
+// Whole-file writes that never leave a partial file under the final name, nor a stale temporary behind.
 #pragma once
 #include <functional>
 #include <ostream>
@@ -6,8 +6,40 @@
 
 namespace trellis {
 
-// Calls write(stream) on "<path>.tmp.<pid>" in the same directory, then renames it to `path`. On any error (or an
-// exception from write) the temporary is removed and an Error naming the file is thrown; `path` is untouched.
+// A temporary file "<path>.tmp.<pid>" beside `path` that becomes `path` only through commit(). Until then `path` is
+// untouched. The destructor removes the temporary unless it was committed, and so does a SIGINT, SIGTERM or SIGHUP in
+// a program that called remove_temporaries_on_signals(). Creating one also removes temporaries of `path` left by
+// processes that no longer run (killed by SIGKILL, say). Errors name `path`, never the temporary, with the cause.
+class TemporaryFile {
+ public:
+  // Throws an Error naming `path` when its directory is missing or not writable.
+  explicit TemporaryFile(std::string path);
+  ~TemporaryFile();
+  TemporaryFile(const TemporaryFile&) = delete;
+  TemporaryFile& operator=(const TemporaryFile&) = delete;
+
+  const std::string& path() const { return path_; }            // the final name
+  const std::string& temporary() const { return temporary_; }  // where the content goes
+  // The caller has closed the temporary. Flushes it to the disk (fsync), renames it to path() and flushes the
+  // directory, so that after a crash the file is either the old one or the whole new one.
+  void commit();
+
+ private:
+  std::string path_, temporary_;
+  int slot_ = -1;  // in the registry the signal handler reads
+  bool committed_ = false;
+};
+
+// Calls write(stream) on a TemporaryFile of `path`, then commits it. On any error (a full disk included, reported
+// with its cause) or an exception from write, the temporary is removed and an Error naming `path` is thrown.
 void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write);
+
+// Throws an Error naming `path` unless its directory exists and is writable: for commands that check where their
+// output goes before long work.
+void check_writable_location(const std::string& path);
+
+// Installs SIGINT, SIGTERM and SIGHUP handlers that remove every live TemporaryFile and then end the process with the
+// signal's default action. For programs (the library itself installs no handler).
+void remove_temporaries_on_signals();
 
 }  // namespace trellis
