@@ -36,15 +36,12 @@ ConllCorpus read_input(const std::string& path) {
   return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
 }
 
-// Input columns of a file for a model: exactly the model's input columns, or those plus a trailing label column.
-std::vector<TokenRows> model_inputs(const ConllCorpus& c, const CrfTagger& m, bool* has_labels = nullptr) {
+// A file's input columns as the model reads them (the file laid out as in training, with or without its label).
+std::vector<TokenRows> model_inputs(const ConllCorpus& projected, const CrfTagger& m) {
   const std::size_t want = m.input_columns();
-  if (c.num_columns != want && c.num_columns != want + 1)
-    throw Error("'" + c.source + "' has " + std::to_string(c.num_columns) + " columns; the model expects " +
-                std::to_string(want) + " input columns, optionally followed by a label column");
-  if (has_labels) *has_labels = c.num_columns == want + 1;
   std::vector<TokenRows> rows;
-  for (const ConllSentence& s : c.sentences) {
+  rows.reserve(projected.sentences.size());
+  for (const ConllSentence& s : projected.sentences) {
     TokenRows r = s.rows;
     for (auto& row : r) row.resize(want);
     rows.push_back(std::move(r));
@@ -70,7 +67,7 @@ void write_output(const std::string& path, const std::function<void(std::ostream
 
 int train(const std::vector<std::string>& args) {
   CrfTrainOptions o;
-  std::string train_path, dev_path, model_path, template_path;
+  std::string train_path, dev_path, model_path, template_path, input_columns;
   int label_column = -1;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
@@ -78,6 +75,8 @@ int train(const std::vector<std::string>& args) {
       ("dev", po::value(&dev_path), "development data, scored after every iteration")
       ("model,m", po::value(&model_path)->required(), "where to write the model")
       ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
+      ("input-columns", po::value(&input_columns),
+       "the columns the features read, e.g. 0,1 (default: those before the label column; the others are ignored)")
       ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
       ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
@@ -97,15 +96,30 @@ int train(const std::vector<std::string>& args) {
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
     return rc;
 
+  check_writable_location(model_path);  // before training, not after
   auto extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
-  const LabeledSentences tr = split_labels(read_conll(train_path), label_column);
+  const ConllCorpus train_corpus = read_conll(train_path);
+  const ColumnLayout layout =
+      ColumnLayout::resolve(train_corpus.num_columns, label_column,
+                            input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"),
+                            train_path);
+  const auto labelled = [&](const ConllCorpus& c) {
+    bool has_labels = false;
+    ConllCorpus projected = layout.project(c, &has_labels);
+    if (!has_labels) throw Error("'" + c.source + "' has no label column (the model's columns: " + layout.describe() + ")");
+    return split_labels(projected, -1);
+  };
+  const LabeledSentences tr = labelled(train_corpus);
   std::optional<LabeledSentences> dv;
-  if (!dev_path.empty()) dv = split_labels(read_conll(dev_path), label_column);
-  std::cerr << "train: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
+  if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
+  std::cerr << "columns: " << layout.describe();
+  if (!layout.ignored().empty() && input_columns.empty())
+    std::cerr << " (columns after the label are not inputs unless --input-columns names them)";
+  std::cerr << "\ntrain: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
   if (dv) std::cerr << "; dev: " << dv->inputs.size() << " sentences, " << dv->num_tokens() << " tokens";
   std::cerr << "\n";
   CrfTrainSummary sum;
-  const CrfTagger model = train_crf(
+  CrfTagger model = train_crf(
       tr, dv ? &*dv : nullptr, std::move(extractor), o,
       [](const CrfIteration& it) {
         std::cerr << "iter " << it.iteration << "  objective " << fixed(it.objective, 3) << "  |g| "
@@ -115,8 +129,11 @@ int train(const std::vector<std::string>& args) {
         std::cerr << "  " << fixed(it.seconds, 2) << " s\n";
       },
       &sum);
+  model.set_layout(layout);
   model.save(model_path);
-  std::cerr << "done: " << sum.iterations << " iterations" << (sum.converged ? " (converged)" : "") << ", "
+  std::cerr << "done: " << sum.iterations << " iterations"
+            << (sum.converged ? " (converged)" : " (did not converge: stopped at --max-iter " + std::to_string(o.max_iterations) + ")")
+            << ", "
             << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
             << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s (set-up "
             << fixed(sum.setup_seconds, 2) << " s)";
@@ -148,13 +165,15 @@ int tag(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
 
+  if (kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(kbest));
+  if (output != "-") check_writable_location(output);
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   CrfTagger model = CrfTagger::load(model_path);
   model.to(at::Device(device));
   const double load_seconds = seconds(t0);
   const ConllCorpus corpus = read_input(input);
-  const std::vector<TokenRows> rows = model_inputs(corpus, model);
+  const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model);
   const auto t1 = std::chrono::steady_clock::now();
   const auto report = [&] {
     if (!timing) return;
@@ -204,7 +223,7 @@ int eval(const std::vector<std::string>& args) {
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("model,m", po::value(&model_path), "model to tag --gold with")
-      ("gold", po::value(&gold_path), "gold CoNLL file (label in the last column), tagged with --model")
+      ("gold", po::value(&gold_path), "gold CoNLL file in the model's training layout (see crf dump), tagged with --model")
       ("tagged", po::value(&tagged_path), "already tagged file: ... gold predicted (conlleval's layout)");
   po::variables_map vm;
   const std::string usage = "usage: trellis crf eval (--model FILE --gold FILE | --tagged FILE)";
@@ -224,14 +243,28 @@ int eval(const std::vector<std::string>& args) {
     }
   } else {
     const CrfTagger model = CrfTagger::load(model_path);
-    const ConllCorpus c = read_input(gold_path);
     bool has_labels = false;
-    const std::vector<TokenRows> rows = model_inputs(c, model, &has_labels);
-    if (!has_labels) throw Error("'" + c.source + "' has no label column to evaluate against");
-    const LabeledSentences gold = split_labels(c);
-    check_known_labels(model, gold);
-    const auto tagged = model.tag(pointers(rows));
-    for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(gold.labels[s], tagged[s].labels);
+    const ConllCorpus c = model.layout().project(read_input(gold_path), &has_labels);
+    if (!has_labels)
+      throw Error("'" + c.source + "' has no label column to evaluate against (the model's columns: " +
+                  model.layout().describe() + ")");
+    const LabeledSentences gold = split_labels(c, -1);
+    const auto tagged = model.tag(pointers(model_inputs(c, model)));
+    // Gold labels the model never saw (I-LST in the CoNLL-2000 test set, say) cannot be predicted: they count as
+    // errors, as in conlleval, and are listed.
+    std::map<std::string, std::size_t> unseen;
+    for (std::size_t s = 0; s < tagged.size(); ++s) {
+      for (const auto& label : gold.labels[s])
+        if (model.label_id(label) < 0) ++unseen[label];
+      ev.add_sentence(gold.labels[s], tagged[s].labels);
+    }
+    if (!unseen.empty()) {
+      std::size_t tokens = 0;
+      std::string list;
+      for (const auto& [label, n] : unseen) tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
+      std::cerr << "note: " << tokens << " gold tokens have labels the model was not trained on, counted as errors: "
+                << list << "\n";
+    }
   }
   std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
   if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();  // chunk labels: conlleval's report
@@ -251,8 +284,8 @@ int dump(const std::vector<std::string>& args) {
   const CrfTagger m = CrfTagger::load(model_path);
   const auto& L = m.labels();
   const int64_t K = L.size();
-  std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec() << "\ninput columns: "
-            << m.input_columns() << "\nlabels (" << K << "):";
+  std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec() << "\ncolumns: "
+            << m.layout().describe() << "\nlabels (" << K << "):";
   for (const auto& l : L) std::cout << ' ' << l;
   std::cout << "\nfeatures: " << m.features().size() << "\nparameters: " << m.weights.numel() + K * K + 2 * K << "\n";
   const auto list = [&](const at::Tensor& w, const std::function<std::string(int64_t)>& name) {

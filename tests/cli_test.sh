@@ -21,8 +21,6 @@ expect_error "empty file" "empty.txt:1: empty file" m2.crf "$trellis" crf train 
 printf 'the DT B-NP\ncat NN B-XX\n\n' >unseen.txt
 expect_error "unseen dev label" "unseen.txt:2: label 'B-XX'" m3.crf \
   "$trellis" crf train --train train.txt --dev unseen.txt --model m3.crf
-expect_error "unseen eval label" "unseen.txt:2: label 'B-XX'" none \
-  "$trellis" crf eval --model model.crf --gold unseen.txt
 printf 'U00:%%x[0]\n' >bad.tpl
 expect_error "template syntax" "bad.tpl:1: malformed macro" m4.crf \
   "$trellis" crf train --train train.txt --model m4.crf --template bad.tpl

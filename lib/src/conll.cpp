@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "trellis/atomic_file.h"
+#include "input_file.h"
 
 namespace trellis {
 
@@ -15,6 +16,27 @@ namespace {
 
 constexpr std::string_view kBlanks = " \t";
 constexpr std::string_view kBom = "\xEF\xBB\xBF";
+// Far beyond any real token line; they keep a binary or hostile file from taking the memory with one line, or the
+// feature extractors from expanding millions of columns.
+constexpr std::size_t kMaxLineBytes = 1 << 20;
+constexpr std::size_t kMaxColumns = 1000;
+
+// std::getline, but a line longer than kMaxLineBytes is a ParseError before it is held whole.
+bool read_line(std::istream& in, std::string& line, const std::string& source, std::size_t line_no) {
+  line.clear();
+  std::streambuf* buf = in.rdbuf();
+  for (;;) {
+    const int c = buf->sbumpc();
+    if (c == std::char_traits<char>::eof()) {
+      in.setstate(std::ios::eofbit);
+      return !line.empty();
+    }
+    if (c == '\n') return true;
+    if (line.size() == kMaxLineBytes)
+      throw ParseError(source, line_no, "line longer than " + std::to_string(kMaxLineBytes) + " bytes (not a CoNLL file?)");
+    line.push_back(static_cast<char>(c));
+  }
+}
 
 // Offset of the first byte of the first ill-formed UTF-8 sequence in `s`, or npos. Strict (RFC 3629): overlong
 // forms, surrogates and code points above U+10FFFF are rejected.
@@ -87,8 +109,7 @@ std::size_t ConllCorpus::num_tokens() const {
 }
 
 ConllCorpus read_conll(const std::string& path, const ConllReadOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot open '" + path + "': " + std::strerror(errno));
+  std::ifstream in = open_input_file(path, "");
   return read_conll(in, path, options);
 }
 
@@ -104,7 +125,7 @@ ConllCorpus read_conll(std::istream& in, const std::string& source_name, const C
 
   std::string buffer;
   std::size_t line_no = 0;
-  while (std::getline(in, buffer)) {
+  while (read_line(in, buffer, source_name, line_no + 1)) {
     ++line_no;
     std::string_view line = buffer;
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
@@ -131,6 +152,9 @@ ConllCorpus read_conll(std::istream& in, const std::string& source_name, const C
       row.emplace_back(line.substr(pos, end - pos));
       pos = line.find_first_not_of(kBlanks, end);
     }
+    if (row.size() > kMaxColumns)
+      throw ParseError(source_name, line_no, std::to_string(row.size()) + " columns; at most " +
+                                                 std::to_string(kMaxColumns) + " are supported");
     if (corpus.num_columns == 0) corpus.num_columns = row.size();
     if (row.size() != corpus.num_columns)
       throw ParseError(source_name, line_no,
@@ -138,8 +162,6 @@ ConllCorpus read_conll(std::istream& in, const std::string& source_name, const C
     if (sentence.rows.empty()) sentence.first_line = line_no;
     sentence.rows.push_back(std::move(row));
   }
-  // getline stops on end of file and on read errors alike; only the latter sets badbit.
-  if (in.bad()) throw Error("error reading '" + source_name + "'");
   end_sentence();
 
   if (corpus.sentences.empty() && !options.allow_empty) throw ParseError(source_name, 1, "empty file: no sentences");

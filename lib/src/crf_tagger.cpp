@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include "input_file.h"
 #include "trellis/atomic_file.h"
 #include "trellis/error.h"
 
@@ -14,7 +17,8 @@ namespace trellis {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'R', 'E', 'L', 'C', 'R', 'F', '\n'};
-constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kFirstFormatVersion = 1;  // no column layout: inputs first, the label last
+constexpr uint32_t kFormatVersion = 2;
 constexpr int64_t kTagChunk = 1024;  // sentences decoded per batch
 
 uint64_t fnv1a(const char* data, std::size_t n) {
@@ -59,14 +63,28 @@ class Reader {
     pos_ += n;
     return s;
   }
-  at::Tensor floats(std::vector<int64_t> shape) {
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
+  // Finite float32 values: a NaN or infinite weight is corrupt (it would make every probability NaN).
+  at::Tensor floats(std::vector<int64_t> shape, const char* what) {
+    uint64_t n = 1;
+    for (int64_t s : shape) {
+      if (s != 0 && n > (end_ - pos_) / static_cast<uint64_t>(s)) corrupt("truncated");
+      n *= static_cast<uint64_t>(s);
+    }
     need(n * sizeof(float));
     at::Tensor t = at::empty(shape, at::kFloat);
     std::memcpy(t.data_ptr<float>(), d_.data() + pos_, n * sizeof(float));
     pos_ += n * sizeof(float);
+    const at::Tensor bad = ~at::isfinite(t).flatten();
+    if (bad.any().item<bool>())
+      corrupt(std::string(what) + " entry " + std::to_string(bad.nonzero()[0][0].item<int64_t>()) + " is not finite");
     return t;
+  }
+  // A count of items that take at least `item_bytes` each: more than the rest of the file can hold is corrupt
+  // (checked before anything is allocated for them).
+  uint64_t count(std::size_t item_bytes, const char* what) {
+    const uint64_t n = pod<uint64_t>();
+    if (n > (end_ - pos_) / item_bytes) corrupt(std::string(what) + " count " + std::to_string(n) + " exceeds the file");
+    return n;
   }
   void skip(std::size_t n) { pos_ += n; }
   bool done() const { return pos_ == end_; }
@@ -81,14 +99,107 @@ class Reader {
   std::string src_;
 };
 
+// Weights of -inf (set through the API; model files hold finite ones) can forbid every label sequence of a sentence:
+// its probabilities would be NaN, so it is an error instead. best_scores [B] of the sentences first, first + 1, ...
+void check_some_path(const at::Tensor& best_scores, std::size_t first) {
+  const at::Tensor none = ~at::isfinite(best_scores.cpu());
+  if (none.any().item<bool>())
+    throw Error("sentence " + std::to_string(first + none.nonzero()[0][0].item<int64_t>()) +
+                ": the model allows no label sequence (every path has a weight of -inf)");
+}
+
 }  // namespace
+
+ColumnLayout ColumnLayout::resolve(std::size_t columns, int label_column, const std::vector<int>& input_columns,
+                                   const std::string& source) {
+  const auto index = [&](int c, const char* option) {
+    const long resolved = c < 0 ? static_cast<long>(columns) + c : c;
+    if (resolved < 0 || resolved >= static_cast<long>(columns))
+      throw Error(std::string(option) + " " + std::to_string(c) + " is out of range: '" + source + "' has " +
+                  std::to_string(columns) + " columns (0.." + std::to_string(columns) + "-1, or -1 for the last)");
+    return static_cast<std::size_t>(resolved);
+  };
+  if (columns < 2) throw Error("'" + source + "' has " + std::to_string(columns) + " column; a tagger needs an input and a label column");
+  ColumnLayout l;
+  l.columns = columns;
+  l.label = index(label_column, "--label-column");
+  if (input_columns.empty()) {
+    for (std::size_t c = 0; c < l.label; ++c) l.inputs.push_back(c);
+    if (l.inputs.empty())
+      throw Error("'" + source + "': the label column is the first; name the input columns with --input-columns");
+  }
+  for (int c : input_columns) {
+    const std::size_t i = index(c, "--input-columns");
+    if (i == l.label) throw Error("--input-columns names the label column " + std::to_string(i));
+    if (std::find(l.inputs.begin(), l.inputs.end(), i) != l.inputs.end())
+      throw Error("--input-columns names column " + std::to_string(i) + " twice");
+    l.inputs.push_back(i);
+  }
+  return l;
+}
+
+ColumnLayout ColumnLayout::inputs_then_label(std::size_t inputs) {
+  ColumnLayout l;
+  l.columns = inputs + 1;
+  l.label = inputs;
+  for (std::size_t c = 0; c < inputs; ++c) l.inputs.push_back(c);
+  return l;
+}
+
+std::vector<std::size_t> ColumnLayout::ignored() const {
+  std::vector<std::size_t> out;
+  for (std::size_t c = 0; c < columns; ++c)
+    if (c != label && std::find(inputs.begin(), inputs.end(), c) == inputs.end()) out.push_back(c);
+  return out;
+}
+
+std::string ColumnLayout::describe() const {
+  const auto list = [](const std::vector<std::size_t>& v) {
+    std::string s;
+    for (std::size_t c : v) s += (s.empty() ? "" : ",") + std::to_string(c);
+    return s;
+  };
+  std::string s = std::to_string(columns) + " columns: input" + (inputs.size() > 1 ? "s " : " ") + list(inputs) +
+                  ", label " + std::to_string(label);
+  if (const auto skip = ignored(); !skip.empty()) s += ", ignored " + list(skip);
+  return s;
+}
+
+ConllCorpus ColumnLayout::project(const ConllCorpus& corpus, bool* has_labels) const {
+  const bool labelled = corpus.num_columns == columns;
+  if (!labelled && corpus.num_columns + 1 != columns)
+    throw Error("'" + corpus.source + "' has " + std::to_string(corpus.num_columns) + " columns; the model was trained on " +
+                describe() + " (a file without the label column has " + std::to_string(columns - 1) + ")");
+  // Without the label column, the columns after it sit one place to the left.
+  const auto at = [&](std::size_t c) { return labelled || c < label ? c : c - 1; };
+  ConllCorpus out;
+  out.source = corpus.source;
+  out.num_columns = inputs.size() + (labelled ? 1 : 0);
+  out.sentences.reserve(corpus.sentences.size());
+  for (const ConllSentence& s : corpus.sentences) {
+    ConllSentence p;
+    p.first_line = s.first_line;
+    p.rows.reserve(s.rows.size());
+    for (const auto& row : s.rows) {
+      std::vector<std::string> r;
+      r.reserve(out.num_columns);
+      for (std::size_t c : inputs) r.push_back(row[at(c)]);
+      if (labelled) r.push_back(row[label]);
+      p.rows.push_back(std::move(r));
+    }
+    out.sentences.push_back(std::move(p));
+  }
+  if (has_labels) *has_labels = labelled;
+  return out;
+}
 
 CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
                      std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns)
     : labels_(std::move(labels)),
       features_(std::move(features), "feature"),
       extractor_(std::move(extractor)),
-      input_columns_(input_columns) {
+      input_columns_(input_columns),
+      layout_(ColumnLayout::inputs_then_label(input_columns)) {
   if (labels_.empty()) throw Error("a CRF tagger needs at least one label");
   for (std::size_t i = 0; i < labels_.size(); ++i)
     if (!label_ids_.emplace(labels_[i], i).second) throw Error("duplicate label '" + labels_[i] + "'");
@@ -102,6 +213,13 @@ CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> f
 int64_t CrfTagger::label_id(const std::string& label) const {
   const auto it = label_ids_.find(label);
   return it == label_ids_.end() ? -1 : it->second;
+}
+
+void CrfTagger::set_layout(ColumnLayout layout) {
+  if (layout.inputs.size() != input_columns_ || layout.label >= layout.columns)
+    throw Error("a column layout with " + std::to_string(layout.inputs.size()) + " inputs (" + layout.describe() +
+                ") does not fit a model of " + std::to_string(input_columns_) + " input columns");
+  layout_ = std::move(layout);
 }
 
 void CrfTagger::to(const at::Device& device) {
@@ -200,6 +318,7 @@ std::vector<TaggedSentence> CrfTagger::tag(const std::vector<const TokenRows*>& 
                                               sentences.begin() + std::min(sentences.size(), first + kTagChunk));
     const ChainPotentials p = potentials(encode(chunk));
     const ViterbiResult v = viterbi(p);
+    check_some_path(v.score, first);
     const at::Tensor path = v.path.cpu();
     at::Tensor chosen, seq_prob;
     if (with_marginals) {
@@ -223,14 +342,34 @@ std::vector<TaggedSentence> CrfTagger::tag(const std::vector<const TokenRows*>& 
 
 std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
                                                                int64_t k) const {
+  if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
   at::NoGradGuard no_grad;
+  const int64_t K = static_cast<int64_t>(labels_.size());
+  // The k-best tables hold a score and a back-pointer per sentence, position, label and rank (padded to the batch's
+  // longest sentence): batches are cut to stay within kMaxKBestBytes.
+  const auto table_bytes = [&](int64_t sentences_in_batch, int64_t longest) {
+    return static_cast<double>(sentences_in_batch) * longest * K * k * (sizeof(int64_t) + sizeof(double));
+  };
   std::vector<std::vector<TaggedSentence>> out;
   out.reserve(sentences.size());
-  for (std::size_t first = 0; first < sentences.size(); first += kTagChunk) {
-    const std::vector<const TokenRows*> chunk(sentences.begin() + first,
-                                              sentences.begin() + std::min(sentences.size(), first + kTagChunk));
+  for (std::size_t first = 0; first < sentences.size();) {
+    std::size_t last = first;
+    int64_t longest = 0;
+    while (last < sentences.size() && last - first < static_cast<std::size_t>(kTagChunk)) {
+      const int64_t grown = std::max<int64_t>(longest, sentences[last]->size());
+      if (table_bytes(last - first + 1, grown) > kMaxKBestBytes) break;
+      longest = grown;
+      ++last;
+    }
+    if (last == first)
+      throw Error("sentence " + std::to_string(first) + ": " + std::to_string(k) + "-best tables of its " +
+                  std::to_string(sentences[first]->size()) + " tokens and " + std::to_string(K) + " labels need " +
+                  std::to_string(static_cast<int64_t>(table_bytes(1, sentences[first]->size()) / (1 << 20))) +
+                  " MiB, more than the " + std::to_string(kMaxKBestBytes >> 20) + " MiB allowed: ask for fewer");
+    const std::vector<const TokenRows*> chunk(sentences.begin() + first, sentences.begin() + last);
     const ChainPotentials p = potentials(encode(chunk));
     const KBestResult kb = kbest_viterbi(p, k);
+    check_some_path(kb.scores.select(1, 0), first);
     const at::Tensor prob = (kb.scores - log_partition(p).cpu().unsqueeze(1)).exp().to(at::kDouble);
     const auto paths = kb.paths.accessor<int64_t, 3>();
     const auto P = prob.accessor<double, 2>();
@@ -244,6 +383,7 @@ std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<
       }
       out.push_back(std::move(alternatives));
     }
+    first = last;
   }
   return out;
 }
@@ -253,6 +393,9 @@ void CrfTagger::save(const std::string& path) const {
   w.buffer().append(kMagic, sizeof kMagic);
   w.pod<uint32_t>(kFormatVersion);
   w.pod<uint64_t>(input_columns_);
+  w.pod<uint64_t>(layout_.columns);
+  w.pod<uint64_t>(layout_.label);
+  for (std::size_t c : layout_.inputs) w.pod<uint64_t>(c);
   w.str(extractor_->spec());
   w.pod<uint64_t>(labels_.size());
   for (const auto& l : labels_) w.str(l);
@@ -264,37 +407,49 @@ void CrfTagger::save(const std::string& path) const {
 }
 
 CrfTagger CrfTagger::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot open model '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  const std::string data = ss.str();
-  if (data.size() < sizeof kMagic || std::memcmp(data.data(), kMagic, sizeof kMagic) != 0)
+  std::ifstream in = open_input_file(path, "model");
+  // The magic first: a large file that is not a model (or a device) is never read whole.
+  std::string data(sizeof kMagic, '\0');
+  if (!in.read(data.data(), sizeof kMagic) || std::memcmp(data.data(), kMagic, sizeof kMagic) != 0)
     throw Error("'" + path + "' is not a Trellis CRF model");
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) data.append(chunk, in.gcount());
+  if (in.bad()) throw Error("error reading model '" + path + "': " + std::strerror(errno));
   Reader r(data, data.size() - sizeof(uint64_t), path);
   if (data.size() < sizeof kMagic + sizeof(uint32_t) + sizeof(uint64_t)) r.corrupt("truncated");
   r.skip(sizeof kMagic);
   const auto version = r.pod<uint32_t>();
-  if (version != kFormatVersion)
-    throw Error("'" + path + "': model format version " + std::to_string(version) + " is not supported (this Trellis reads version " +
-                std::to_string(kFormatVersion) + ")");
+  if (version != kFormatVersion && version != kFirstFormatVersion)
+    throw Error("'" + path + "': model format version " + std::to_string(version) + " is not supported (this Trellis reads versions " +
+                std::to_string(kFirstFormatVersion) + " to " + std::to_string(kFormatVersion) + ")");
   uint64_t stored;
   std::memcpy(&stored, data.data() + data.size() - sizeof stored, sizeof stored);
   if (stored != fnv1a(data.data(), data.size() - sizeof stored)) r.corrupt("checksum mismatch: truncated or modified");
-  const auto columns = r.pod<uint64_t>();
+  const uint64_t columns = r.count(sizeof(uint64_t), "input column");
+  ColumnLayout layout = ColumnLayout::inputs_then_label(columns);
+  if (version >= 2) {
+    layout.columns = r.pod<uint64_t>();
+    layout.label = r.pod<uint64_t>();
+    if (layout.columns <= columns || layout.label >= layout.columns)
+      r.corrupt("column layout");
+    for (auto& c : layout.inputs) {
+      c = r.pod<uint64_t>();
+      if (c >= layout.columns || c == layout.label) r.corrupt("column layout");
+    }
+  }
   const std::string spec = r.str();
-  std::vector<std::string> labels(r.pod<uint64_t>());
+  std::vector<std::string> labels(r.count(sizeof(uint64_t), "label"));
   for (auto& l : labels) l = r.str();
-  const uint64_t F = r.pod<uint64_t>();
-  if (F > data.size()) r.corrupt("feature count");
+  const uint64_t F = r.count(sizeof(uint64_t), "feature");
   std::vector<std::string> features(F);
   for (auto& f : features) f = r.str();
   CrfTagger m(std::move(labels), std::move(features), FeatureExtractor::from_spec(spec), columns);
+  m.set_layout(std::move(layout));
   const int64_t K = m.labels_.size();
-  m.weights = r.floats({static_cast<int64_t>(F), K});
-  m.transitions = r.floats({K, K});
-  m.start = r.floats({K});
-  m.end = r.floats({K});
+  m.weights = r.floats({static_cast<int64_t>(F), K}, "weights");
+  m.transitions = r.floats({K, K}, "transitions");
+  m.start = r.floats({K}, "start weights");
+  m.end = r.floats({K}, "end weights");
   if (!r.done()) r.corrupt("trailing bytes");
   return m;
 }

@@ -1,9 +1,9 @@
 // Feature templates in CRF++'s format: "U<id>:<text with %x[row,col] macros>" lines expand to one observation
 // feature string per token; a plain "B" line asks for label bigrams, which Trellis' CRF always models.
 #include <cctype>
-#include <fstream>
 #include <sstream>
 
+#include "input_file.h"
 #include "trellis/crf_features.h"
 #include "trellis/error.h"
 
@@ -20,17 +20,27 @@ struct Piece {
 
 using UnigramTemplate = std::vector<Piece>;
 
-// Parses the integer at text[pos...] (optional sign), advancing pos.
+// Far beyond any useful context or column; larger numbers in a macro are an error rather than an overflow.
+constexpr long kMaxMacroIndex = 100000;
+constexpr std::size_t kMaxTemplateBytes = 1 << 24;
+
+// Parses the integer at text[pos...] (optional sign), advancing pos. False when there are no digits or the value is
+// beyond ±kMaxMacroIndex.
 bool parse_int(const std::string& text, std::size_t& pos, long& out) {
   const std::size_t start = pos;
+  const bool negative = pos < text.size() && text[pos] == '-';
   if (pos < text.size() && (text[pos] == '-' || text[pos] == '+')) ++pos;
   const std::size_t digits = pos;
-  while (pos < text.size() && std::isdigit(static_cast<unsigned char>(text[pos]))) ++pos;
+  long value = 0;
+  for (; pos < text.size() && std::isdigit(static_cast<unsigned char>(text[pos])); ++pos) {
+    value = value * 10 + (text[pos] - '0');
+    if (value > kMaxMacroIndex) return false;
+  }
   if (pos == digits) {
     pos = start;
     return false;
   }
-  out = std::stol(text.substr(start, pos - start));
+  out = negative ? -value : value;
   return true;
 }
 
@@ -38,15 +48,21 @@ UnigramTemplate parse_unigram(const std::string& text, const std::string& source
   UnigramTemplate pieces;
   std::string literal;
   for (std::size_t pos = 0; pos < text.size();) {
-    if (text.compare(pos, 3, "%x[") != 0) {
+    if (text[pos] != '%') {
       literal += text[pos++];
       continue;
     }
+    // As in CRF++, '%' always starts a macro, and %x[row,column] is the only one a unigram template can use
+    // (%y[...] would read the labels, which only CRF++'s bigram templates may).
+    if (text.compare(pos, 3, "%x[") != 0)
+      throw ParseError(source, line, "unsupported macro at '" + text.substr(pos, 4) + "' in '" + text +
+                                         "': '%' must start %x[row,column]");
     std::size_t p = pos + 3;
     long row = 0, col = 0;
     if (!parse_int(text, p, row) || p >= text.size() || text[p++] != ',' || !parse_int(text, p, col) ||
         p >= text.size() || text[p++] != ']')
-      throw ParseError(source, line, "malformed macro in '" + text + "': expected %x[row,column] with integers");
+      throw ParseError(source, line, "malformed macro in '" + text + "': expected %x[row,column] with integers within ±" +
+                                         std::to_string(kMaxMacroIndex));
     if (col < 0) throw ParseError(source, line, "negative column in '" + text + "'");
     pieces.push_back({literal, true, static_cast<int>(row), static_cast<std::size_t>(col), line});
     literal.clear();
@@ -69,9 +85,9 @@ class TemplateFeatures final : public FeatureExtractor {
       if (t[0] == 'U') {
         units_.push_back(parse_unigram(t, source, line));
       } else if (t[0] == 'B') {
-        if (t.find("%x[") != std::string::npos)
+        if (t.find('%') != std::string::npos)
           throw ParseError(source, line,
-                           "bigram templates with %x macros are not supported; a plain 'B' line is enough (label "
+                           "bigram templates with macros are not supported; a plain 'B' line is enough (label "
                            "bigrams are always modelled)");
       } else {
         throw ParseError(source, line, "expected a 'U...' (unigram) or 'B' (bigram) template, found '" + t + "'");
@@ -122,11 +138,7 @@ std::unique_ptr<FeatureExtractor> crfpp_template_features(const std::string& tex
 }
 
 std::unique_ptr<FeatureExtractor> load_crfpp_template(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot open template '" + path + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return crfpp_template_features(text.str(), path);
+  return crfpp_template_features(read_input_file(path, "template", kMaxTemplateBytes), path);
 }
 
 }  // namespace trellis

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "trellis/conll.h"
 #include "trellis/crf_features.h"
 #include "trellis/linear_chain_crf.h"
 #include "trellis/string_index.h"
@@ -29,6 +30,29 @@ struct EncodedBatch {
 EncodedBatch assemble_batch(const std::vector<const std::vector<int64_t>*>& ids,
                             const std::vector<const std::vector<int64_t>*>& counts, const std::vector<int64_t>& tags);
 
+// Where a model's data sit in a CoNLL file: the file's number of columns, the label column, and the input columns the
+// features read, in that order. Every other column is ignored, by name: a second tag column (XPOS beside UPOS) must
+// never become an input by accident, where it would give the answer away.
+struct ColumnLayout {
+  std::size_t columns = 0;          // of the training file
+  std::size_t label = 0;            // the label column
+  std::vector<std::size_t> inputs;  // the input columns
+
+  // label_column and input_columns count from the end when negative. Without input_columns, the inputs are the
+  // columns before the label column. Errors name `source` (the file the layout is for).
+  static ColumnLayout resolve(std::size_t columns, int label_column, const std::vector<int>& input_columns,
+                              const std::string& source);
+  // Input columns 0..n-1, then the label: the layout of every model written before layouts were stored.
+  static ColumnLayout inputs_then_label(std::size_t inputs);
+  std::vector<std::size_t> ignored() const;
+  std::string describe() const;  // e.g. "3 columns: inputs 0, label 1, ignored 2"
+
+  // The corpus with each row reduced to the input columns, followed by the label when the file has it. The file
+  // must have `columns` columns (as in training) or one fewer (the same without the label column); any other count
+  // is an Error naming it. *has_labels (when given) tells which.
+  ConllCorpus project(const ConllCorpus& corpus, bool* has_labels = nullptr) const;
+};
+
 struct TaggedSentence {
   std::vector<std::string> labels;   // best label sequence
   std::vector<double> marginals;     // P(y_t = labels[t] | x) per token, when asked for
@@ -45,6 +69,9 @@ class CrfTagger {
   const std::vector<std::string>& features() const { return features_.keys(); }
   const FeatureExtractor& extractor() const { return *extractor_; }
   std::size_t input_columns() const { return input_columns_; }
+  // The CoNLL layout of the training data (stored in the model file); inputs_then_label(input_columns()) until set.
+  const ColumnLayout& layout() const { return layout_; }
+  void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
   int64_t label_id(const std::string& label) const;  // -1 when unknown
 
   // Parameters, float32 on CPU unless moved with to(): weights [F,K], transitions [K,K], start [K], end [K].
@@ -59,13 +86,17 @@ class CrfTagger {
   // Chain potentials of an encoded batch, differentiable in the parameters, on the parameters' device.
   ChainPotentials potentials(const EncodedBatch& batch) const;
 
+  // A sentence that no label sequence can take (every path has a weight of -inf) is an Error naming it.
   std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
   // The k most probable label sequences of each sentence, best first, each with its probability (no marginals);
-  // fewer when a sentence has fewer label sequences.
+  // fewer when a sentence has fewer label sequences. k >= 1; an Error when one sentence's k-best tables alone would
+  // exceed kMaxKBestBytes.
+  static constexpr int64_t kMaxKBestBytes = int64_t{1} << 30;
   std::vector<std::vector<TaggedSentence>> tag_kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const;
 
   // Model file: self-describing (magic, format version, labels, feature set, dictionary, weights, checksum),
-  // written to a temporary file and renamed. Loading a corrupt, truncated or foreign file is an Error naming it.
+  // written to a temporary file and renamed. Loading a corrupt, truncated or foreign file is an Error naming it, and
+  // so are weights that are not finite and counts the file's length cannot hold.
   void save(const std::string& path) const;
   static CrfTagger load(const std::string& path);
 
@@ -75,6 +106,7 @@ class CrfTagger {
   StringIndex features_;
   std::unique_ptr<FeatureExtractor> extractor_;
   std::size_t input_columns_;
+  ColumnLayout layout_;
 };
 
 }  // namespace trellis
