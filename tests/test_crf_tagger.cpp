@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -304,4 +305,136 @@ TEST(CrfTagger, FeatureCutOffAndThreadCountGiveTheSameDictionaryAndModel) {
   at::set_num_threads(threads);
   for (std::size_t i = 1; i < models.size(); ++i)
     EXPECT_TRUE(at::allclose(models[i].weights, models[0].weights, 1e-5, 1e-6));
+}
+
+namespace {
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// The model files' checksum (FNV-1a over everything before it), for files crafted by the tests.
+std::string with_checksum(std::string body) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : body) h = (h ^ c) * 1099511628211ull;
+  body.append(reinterpret_cast<const char*>(&h), sizeof h);
+  return body;
+}
+
+}  // namespace
+
+TEST(CrfTagger, ColumnLayoutTravelsWithTheModel) {
+  CrfTagger m = train_toy(nullptr, 2);
+  // The toy data's two input columns read from a file "word POS label CHUNK": label column 2, column 3 ignored.
+  const ColumnLayout layout = ColumnLayout::resolve(4, 2, {}, "file");
+  EXPECT_EQ(layout.describe(), "4 columns: inputs 0,1, label 2, ignored 3");
+  m.set_layout(layout);
+  const std::string path = temp_path("layout.crf");
+  m.save(path);
+  const CrfTagger l = CrfTagger::load(path);
+  EXPECT_EQ(l.layout().describe(), layout.describe());
+  std::remove(path.c_str());
+  EXPECT_THROW(m.set_layout(ColumnLayout::resolve(4, 2, {0}, "file")), Error);  // one input, the model has two
+
+  ConllCorpus file{"file", 4, {{{{"the", "DT", "B-NP", "x"}, {"cat", "NN", "I-NP", "y"}}, 1}}};
+  bool has_labels = false;
+  ConllCorpus p = layout.project(file, &has_labels);
+  EXPECT_TRUE(has_labels);
+  EXPECT_EQ(p.sentences[0].rows[1], (std::vector<std::string>{"cat", "NN", "I-NP"}));
+  // Without the label column the ignored column moves one place left; it is still not read.
+  file.num_columns = 3;
+  for (auto& row : file.sentences[0].rows) row.erase(row.begin() + 2);
+  p = layout.project(file, &has_labels);
+  EXPECT_FALSE(has_labels);
+  EXPECT_EQ(p.sentences[0].rows[1], (std::vector<std::string>{"cat", "NN"}));
+  file.num_columns = 2;
+  EXPECT_THROW(layout.project(file), Error);
+
+  // Explicit inputs may come after the label; the label is never an input.
+  EXPECT_EQ(ColumnLayout::resolve(4, 1, {0, -1}, "f").describe(), "4 columns: inputs 0,3, label 1, ignored 2");
+  EXPECT_THROW(ColumnLayout::resolve(4, 1, {1}, "f"), Error);
+  EXPECT_THROW(ColumnLayout::resolve(4, 0, {}, "f"), Error);  // nothing before the label: inputs must be named
+  EXPECT_THROW(ColumnLayout::resolve(4, 4, {}, "f"), Error);
+}
+
+TEST(CrfTagger, ModelsOfTheFirstFormatStillLoad) {
+  const CrfTagger m = train_toy(nullptr, 2);
+  const std::string path = temp_path("v1.crf");
+  m.save(path);
+  std::string bytes = read_bytes(path);
+  // Version 1 is version 2 without the layout (columns, label, one index per input) after the input-column count.
+  const uint32_t v1 = 1;
+  std::memcpy(&bytes[8], &v1, sizeof v1);
+  const std::size_t layout_at = 8 + 4 + 8, layout_bytes = 8 * (2 + m.input_columns());
+  bytes = with_checksum(bytes.substr(0, layout_at) + bytes.substr(layout_at + layout_bytes, bytes.size() - layout_at - layout_bytes - 8));
+  write_bytes(path, bytes);
+  const CrfTagger l = CrfTagger::load(path);
+  EXPECT_EQ(l.layout().describe(), "3 columns: inputs 0,1, label 2");
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(l.parameters()[i], m.parameters()[i]));
+  std::remove(path.c_str());
+}
+
+TEST(CrfTagger, HostileModelFilesAreRejectedBeforeTheyAllocate) {
+  const CrfTagger m = train_toy(nullptr, 2);
+  const std::string path = temp_path("hostile.crf");
+  m.save(path);
+  const std::string good = read_bytes(path);
+  const auto expect_corrupt = [&](const std::string& bytes, const std::string& needle) {
+    write_bytes(path, bytes);
+    try {
+      CrfTagger::load(path);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // The label count sits after the layout and the feature-set spec.
+  const std::size_t spec_at = 8 + 4 + 8 + 8 * (2 + m.input_columns());
+  uint64_t spec_bytes;
+  std::memcpy(&spec_bytes, &good[spec_at], 8);
+  std::string huge = good.substr(0, good.size() - 8);
+  const uint64_t labels = 100000000;
+  std::memcpy(&huge[spec_at + 8 + spec_bytes], &labels, 8);
+  expect_corrupt(with_checksum(huge), "label count 100000000 exceeds the file");
+  // A NaN, +inf or -inf weight (the last end weight) would make every probability NaN.
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::string w = good.substr(0, good.size() - 8);
+    std::memcpy(&w[w.size() - 4], &bad, 4);
+    expect_corrupt(with_checksum(w), "end weights entry " + std::to_string(m.labels().size() - 1) + " is not finite");
+  }
+  std::remove(path.c_str());
+}
+
+TEST(CrfTagger, ASentenceThatNoLabelSequenceCanTakeIsAnError) {
+  CrfTagger m = train_toy(nullptr, 2);
+  const LabeledSentences dev = toy_corpus(3, 4);
+  m.transitions.fill_(-std::numeric_limits<float>::infinity());  // sentences of one token still have paths
+  try {
+    m.tag(pointers(dev), true);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sentence 0: the model allows no label sequence"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(m.tag_kbest(pointers(dev), 2), Error);
+}
+
+TEST(CrfTagger, KBestStaysWithinItsMemoryBound) {
+  const CrfTagger m = train_toy(nullptr, 5);
+  const LabeledSentences dev = toy_corpus(40, 5);
+  const int64_t K = m.labels().size();
+  // k so large that one sentence's tables exceed the bound: an error naming it, before any allocation.
+  try {
+    m.tag_kbest(pointers(dev), CrfTagger::kMaxKBestBytes / K);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sentence 0: "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("ask for fewer"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(m.tag_kbest(pointers(dev), 0), Error);
 }
