@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "trellis/atomic_file.h"
 #include "trellis/error.h"
+#include "trellis/version.h"
 
 namespace {
 
@@ -33,7 +34,8 @@ int run(const std::vector<std::string>& args) {
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "--version") {
-    std::cout << "trellis " << TRELLIS_VERSION << "\n";
+    std::cout << "trellis " << TRELLIS_VERSION_STRING << " (LibTorch " << TRELLIS_TORCH_VERSION_STRING
+              << (TRELLIS_CUDA_KERNELS ? ", CUDA kernels" : ", CPU only") << ")\n";
     return 0;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());
