@@ -1,27 +1,46 @@
 #!/usr/bin/env bash
-# Build Trellis on the GPU machine and run the GPU tests, compute-sanitizer and the benchmarks, in one command.
+# Build Trellis on the GPU machine and run the GPU tests, compute-sanitizer (memcheck, racecheck, synccheck) and the
+# benchmarks, in one command.
 # The machine has LibTorch (python3's torch), HDF5, GoogleTest and nvcc; Boost.Program_options travels as .deb
 # files in .gpu-debs/ (fetch them once with scripts/fetch_gpu_debs.sh and carry that folder).
-# Usage there: bash scripts/gpu_check.sh [bench args...] (then the HMM throughput runs, scripts/hmm_bench.sh, unless
-# TRELLIS_HMM_BENCH=0). Logs go to $OUT (or /tmp/trellis-gpu). While working on one kernel, TRELLIS_GPU_FILTER (a
-# GoogleTest filter, default *Cuda*) narrows the CUDA tests and memcheck, and TRELLIS_GPU_CTEST=0 skips the full ctest.
+# Usage there: bash scripts/gpu_check.sh [sanitize|bench] [bench args...]
+#   no mode    everything: build, the whole ctest suite, the CUDA tests, the three sanitizers, the benchmarks
+#              (bench args, default all) and the HMM throughput runs (scripts/hmm_bench.sh, unless TRELLIS_HMM_BENCH=0)
+#   sanitize   build, the CUDA tests and the three sanitizers: no ctest, no benchmarks
+#   bench      build, the whole ctest suite, the CUDA tests and the benchmarks: no sanitizers
+# Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
+# Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
+# when any step failed (the benchmarks still run after a failure). While working on one kernel, TRELLIS_GPU_FILTER (a
+# GoogleTest filter, default *Cuda*) narrows the CUDA tests and the sanitizers, and TRELLIS_GPU_CTEST=0/1 skips or
+# runs the full ctest whatever the mode.
+# memcheck runs every test the filter selects. racecheck and synccheck, 10-100 times slower on shared memory, skip
+# the head's large-shape tests (LinearCrossEntropyCuda.*): LinearCrossEntropySmallCuda.* reaches the same kernels at
+# small shapes (TRELLIS_GPU_SANITIZE_FILTER replaces their filter). Each sanitizer stops after
+# TRELLIS_SANITIZER_TIMEOUT seconds (default 240), which counts as a failure.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
+cd "$root" || exit 1
+mode=all
+case "${1:-}" in
+  sanitize | bench) mode=$1; shift ;;
+esac
 out="${OUT:-/tmp/trellis-gpu}"
 mkdir -p "$out"
 sysroot=/tmp/trellis-sysroot
 build=/tmp/trellis-build-gpu
-status=0
+failed=()
+step_rc=0
 step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember failure
   local name=$1
   shift
   echo "=== $name: $*"
   local t0=$SECONDS
-  if "$@" >"$out/$name.log" 2>&1; then echo "--- $name ok ($((SECONDS - t0)) s)"; else
-    echo "--- $name FAILED ($((SECONDS - t0)) s); tail of $name.log:"
+  "$@" >"$out/$name.log" 2>&1
+  step_rc=$?
+  if [ "$step_rc" = 0 ]; then echo "--- $name ok ($((SECONDS - t0)) s)"; else
+    echo "--- $name FAILED (exit $step_rc, $((SECONDS - t0)) s); tail of $name.log:"
     tail -n 40 "$out/$name.log"
-    status=1
+    failed+=("$name")
   fi
 }
 
@@ -30,26 +49,54 @@ for f in .gpu-debs/*.deb; do dpkg -x "$f" "$sysroot"; done
 export LD_LIBRARY_PATH="$sysroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 torch_prefix="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "mode: $mode"
 
 rm -rf "$build"  # a stale cache silently keeps old paths
 step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr"
 step build cmake --build "$build" -j "$(nproc)"
-if [ "${TRELLIS_GPU_CTEST:-1}" = 1 ]; then
+ctest_default=1
+[ "$mode" = sanitize ] && ctest_default=0
+if [ "${TRELLIS_GPU_CTEST:-$ctest_default}" = 1 ]; then
   step ctest ctest --test-dir "$build" --output-on-failure -j 4
   grep -E "tests passed|tests failed" "$out/ctest.log"
 fi
 filter="${TRELLIS_GPU_FILTER:-*Cuda*}"
 step gpu_tests "$build/tests/trellis_tests" --gtest_filter="$filter"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/gpu_tests.log"
-step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$build/tests/trellis_tests" --gtest_filter="$filter"
-tail -n 3 "$out/memcheck.log"
-if [ -x "$build/apps/trellis" ] && "$build/apps/trellis" bench --help >/dev/null 2>&1; then
-  step bench "$build/apps/trellis" bench "${@:-all}" --device cuda --json "$out/bench.json"
-  cat "$out/bench.log"
+
+if [ "$mode" != bench ]; then
+  # The filter's own negative patterns, if any, stand; otherwise the head's large-shape tests are left out.
+  case "$filter" in
+    *-*) sanitize_filter=$filter ;;
+    *) sanitize_filter="$filter-LinearCrossEntropyCuda.*" ;;
+  esac
+  sanitize_filter="${TRELLIS_GPU_SANITIZE_FILTER:-$sanitize_filter}"
+  sanitizer_timeout="${TRELLIS_SANITIZER_TIMEOUT:-240}"
+  for tool in memcheck racecheck synccheck; do
+    tool_filter=$sanitize_filter
+    [ "$tool" = memcheck ] && tool_filter=$filter
+    step "$tool" timeout -k 30 "$sanitizer_timeout" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      "$build/tests/trellis_tests" --gtest_filter="$tool_filter"
+    [ "$step_rc" = 124 ] || [ "$step_rc" = 137 ] && echo "$tool: stopped after $sanitizer_timeout s"
+    summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK) SUMMARY" "$out/$tool.log" | tr -s '= ' ' ' | paste -sd ';' -)
+    echo "$tool summary:${summary:- none in $tool.log (the run did not finish)}"
+    grep -E "^\[  (PASSED|FAILED) " "$out/$tool.log"
+  done
 fi
-if [ -x "$build/apps/trellis" ] && [ "${TRELLIS_HMM_BENCH:-1}" = 1 ]; then
-  step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
-  cat "$out/hmm_bench.log"
+
+if [ "$mode" != sanitize ]; then
+  if [ -x "$build/apps/trellis" ] && "$build/apps/trellis" bench --help >/dev/null 2>&1; then
+    step bench "$build/apps/trellis" bench "${@:-all}" --device cuda --json "$out/bench.json"
+    cat "$out/bench.log"
+  fi
+  if [ -x "$build/apps/trellis" ] && [ "${TRELLIS_HMM_BENCH:-1}" = 1 ]; then
+    step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
+    cat "$out/hmm_bench.log"
+  fi
 fi
-exit $status
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "=== FAILED steps: ${failed[*]} ($SECONDS s in all)"
+  exit 1
+fi
+echo "=== every step ok ($SECONDS s in all)"

@@ -1,6 +1,11 @@
 // The LLM head against a float64 reference that materialises the logits: values, gradients, every option, awkward
-// shapes, several slabs, bad input; on a GPU, the CUDA path against the CPU one and its memory bound.
+// shapes, several slabs, bad input; on a GPU, the CUDA path against the reference and its memory bound, and small
+// shapes that reach every head kernel quickly enough for compute-sanitizer (LinearCrossEntropySmallCuda).
 #include <c10/core/GradMode.h>
+
+#include <array>
+#include <optional>
+#include <string>
 
 #include "test_util.h"
 #include "trellis/linear_cross_entropy.h"
@@ -73,19 +78,28 @@ HeadOptions head_of(const Inputs& in, const Case& c, int64_t chunk_bytes) {
 double tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 1e-4; }
 double grad_tolerance(at::ScalarType t) { return t == at::kDouble ? 1e-10 : t == at::kFloat ? 2e-5 : 2e-2; }
 
-// Loss and gradients against the reference; chunk_bytes small enough for several slabs of rows (or, recomputing the
-// logits, a small slab of a few columns for what dW's unwritten rows cannot hold).
-void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = false) {
-  SCOPED_TRACE(c10::str("N=", c.N, " D=", c.D, " V=", c.V, " ", c.dtype, " bias=", c.bias, " softcap=",
-                        c.softcap.value_or(0), " ls=", c.label_smoothing, " z=", c.z_loss,
-                        " reduction=", int(c.reduction), " ignore=", c.ignore_some, " ", device,
-                        " recompute=", recompute));
+// Five rows of float32 logits per slab: several slabs for the tests' row counts.
+int64_t five_rows(const Case& c) { return c.V * 4 * 5; }
+
+std::string describe(const Case& c) {
+  return c10::str("N=", c.N, " D=", c.D, " V=", c.V, " ", c.dtype, " bias=", c.bias, " softcap=", c.softcap.value_or(0),
+                  " ls=", c.label_smoothing, " z=", c.z_loss, " reduction=", int(c.reduction),
+                  " ignore=", c.ignore_some, " ignore_index=", c.ignore_index);
+}
+
+// Loss and gradients against the reference; chunk_bytes (default five_rows) small enough for several slabs of rows
+// (or, recomputing the logits, a small slab of a few columns for what dW's unwritten rows cannot hold). want: which of
+// x, W and the bias take gradients (the others are frozen and must get none).
+void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = false,
+                std::optional<int64_t> chunk_bytes = std::nullopt, std::array<bool, 3> want = {true, true, true}) {
+  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute, " chunk_bytes=",
+                        chunk_bytes.value_or(five_rows(c)), " want=", want[0], want[1], want[2]));
   Inputs in = random_inputs(c, device);
-  for (at::Tensor* p : {&in.x, &in.w, &in.b})
-    if (p->defined()) p->requires_grad_();
-  const int64_t chunk = c.V * 4 * 5;  // five rows per slab
+  const std::array<at::Tensor*, 3> inputs = {&in.x, &in.w, &in.b};
+  for (int k = 0; k < 3; ++k)
+    if (want[k] && inputs[k]->defined()) inputs[k]->requires_grad_();
   LossOptions lo{c.reduction, c.label_smoothing, c.z_loss};
-  HeadOptions head = head_of(in, c, chunk);
+  HeadOptions head = head_of(in, c, chunk_bytes.value_or(five_rows(c)));
   head.recompute_logits = recompute;
   const at::Tensor loss = linear_cross_entropy(in.x, in.w, in.t, head, lo);
   Inputs ref{in.x.detach().cpu().to(at::kDouble).requires_grad_(), in.w.detach().cpu().to(at::kDouble).requires_grad_(),
@@ -101,9 +115,36 @@ void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = fa
     const double gt = grad_tolerance(c.dtype), scale = expected.abs().max().item<double>();
     expect_close(actual, expected, gt, gt * scale);
   };
-  expect_grad(in.x.grad(), ref.x.grad());
-  expect_grad(in.w.grad(), ref.w.grad());
-  if (c.bias) expect_grad(in.b.grad(), ref.b.grad());
+  const std::array<at::Tensor*, 3> expected_inputs = {&ref.x, &ref.w, &ref.b};
+  for (int k = 0; k < 3; ++k) {
+    if (!inputs[k]->defined()) continue;
+    if (want[k]) expect_grad(inputs[k]->grad(), expected_inputs[k]->grad());
+    else EXPECT_FALSE(inputs[k]->grad().defined()) << "a gradient for frozen input " << k;
+  }
+}
+
+// Everything without gradients against the reference: token log-probabilities with and without the entropy, each
+// row's log-sum-exp, and the loss (c.reduction) under NoGradGuard.
+void check_rows(const Case& c, at::Device device, bool recompute, std::optional<int64_t> chunk_bytes = std::nullopt) {
+  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute, " chunk_bytes=",
+                        chunk_bytes.value_or(five_rows(c))));
+  const Inputs in = random_inputs(c, device);
+  HeadOptions h = head_of(in, c, chunk_bytes.value_or(five_rows(c)));
+  h.recompute_logits = recompute;
+  const Inputs ref{in.x.cpu().to(at::kDouble), in.w.cpu().to(at::kDouble),
+                   c.bias ? in.b.cpu().to(at::kDouble) : at::Tensor(), in.t.cpu()};
+  const at::Tensor z = reference_logits(ref, c.softcap), logp = at::log_softmax(z, 1);
+  const at::Tensor valid = ref.t != c.ignore_index;
+  const at::Tensor target_logp = logp.gather(1, at::where(valid, ref.t, 0).unsqueeze(1)).squeeze(1) * valid;
+  const double tol = tolerance(c.dtype);
+  const TokenLogprobs with_entropy = token_logprobs(in.x, in.w, in.t, h, true);
+  expect_close(with_entropy.logprobs, target_logp, tol, tol);
+  expect_close(with_entropy.entropy, -(logp.exp() * logp).sum(1), tol, tol);
+  expect_close(token_logprobs(in.x, in.w, in.t, h).logprobs, target_logp, tol, tol);
+  expect_close(linear_logsumexp(in.x, in.w, h), at::logsumexp(z, 1), tol, tol);
+  c10::NoGradGuard no_grad;
+  const LossOptions lo{c.reduction, c.label_smoothing, c.z_loss};
+  expect_close(linear_cross_entropy(in.x, in.w, in.t, h, lo), reference_loss(ref, c), tol, tol);
 }
 
 TEST(LinearCrossEntropy, MatchesMaterialisedReferenceForEveryOption) {
@@ -378,6 +419,137 @@ TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
   EXPECT_LT(recomputed32, 2 * grads + 2 * N * 2048 + 64 * N)
       << "float32 forward+backward peak with recomputed logits " << recomputed32 << " bytes";
 #endif
+}
+
+// Small shapes for compute-sanitizer: scripts/gpu_check.sh runs LinearCrossEntropySmallCuda.* under memcheck, racecheck
+// and synccheck, where the tests above take too long. Together they launch every head kernel from every place the
+// library does, at a few rows and columns each (the comments name the kernels of cuda/linear_head.cu and
+// cuda/linear_lse_sm90.cu and the paths of lib/src/linear_cross_entropy.cpp that each case reaches on an H100/H200).
+
+// The fused Hopper kernel's statistics (bfloat16/float16 with D % 8 == 0), through token_logprobs with and without the
+// entropy, linear_logsumexp (no targets) and the loss without gradients (extra sums for label smoothing): V = 1; whole
+// 256-column tiles with neither bias nor soft-cap (no tile preparation); a vocabulary edge; a K tail (D % 64 != 0);
+// more k-blocks than ring stages; N = 3 (the cluster's second CTA has no rows), N = 200 (both have some) and N = 300
+// (two row blocks); an ignore_index inside the vocabulary.
+TEST(LinearCrossEntropySmallCuda, FusedStatistics) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(21);
+  check_rows({3, 8, 1, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::none, false}, at::kCUDA, false);
+  check_rows({5, 16, 512, at::kHalf, false, std::nullopt, 0, 0, Reduction::mean, false}, at::kCUDA, false);
+  check_rows({200, 72, 1031, at::kBFloat16, true, 30.0, 0.2, 1e-3, Reduction::none, true}, at::kCUDA, false);
+  check_rows({300, 320, 600, at::kHalf, true, std::nullopt, 0.1, 0, Reduction::mean, true, 0}, at::kCUDA, false);
+}
+
+// Statistics without the fused kernel (float32, float64, and 16-bit inputs with D % 8 != 0): slabs of five rows
+// (slab_stats), and with recompute_logits a chunk of columns at a time (chunked_stats; the entropy still goes by
+// slabs).
+TEST(LinearCrossEntropySmallCuda, SlabAndChunkedStatistics) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(22);
+  for (const bool recompute : {false, true}) {
+    check_rows({13, 7, 97, at::kFloat, true, 2.5, 0.1, 1e-3, Reduction::none, true}, at::kCUDA, recompute);
+    check_rows({13, 9, 61, at::kDouble, false, std::nullopt, 0, 0, Reduction::mean, true}, at::kCUDA, recompute);
+    check_rows({13, 7, 97, at::kBFloat16, true, std::nullopt, 0.1, 0, Reduction::none, true}, at::kCUDA, recompute);
+    check_rows({13, 12, 61, at::kHalf, false, 3.0, 0, 0, Reduction::mean, false, 5}, at::kCUDA, recompute);
+  }
+}
+
+// Training by slabs of five rows (head_gradients), every input type. A reduced loss forms each slab's log-sum-exp and
+// gradient in one read (logit_gradient_in_place_kernel with form_lse, clusters of 8 blocks; for 16-bit inputs dz in
+// the first half of each float32 row). Reduction none forwards without gradients (the fused kernel for 16-bit inputs
+// with D % 8 == 0) and its backward gets the log-sum-exp: logit_gradient_kernel over the slab for float32/float64,
+// logit_gradient_in_place_kernel without form_lse (one block per row) for 16-bit inputs.
+TEST(LinearCrossEntropySmallCuda, SlabGradients) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(23);
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
+    check_case({13, 8, 97, dtype, true, 4.0, 0.1, 1e-3, Reduction::mean, true}, at::kCUDA);
+    check_case({13, 8, 97, dtype, true, 4.0, 0.1, 1e-3, Reduction::none, true, 3}, at::kCUDA);
+    check_case({11, 7, 61, dtype, false, std::nullopt, 0, 0, Reduction::sum, false}, at::kCUDA);
+  }
+}
+
+// Vocabularies wider than the kernels' single-pass shapes, with a few rows: logit_gradient_kernel's grid striding over
+// more columns than 64 blocks of 256 threads; logit_gradient_in_place_kernel without form_lse in clusters of two
+// blocks (a float32 row over one block's shared memory); the fused kernel with several work units per persistent
+// block (more than 66 clusters' worth on 132 SMs). Where not even 8 blocks' shared memory holds a float32 row, the
+// log-sum-exp comes from a separate reduction and the 16-bit dz from logit_gradient_kernel into its own buffer.
+TEST(LinearCrossEntropySmallCuda, WideVocabularies) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(24);
+  check_case({3, 8, 60013, at::kBFloat16, true, 10.0, 0.1, 1e-4, Reduction::none, true}, at::kCUDA);
+  // float64: float32 sums over 60013 columns round beyond the float32 tolerance.
+  check_case({3, 8, 60013, at::kDouble, false, std::nullopt, 0, 0, Reduction::none, false}, at::kCUDA);
+  check_case({2, 8, 480001, at::kBFloat16, false, std::nullopt, 0.1, 0, Reduction::mean, false}, at::kCUDA);
+  check_case({2, 8, 480001, at::kHalf, true, std::nullopt, 0, 1e-4, Reduction::sum, false}, at::kCUDA);
+  check_rows({2, 8, 60013, at::kBFloat16, true, 10.0, 0.1, 0, Reduction::none, false}, at::kCUDA, false);
+}
+
+// Training with recompute_logits (recomputed_gradients). With 16-bit inputs and D % 8 == 0 the fused kernel writes each
+// chunk's dz on its tiles (odd chunk widths: unpaired stores; N = 300: two row blocks; a chunk of 1016 columns: several
+// tiles); otherwise a GEMM writes the chunk's logits and logit_gradient_kernel (float32/float64) or
+// logit_gradient_in_place_kernel (16-bit, at a column offset) turns them into dz. The chunks' slabs take every place:
+// dW's unwritten rows, dx's buffer and the small slab; for 16-bit inputs dx's float32 sum in dW's last rows (whose
+// chunks run twice) or in a buffer of its own; and only one input's gradient wanted.
+TEST(LinearCrossEntropySmallCuda, RecomputedGradients) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(25);
+  // Fused: dx's sum in dW's last rows, chunks in dW's rows and the small slab.
+  check_case({16, 48, 211, at::kBFloat16, true, 4.0, 0.1, 1e-3, Reduction::mean, true}, at::kCUDA, true);
+  // Fused: dx's sum in its own buffer, chunks in dW's rows and dx's buffer.
+  check_case({16, 32, 61, at::kHalf, true, std::nullopt, 0.1, 0, Reduction::none, true}, at::kCUDA, true);
+  // Fused: the small slab and dx's buffer.
+  check_case({11, 8, 37, at::kBFloat16, false, 2.0, 0, 1e-3, Reduction::sum, false}, at::kCUDA, true);
+  // Fused: two row blocks; a chunk of 1016 columns (four tiles, two work units) in the small slab.
+  check_case({300, 16, 100, at::kHalf, true, std::nullopt, 0, 0, Reduction::mean, true}, at::kCUDA, true,
+             int64_t(1) << 30);
+  check_case({5, 16, 1031, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::none, true}, at::kCUDA, true,
+             int64_t(1) << 30);
+  // GEMM chunks, 16-bit with D % 8 != 0: dx's sum in dW's last rows; then in its own buffer.
+  check_case({13, 47, 61, at::kBFloat16, true, 4.0, 0.1, 1e-3, Reduction::mean, true}, at::kCUDA, true);
+  check_case({8, 23, 37, at::kHalf, false, std::nullopt, 0, 0, Reduction::none, true}, at::kCUDA, true);
+  // GEMM chunks, float32/float64: dW's rows and the small slab.
+  check_case({5, 48, 37, at::kFloat, true, 1.5, 0.1, 1e-3, Reduction::mean, true}, at::kCUDA, true);
+  check_case({5, 8, 37, at::kDouble, false, std::nullopt, 0.1, 0, Reduction::none, false}, at::kCUDA, true);
+  // One gradient: dx alone (its buffer and the small slab; its buffer only), dW alone, the bias alone (the small slab).
+  const Case fused_small{11, 8, 37, at::kBFloat16, true, std::nullopt, 0.1, 0, Reduction::mean, true};
+  check_case(fused_small, at::kCUDA, true, std::nullopt, {true, false, false});
+  check_case({5, 48, 37, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::mean, true}, at::kCUDA, true,
+             std::nullopt, {true, false, false});
+  check_case({11, 64, 61, at::kBFloat16, false, 3.0, 0, 0, Reduction::mean, true}, at::kCUDA, true, std::nullopt,
+             {false, true, false});
+  check_case(fused_small, at::kCUDA, true, std::nullopt, {false, false, true});
+  check_case({5, 8, 37, at::kFloat, true, std::nullopt, 0, 0, Reduction::mean, true}, at::kCUDA, true, std::nullopt,
+             {true, false, true});
+}
+
+// Every target ignored: each row's weight g is 0 in every gradient kernel. The mean is NaN (as in PyTorch), the rows
+// and the gradients are zero.
+TEST(LinearCrossEntropySmallCuda, EveryTargetIgnored) {
+  TRELLIS_REQUIRE_CUDA();
+  at::manual_seed(26);
+  for (const auto dtype : {at::kBFloat16, at::kFloat})
+    for (const bool recompute : {false, true})
+      for (const auto reduction : {Reduction::mean, Reduction::none}) {
+        SCOPED_TRACE(c10::str(dtype, " recompute=", recompute, " reduction=", int(reduction)));
+        const auto opts = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+        const at::Tensor x = at::randn({5, 8}, opts).requires_grad_(), w = at::randn({11, 8}, opts).requires_grad_();
+        const at::Tensor t = at::full({5}, -100, opts.dtype(at::kLong));
+        HeadOptions h;
+        h.chunk_bytes = 11 * 4 * 2;
+        h.recompute_logits = recompute;
+        const at::Tensor loss = linear_cross_entropy(x, w, t, h, {reduction, 0.1, 1e-3});
+        if (reduction == Reduction::mean) {
+          EXPECT_TRUE(loss.isnan().item<bool>());
+          loss.backward();
+        } else {
+          expect_close(loss, at::zeros({5}, at::kDouble));
+          loss.backward(at::ones_like(loss));
+        }
+        expect_close(x.grad(), at::zeros({5, 8}, at::kDouble));
+        expect_close(w.grad(), at::zeros({11, 8}, at::kDouble));
+        expect_close(token_logprobs(x.detach(), w.detach(), t, h).logprobs, at::zeros({5}, at::kDouble));
+      }
 }
 
 }  // namespace
