@@ -10,11 +10,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <future>
 #include <limits>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <unordered_map>
 
 #include "trellis/chunk_eval.h"
@@ -246,6 +248,45 @@ ChunkEvaluation evaluate(const CrfTagger& m, const std::vector<EncodedBatch>& ba
   return ev;
 }
 
+// A number as a message shows it: "nan", "inf" and "-inf" whatever the sign bit or platform.
+std::string show(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// Every option is checked before any work starts, so that a nonsensical value is an error rather than a model of NaNs
+// or zeros. The messages name the `trellis crf train` flags (period has none).
+void check_options(const CrfTrainOptions& o) {
+  if (o.algorithm != "lbfgs" && o.algorithm != "sgd" && o.algorithm != "adagrad" && o.algorithm != "adam")
+    throw Error("--algorithm must be lbfgs, sgd, adagrad or adam, not '" + o.algorithm + "'");
+  const auto non_negative = [](double v, const char* flag) {
+    if (!std::isfinite(v) || v < 0) throw Error(std::string(flag) + " must be a finite number >= 0, not " + show(v));
+  };
+  const auto at_least_one = [](int64_t v, const char* flag) {
+    if (v < 1) throw Error(std::string(flag) + " must be at least 1, not " + std::to_string(v));
+  };
+  non_negative(o.c2, "--c2");
+  non_negative(o.c1, "--c1");
+  if (o.c1 > 0 && o.algorithm != "lbfgs")
+    throw Error("L1 regularisation (--c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs, not '" + o.algorithm +
+                "'");
+  if (!std::isfinite(o.learning_rate) || o.learning_rate <= 0)
+    throw Error("--learning-rate must be a finite number > 0, not " + show(o.learning_rate));
+  // A size above INT64_MAX is a negative number wrapped round by an unsigned parser: shown as the number typed.
+  if (o.batch_size < 1 || o.batch_size > static_cast<std::size_t>(std::numeric_limits<int64_t>::max()))
+    throw Error("--batch-size must be at least 1, not " + std::to_string(static_cast<int64_t>(o.batch_size)));
+  at_least_one(o.max_iterations, "--max-iter");
+  non_negative(o.tolerance, "--tolerance");
+  at_least_one(o.period, "the tolerance period (CrfTrainOptions::period)");
+  at_least_one(o.min_feature_count, "--min-freq");
+  if (o.early_stopping < 0)
+    throw Error("--early-stopping must be >= 0 (0: off), not " + std::to_string(o.early_stopping));
+  if (o.threads < 0) throw Error("--threads must be >= 0 (0: all), not " + std::to_string(o.threads));
+}
+
 }  // namespace
 
 void check_known_labels(const CrfTagger& m, const LabeledSentences& data) {
@@ -293,13 +334,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
                     const std::function<void(const CrfIteration&)>& on_iteration, CrfTrainSummary* summary) {
   const auto t0 = Clock::now();
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  check_options(o);
   if (train.inputs.empty()) throw Error("'" + train.source + "': no training sentences");
-  if (o.algorithm != "lbfgs" && o.algorithm != "sgd" && o.algorithm != "adagrad" && o.algorithm != "adam")
-    throw Error("unknown training algorithm '" + o.algorithm + "' (lbfgs, sgd, adagrad or adam)");
-  if (o.batch_size < 1) throw Error("the minibatch size must be at least 1");
-  if (o.c1 < 0 || o.c2 < 0) throw Error("the regularisation coefficients c1 and c2 must be >= 0");
-  if (o.c1 > 0 && o.algorithm != "lbfgs")
-    throw Error("L1 regularisation (c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs");
   if (o.threads > 0) at::set_num_threads(o.threads);
   const at::Device device(o.device);
   // Starting CUDA (0.1-0.2 s) overlaps the feature pass on the CPU.
@@ -415,9 +451,15 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     if (owlqn) {
       gnorm = owlqn->pseudo_gradient_norm();
     } else {
-      for (auto& p : params) gnorm += p.grad().pow(2).sum().item<double>();
+      // In float64, so that only a gradient that is itself inf or NaN gives a non-finite norm.
+      for (auto& p : params)
+        gnorm += at::linalg_vector_norm(p.grad(), 2, std::nullopt, false, at::kDouble).square().item<double>();
       gnorm = std::sqrt(gnorm);
     }
+    if (!std::isfinite(f) || !std::isfinite(gnorm))
+      throw Error("training diverged at iteration " + std::to_string(it) + ": the objective (" + show(f) +
+                  ") or its gradient (norm " + show(gnorm) + ") is not finite" +
+                  (full_batch ? "" : "; a smaller --learning-rate may help"));
     CrfIteration rec{it, f, gnorm, elapsed(), std::nullopt, std::nullopt};
     history.push_back(f);
     sum.iterations = it;
@@ -436,7 +478,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
         best.clear();
         for (auto& p : params) best.push_back(p.detach().clone());
       }
-      stop = o.early_stopping > 0 && it - sum.best_iteration >= o.early_stopping;
+      // No better dev score for a while counts as converged: more iterations would not help.
+      if (o.early_stopping > 0 && it - sum.best_iteration >= o.early_stopping) sum.converged = stop = true;
     }
     if (on_iteration) on_iteration(rec);
     if (static_cast<int>(history.size()) > o.period) {
@@ -450,6 +493,11 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   at::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params.size(); ++i) params[i] = (best.empty() ? params[i] : best[i]).detach();
   model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
+  // The last step may have left the parameters at a point whose objective was never reported.
+  for (const auto& p : params)
+    if (!at::isfinite(p).all().item<bool>())
+      throw Error("training diverged: the trained weights are not finite" +
+                  std::string(full_batch ? "" : "; a smaller --learning-rate may help"));
   model.to(at::kCPU);
   for (const auto& p : params) sum.nonzero_parameters += p.count_nonzero().item<int64_t>();
   sum.seconds = elapsed();

@@ -56,13 +56,17 @@ struct CrfTrainSummary {
   int iterations = 0;
   double seconds = 0;
   double setup_seconds = 0;  // of `seconds`, before the first iteration: features, dictionary, batches on the device
+  // Stopped before max_iterations: the tolerance test, early stopping, or a full-batch step that found no lower point
+  // (L-BFGS's or OWL-QN's own convergence). False when the iterations ran out.
   bool converged = false;
   std::optional<double> best_dev_accuracy, best_dev_f1;
   int best_iteration = 0;
 };
 
 // Trains a tagger. With a dev set, the returned weights are those of the best dev score (F1 for chunk labels,
-// accuracy otherwise). A dev label unseen in training is an error naming its file and line.
+// accuracy otherwise). A dev label unseen in training is an error naming its file and line. Every option is checked
+// before any work starts (an Error naming its `trellis crf train` flag: "--c2 must be a finite number >= 0, not nan"),
+// and an objective or gradient that becomes inf or NaN during training is an Error, never a model.
 CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
                     std::unique_ptr<FeatureExtractor> extractor, const CrfTrainOptions& options,
                     const std::function<void(const CrfIteration&)>& on_iteration = {},
