@@ -158,6 +158,14 @@ TEST(Conll, InconsistentColumnCountNamesTheLine) {
   EXPECT_NE(what.find("expected 3 columns, found 2"), std::string::npos) << what;
 }
 
+TEST(Conll, RowWithMoreColumnsThanTheFirstNamesTheLine) {
+  const auto [what, line] = parse_error("a A\nb B\n\nc C X\nd D\n");
+  EXPECT_EQ(line, 4u);
+  EXPECT_EQ(what, "test.txt:4: expected 2 columns, found 3");
+  // Also inside the first sentence, and with the extra column after a tab.
+  EXPECT_EQ(parse_error("a A\nb B\tX\n").first, "test.txt:2: expected 2 columns, found 3");
+}
+
 TEST(Conll, EmptyFileIsAnErrorUnlessAllowed) {
   const auto [what, line] = parse_error("");
   EXPECT_EQ(line, 1u);
