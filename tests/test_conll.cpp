@@ -277,6 +277,6 @@ TEST(Conll, ReadingADirectoryIsAnError) {
     read_conll(dir.path);
     FAIL() << "no error";
   } catch (const trellis::Error& e) {
-    EXPECT_EQ(std::string(e.what()), "error reading '" + dir.path + "'");
+    EXPECT_EQ(std::string(e.what()), "cannot open '" + dir.path + "': it is a directory");
   }
 }
