@@ -41,6 +41,10 @@ for dtype in dtypes:
         xi, wi, bi = x.detach(), w.detach(), None if b is None else b.detach()
         torch.library.opcheck(ops.linear_logsumexp.default, (xi, wi), {"bias": bi, "softcap": 15.0})
         torch.library.opcheck(ops.token_logprobs.default, (xi, wi, t), {"bias": bi, "entropy": True})
+        # With inputs that require gradients: the Autograd kernels and _head_statistics_backward.
+        torch.library.opcheck(ops.linear_logsumexp.default, (x, w), {"bias": b, "softcap": 15.0})
+        for entropy in (False, True):
+            torch.library.opcheck(ops.token_logprobs.default, (x, w, t), {"bias": b, "entropy": entropy})
         for reduction in ("mean", "sum", "none"):
             for recompute in (False, True):
                 kwargs = {"bias": b, "reduction": reduction, "label_smoothing": 0.1, "z_loss": 1e-3,
@@ -56,8 +60,9 @@ print(f"opcheck: {checked} linear_cross_entropy cases and both inference operato
 
 def head(x, w, t, b):
     loss = ops.linear_cross_entropy(x * 0.5, w, t, bias=b, label_smoothing=0.1, z_loss=1e-4)
-    logprobs, _ = ops.token_logprobs(x.detach(), w.detach(), t)
-    return loss * 2, logprobs
+    logprobs, entropy = ops.token_logprobs(x, w, t, bias=b, entropy=True)
+    lse = ops.linear_logsumexp(x * 2, w, bias=b)
+    return loss * 2 - 0.1 * logprobs.mean() + 0.01 * entropy.mean() + 1e-3 * lse.mean(), logprobs
 
 
 def step(head, x, w, t, b):  # torch.compile takes the forward; its backward runs the compiled backward graph

@@ -231,16 +231,36 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
   return dz.to(type);
 }
 
-// Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
-Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
-                         std::array<bool, 3> want, at::Tensor* loss = nullptr) {
-  const int64_t N = h.rows();
+// The gradients a slab loop fills: dx rows (written by their slab), dW (written by the first slab, then added to) and
+// the bias (summed in the accumulation type).
+Gradients empty_gradients(const Head& h, std::array<bool, 3> want) {
   Gradients out;
   if (want[0]) out.x = at::empty_like(h.x);
   // dW collects one GEMM per slab in the weight's own type (cuBLAS adds each float32 product to it before rounding),
   // so training needs no float32 copy of W's size; slabs are large, so few roundings.
-  if (want[1]) out.weight = N ? at::empty_like(h.weight) : at::zeros_like(h.weight);  // the first slab writes it
+  if (want[1]) out.weight = h.rows() ? at::empty_like(h.weight) : at::zeros_like(h.weight);
   if (want[2]) out.bias = at::zeros({h.vocabulary()}, h.x.options().dtype(h.acc));
+  return out;
+}
+
+// A slab's logit gradient dz [n, V] (rows [r0, r0 + n), in the input type) into the gradients: dx rows = dz·W,
+// dW += dzᵀ·x, bias += Σ dz.
+void add_slab_gradients(const Head& h, const at::Tensor& dz, int64_t r0, std::array<bool, 3> want, Gradients& out) {
+  const int64_t n = dz.size(0);
+  if (want[0]) {
+    at::Tensor dx = out.x.narrow(0, r0, n);
+    at::mm_out(dx, dz, h.weight);
+  }
+  if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
+  else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
+  if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
+}
+
+// Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
+Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
+                         std::array<bool, 3> want, at::Tensor* loss = nullptr) {
+  const int64_t N = h.rows();
+  Gradients out = empty_gradients(h, want);
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
     at::Tensor z = slab_logits(h, r0, n);
@@ -268,13 +288,38 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
     if (!dz.defined()) dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o);
-    if (want[0]) {
-      at::Tensor dx = out.x.narrow(0, r0, n);
-      at::mm_out(dx, dz, h.weight);
+    add_slab_gradients(h, dz, r0, want, out);
+  }
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  return out;
+}
+
+// Gradients of Σ_i (a_i·lse_i + b_i·log p_i(t_i) + c_i·H_i) (a, b or c undefined: 0), the logits formed again a slab
+// at a time. For one row, d lse/dz_v = p_v, d log p(t)/dz_v = [v = t] - p_v and dH/dz_v = -p_v·(log p_v + H).
+Gradients statistics_gradients(const Head& h, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                               std::array<bool, 3> want) {
+  Gradients out = empty_gradients(h, want);
+  const at::Tensor valid = h.targets.defined() ? valid_targets(h.targets, h.ignore_index) : at::Tensor();
+  for (int64_t r0 = 0; r0 < h.rows(); r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, h.rows() - r0);
+    at::Tensor z = slab_logits(h, r0, n);
+    const at::Tensor lse = trellis::logsumexp(z, 1).unsqueeze(1);
+    at::Tensor log_p = z - lse, p = log_p.exp();
+    at::Tensor row_b = b.defined() ? b.narrow(0, r0, n) * valid.narrow(0, r0, n) : at::Tensor();
+    at::Tensor p_weight = at::zeros({n}, z.options());
+    if (a.defined()) p_weight += a.narrow(0, r0, n);
+    if (row_b.defined()) p_weight -= row_b;
+    at::Tensor dz = p * p_weight.unsqueeze(1);
+    if (c.defined()) {
+      const at::Tensor entropy = -(p * log_p).sum(1, true);
+      dz -= p * (log_p + entropy) * c.narrow(0, r0, n).unsqueeze(1);
     }
-    if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
-    else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
-    if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
+    if (row_b.defined()) {
+      const auto [column, hit] = target_columns(h, h.targets.narrow(0, r0, n), 0, z.size(1));
+      dz.scatter_add_(1, column.unsqueeze(1), (row_b * hit).unsqueeze(1));
+    }
+    if (h.softcap) dz.mul_(z.div_(*h.softcap).square_().neg_().add_(1));  // the soft-cap's derivative 1 - (z/c)²
+    add_slab_gradients(h, dz.to(h.x.scalar_type()), r0, want, out);
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
   return out;
@@ -611,6 +656,33 @@ std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, 
   const at::Tensor g = grad.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
   Gradients d = h.recompute ? recomputed_gradients(h, g, forward.lse, loss, want)
                             : head_gradients(h, g, forward.lse, loss, want);
+  return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
+}
+
+std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& targets, const HeadOptions& head,
+                                                   const at::Tensor& grad_lse, const at::Tensor& grad_logprob,
+                                                   const at::Tensor& grad_entropy, std::array<bool, 3> want) {
+  c10::NoGradGuard no_grad;
+  if ((grad_logprob.defined() || grad_entropy.defined()) && !targets.defined())
+    throw Error("head_statistics_backward: the log-probabilities' gradients need the targets");
+  const Head h = prepare(x, weight, targets, head, /*check_targets=*/false);
+  want[2] = want[2] && h.bias.defined();
+  const auto rows = [&](const at::Tensor& g, const char* name) {
+    if (!g.defined()) return g;
+    if (g.numel() != h.rows())
+      throw Error(c10::str("head_statistics_backward: ", name, " has ", g.numel(), " entries for ", h.rows(), " rows"));
+    return g.reshape({-1}).to(h.acc);
+  };
+  if (!grad_lse.defined() && !grad_entropy.defined() && grad_logprob.defined()) {
+    // log p(t) = -(the unreduced loss): its backward, whose fused kernels and recompute_logits apply.
+    LinearCrossEntropyForward f;
+    LossOptions none;
+    none.reduction = Reduction::none;
+    return linear_cross_entropy_backward(-grad_logprob, x, weight, targets, head, none, f, want);
+  }
+  Gradients d = statistics_gradients(h, rows(grad_lse, "grad_lse"), rows(grad_logprob, "grad_logprob"),
+                                     rows(grad_entropy, "grad_entropy"), want);
   return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
 }
 

@@ -1,8 +1,9 @@
 // The LLM head as PyTorch operators, for Python: torch.ops.load_library("libtrellis_ops.so"), then
 // torch.ops.trellis.linear_cross_entropy(x, weight, targets, ...). torch.compile can trace them: every operator has a
-// Meta kernel (shapes and types only, for fake tensors), and linear_cross_entropy's autograd calls two operators of
-// its own, _linear_cross_entropy_forward and _linear_cross_entropy_backward, so that a compiled graph holds those
-// instead of the library's internals (gradients formed without the N×V logits either way).
+// Meta kernel (shapes and types only, for fake tensors), and every operator's autograd calls operators of its own
+// (_linear_cross_entropy_forward and _linear_cross_entropy_backward for the loss, _head_statistics_backward for
+// linear_logsumexp and token_logprobs), so that a compiled graph holds those instead of the library's internals
+// (gradients formed without the N×V logits either way).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -78,6 +79,19 @@ Tensors3 linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor&
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
 
+// Backward of linear_logsumexp and token_logprobs (each grad optional: zero).
+Tensors3 head_statistics_backward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& targets,
+                                  const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                  int64_t ignore_index, int64_t chunk_bytes, const std::optional<at::Tensor>& grad_lse,
+                                  const std::optional<at::Tensor>& grad_logprob,
+                                  const std::optional<at::Tensor>& grad_entropy, Mask want) {
+  auto d = trellis::head_statistics_backward(x, weight, targets.value_or(at::Tensor()),
+                                             head_options(bias, softcap, ignore_index, chunk_bytes),
+                                             grad_lse.value_or(at::Tensor()), grad_logprob.value_or(at::Tensor()),
+                                             grad_entropy.value_or(at::Tensor()), want);
+  return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
+}
+
 // Without autograd (inference mode, or below it): the loss alone.
 at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
@@ -126,6 +140,14 @@ Tensors5 linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor
 Tensors3 linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tensor& x, const at::Tensor& weight,
                                             const at::Tensor&, const std::optional<at::Tensor>& bias, const at::Tensor&,
                                             int64_t, double, std::optional<double>, double, int64_t, bool, Mask want) {
+  return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
+          shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
+}
+
+Tensors3 head_statistics_backward_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&,
+                                       const std::optional<at::Tensor>& bias, std::optional<double>, int64_t, int64_t,
+                                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                       const std::optional<at::Tensor>&, Mask want) {
   return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
           shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
 }
@@ -195,6 +217,84 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   }
 };
 
+std::optional<double> saved_softcap(const torch::autograd::AutogradContext* ctx) {
+  const c10::IValue& v = ctx->saved_data.at("softcap");
+  return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
+}
+std::optional<at::Tensor> optional(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+// The gradients of linear_logsumexp and token_logprobs: the logits formed again (_head_statistics_backward).
+Tensors3 statistics_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_lse,
+                             const at::Tensor& grad_logprob, const at::Tensor& grad_entropy, int64_t bias_input) {
+  static const auto op = find<decltype(head_statistics_backward)>("trellis::_head_statistics_backward");
+  const auto s = ctx->get_saved_variables();  // x, weight, targets, bias
+  const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                     s[3].defined() && ctx->needs_input_grad(bias_input)};
+  auto [dx, dweight, dbias] = op.call(s[0], s[1], optional(s[2]), optional(s[3]), saved_softcap(ctx),
+                                      ctx->saved_data.at("ignore_index").toInt(), ctx->saved_data.at("chunk_bytes").toInt(),
+                                      optional(grad_lse), optional(grad_logprob), optional(grad_entropy), want);
+  return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
+}
+
+void save_head(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+               const at::Tensor& targets, const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+               int64_t ignore_index, int64_t chunk_bytes) {
+  ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor())});
+  ctx->saved_data["softcap"] = softcap;
+  ctx->saved_data["ignore_index"] = ignore_index;
+  ctx->saved_data["chunk_bytes"] = chunk_bytes;
+}
+
+struct LinearLogsumexp : torch::autograd::Function<LinearLogsumexp> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, std::optional<double> softcap, int64_t chunk_bytes) {
+    static const auto op = find<decltype(linear_logsumexp)>("trellis::linear_logsumexp");
+    at::AutoDispatchBelowADInplaceOrView below;
+    save_head(ctx, x, weight, at::Tensor(), bias, softcap, -100, chunk_bytes);
+    return op.call(x, weight, bias, softcap, chunk_bytes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    auto [dx, dweight, dbias] = statistics_backward(ctx, grad[0], {}, {}, 2);
+    return {dx, dweight, dbias, {}, {}};
+  }
+};
+
+struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& weight, const at::Tensor& targets,
+                                                const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                                int64_t ignore_index, bool entropy, int64_t chunk_bytes) {
+    static const auto op = find<decltype(token_logprobs)>("trellis::token_logprobs");
+    at::AutoDispatchBelowADInplaceOrView below;
+    save_head(ctx, x, weight, targets, bias, softcap, ignore_index, chunk_bytes);
+    ctx->saved_data["entropy"] = entropy;
+    auto [logprobs, row_entropy] = op.call(x, weight, targets, bias, softcap, ignore_index, entropy, chunk_bytes);
+    if (!entropy) ctx->mark_non_differentiable({row_entropy});  // the empty stand-in for none
+    return {logprobs, row_entropy};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor grad_entropy = ctx->saved_data.at("entropy").toBool() ? grad[1] : at::Tensor();
+    auto [dx, dweight, dbias] = statistics_backward(ctx, {}, grad[0], grad_entropy, 3);
+    return {dx, dweight, {}, dbias, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                     std::optional<double> softcap, int64_t chunk_bytes) {
+  return LinearLogsumexp::apply(x, weight, bias, softcap, chunk_bytes);
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                                           const at::Tensor& targets,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           std::optional<double> softcap, int64_t ignore_index,
+                                                           bool entropy, int64_t chunk_bytes) {
+  auto out = TokenLogprobs::apply(x, weight, targets, bias, softcap, ignore_index, entropy, chunk_bytes);
+  return {out[0], out[1]};
+}
+
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                          const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                          c10::string_view reduction, double label_smoothing,
@@ -225,6 +325,11 @@ TORCH_LIBRARY(trellis, m) {
   m.def("_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, Tensor? bias, "
         "Tensor lse, int ignore_index, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, "
         "bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The backward of linear_logsumexp and token_logprobs: gradients for (x, weight, bias) of
+  // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy.
+  m.def("_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, Tensor? bias, float? softcap, "
+        "int ignore_index, int chunk_bytes, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
@@ -233,6 +338,7 @@ TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_loss);
   m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward);
   m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward);
+  m.impl("_head_statistics_backward", &head_statistics_backward);
 }
 
 TORCH_LIBRARY_IMPL(trellis, Meta, m) {
@@ -241,6 +347,11 @@ TORCH_LIBRARY_IMPL(trellis, Meta, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_loss_meta);
   m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_meta);
   m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward_meta);
+  m.impl("_head_statistics_backward", &head_statistics_backward_meta);
 }
 
-TORCH_LIBRARY_IMPL(trellis, Autograd, m) { m.impl("linear_cross_entropy", &linear_cross_entropy_autograd); }
+TORCH_LIBRARY_IMPL(trellis, Autograd, m) {
+  m.impl("linear_logsumexp", &linear_logsumexp_autograd);
+  m.impl("token_logprobs", &token_logprobs_autograd);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+}

@@ -48,14 +48,15 @@ struct LossOptions {
   double z_loss = 0;                      // adds z_loss·lse² per counted token (PaLM's z-loss)
 };
 
-// log Σ_v exp(logit_v) per row: [...]. No autograd state.
+// log Σ_v exp(logit_v) per row: [...]. No autograd state (head_statistics_backward is its backward).
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
 
 struct TokenLogprobs {
   at::Tensor logprobs;  // [...]: log p(target); 0 where the target is ignore_index
   at::Tensor entropy;   // [...]: -Σ_v p_v log p_v of each row; undefined unless asked for
 };
-// The inference path: log-probabilities of the targets (and optionally each row's entropy), no autograd state.
+// The inference path: log-probabilities of the targets (and optionally each row's entropy), no autograd state
+// (head_statistics_backward is its backward).
 TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                              const HeadOptions& head = {}, bool with_entropy = false);
 
@@ -84,5 +85,15 @@ std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, 
                                                         const HeadOptions& head, const LossOptions& loss,
                                                         const LinearCrossEntropyForward& forward,
                                                         std::array<bool, 3> want);
+
+// The backward of linear_logsumexp and token_logprobs: the gradients for x, weight and bias (undefined where not
+// wanted) of Σ_i (grad_lse_i·lse_i + grad_logprob_i·log p_i(target_i) + grad_entropy_i·H_i). Each grad has one entry
+// per row or is undefined (zero); targets are needed with grad_logprob or grad_entropy. The logits are formed again
+// a slab of rows at a time (head.chunk_bytes); with grad_logprob alone this is the unreduced loss's backward, whose
+// fused kernels and recompute_logits apply.
+std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& targets, const HeadOptions& head,
+                                                   const at::Tensor& grad_lse, const at::Tensor& grad_logprob,
+                                                   const at::Tensor& grad_entropy, std::array<bool, 3> want);
 
 }  // namespace trellis
