@@ -69,6 +69,7 @@ int train(const std::vector<std::string>& args) {
   CrfTrainOptions o;
   std::string train_path, dev_path, model_path, template_path, input_columns;
   int label_column = -1;
+  int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
@@ -85,7 +86,7 @@ int train(const std::vector<std::string>& args) {
       ("algorithm", po::value(&o.algorithm)->default_value("lbfgs"),
        "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")
       ("learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")
-      ("batch-size", po::value(&o.batch_size)->default_value(32), "sentences per minibatch")
+      ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch")
       ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations or epochs")
       ("tolerance", po::value(&o.tolerance)->default_value(1e-5), "stop when the objective improves by less than this fraction over 10 iterations")
       ("early-stopping", po::value(&o.early_stopping)->default_value(0), "stop after N iterations without a better dev score (0: off)")
@@ -96,6 +97,8 @@ int train(const std::vector<std::string>& args) {
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
     return rc;
 
+  if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
+  o.batch_size = static_cast<std::size_t>(batch_size);
   check_writable_location(model_path);  // before training, not after
   auto extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
   const ConllCorpus train_corpus = read_conll(train_path);

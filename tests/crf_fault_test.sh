@@ -114,7 +114,7 @@ expect_error "--kbest -1" "--kbest must be >= 0" o6.txt "$trellis" crf tag --mod
 awk 'BEGIN { for (i = 0; i < 400; i++) print "the DT DT0 B-NP"; print "" }' >long.txt
 expect_error "--kbest 1000000" "ask for fewer" o7.txt \
   bash -c "ulimit -v 8000000; '$trellis' crf tag --model model.crf long.txt --kbest 1000000 -o o7.txt"
-for flag in "--c2 nan" "--c2 inf" "--c2 -1" "--c1 nan" "--max-iter 0" "--max-iter -5" "--learning-rate nan --algorithm adam"; do
+for flag in "--batch-size -1 --algorithm sgd" "--c2 nan" "--c2 inf" "--c2 -1" "--c1 nan" "--max-iter 0" "--max-iter -5" "--learning-rate nan --algorithm adam"; do
   expect_error "train $flag" "${flag%% *}" m6.crf "$trellis" crf train --train train.txt --model m6.crf $flag
 done
 expect_error "--label-column 7" "--label-column 7 is out of range: 'train.txt' has 4 columns" m7.crf \
