@@ -33,3 +33,9 @@ if ! "$venv/bin/python" -c 'import hmmlearn, h5py' 2>/dev/null; then
   echo "[setup] installing hmmlearn==0.3.3 and h5py into $venv"
   "$venv/bin/python" -m pip install -q hmmlearn==0.3.3 h5py
 fi
+# The Python package's tests (tests/python, run by CTest): pytest, and the libraries it is checked against
+# (pytorch-crf's CRF, torch-struct's LinearChainCRF); scikit-build-core builds the package (pyproject.toml).
+if ! "$venv/bin/python" -c 'import pytest, torchcrf, torch_struct, scikit_build_core' 2>/dev/null; then
+  echo "[setup] installing pytest, pytorch-crf, torch-struct and scikit-build-core into $venv"
+  "$venv/bin/python" -m pip install -q pytest==9.2.0 pytorch-crf==0.7.2 torch-struct==0.5 scikit-build-core==1.1.2
+fi
