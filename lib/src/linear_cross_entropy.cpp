@@ -13,6 +13,7 @@
 #include <cmath>
 #include <optional>
 
+#include "head_slice.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
 #include "cuda/linear_head.h"  // declarations only: linked and called with TRELLIS_WITH_CUDA
@@ -38,9 +39,12 @@ struct Head {
   int64_t rows_per_slab = 1;
   int64_t chunk_bytes = 0;
   bool recompute = false;  // HeadOptions::recompute_logits
+  int64_t total_vocabulary = 0;  // when W is one slice of a vocabulary split over ranks: the whole one's size
 
   int64_t rows() const { return x.size(0); }
   int64_t vocabulary() const { return weight.size(0); }
+  // The V of label smoothing's ε/V: the whole vocabulary's size, also where W holds a slice of it.
+  int64_t smoothing_vocabulary() const { return total_vocabulary ? total_vocabulary : vocabulary(); }
 };
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
@@ -187,7 +191,7 @@ std::optional<SlabStats> fused_stats(const Head& h, bool want_sum, bool want_exp
 // Per-row loss (0 for ignored rows) from the statistics: lse - (1-ε)·z_t - ε·mean_v z_v + z_loss·lse².
 at::Tensor row_loss(const Head& h, const SlabStats& s, const at::Tensor& valid, const LossOptions& o) {
   at::Tensor l = s.lse - (1 - o.label_smoothing) * s.target_logit;
-  if (o.label_smoothing != 0) l = l - (o.label_smoothing / static_cast<double>(h.vocabulary())) * s.logit_sum;
+  if (o.label_smoothing != 0) l = l - (o.label_smoothing / static_cast<double>(h.smoothing_vocabulary())) * s.logit_sum;
   if (o.z_loss != 0) l = l + o.z_loss * s.lse * s.lse;
   return l * valid;
 }
@@ -206,7 +210,7 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
   const at::ScalarType type = h.x.scalar_type();
 #if TRELLIS_WITH_CUDA
   if (z.is_cuda()) {
-    const cuda::LogitColumns columns{v0, h.vocabulary()};
+    const cuda::LogitColumns columns{v0, h.smoothing_vocabulary()};
     at::Tensor row_lse = lse.contiguous(), dz = z;
     const double cap = h.softcap.value_or(0);
     if (type != z.scalar_type()) {
@@ -224,7 +228,8 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
   at::Tensor dz = (z - lse.unsqueeze(1)).exp_();
   if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
   dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
-  if (o.label_smoothing != 0) dz.sub_((g * (o.label_smoothing / static_cast<double>(h.vocabulary()))).unsqueeze(1));
+  if (o.label_smoothing != 0)
+    dz.sub_((g * (o.label_smoothing / static_cast<double>(h.smoothing_vocabulary()))).unsqueeze(1));
   const auto [column, hit] = target_columns(h, t, v0, z.size(1));
   dz.scatter_add_(1, column.unsqueeze(1), (-(1 - o.label_smoothing) * g * hit).unsqueeze(1));
   if (h.softcap) dz.mul_(z);
@@ -278,7 +283,7 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
         at::Tensor row_lse = at::empty({n}, z.options());
         at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
         if (cuda::linear_head_logit_gradient_in_place(
-                z, g.narrow(0, r0, n).contiguous(), h.targets.narrow(0, r0, n).contiguous(), {0, h.vocabulary()},
+                z, g.narrow(0, r0, n).contiguous(), h.targets.narrow(0, r0, n).contiguous(), {0, h.smoothing_vocabulary()},
                 o.label_smoothing, o.z_loss, h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
@@ -445,7 +450,7 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
       at::Tensor dz = slab;
 #if TRELLIS_WITH_CUDA
       if (fused)
-        TORCH_CHECK(cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, V}, row_lse, row_g,
+        TORCH_CHECK(cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, h.smoothing_vocabulary()}, row_lse, row_g,
                                                       o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
                     "linear head: the fused gradient kernel did not take a chunk it was chosen for");
 #endif
@@ -484,37 +489,41 @@ struct RowResults {
   at::Tensor lse, loss, logprob, entropy;
 };
 
+// Every row's statistics (lse, target logit, and Σ z and Σ p·z when wanted): from the fused kernel where it applies,
+// else a chunk of vocabulary columns at a time (recompute_logits, without Σ p·z), else a slab of rows at a time.
+SlabStats all_row_stats(const Head& h, bool want_sum, bool want_expected) {
+  if (auto fused = fused_stats(h, want_sum, want_expected)) return *fused;
+  if (h.recompute && !want_expected && h.rows() > 0) return chunked_stats(h, want_sum);
+  std::vector<SlabStats> slabs;
+  for (int64_t r0 = 0; r0 < h.rows(); r0 += h.rows_per_slab)
+    slabs.push_back(slab_stats(h, slab_logits(h, r0, std::min(h.rows_per_slab, h.rows() - r0)), r0, want_sum,
+                               want_expected));
+  const auto join = [&](at::Tensor SlabStats::*field) {
+    if (slabs.empty()) return at::empty({0}, h.x.options().dtype(h.acc));
+    if (!(slabs[0].*field).defined()) return at::Tensor();
+    std::vector<at::Tensor> parts;
+    for (const SlabStats& s : slabs) parts.push_back(s.*field);
+    return at::cat(parts);
+  };
+  SlabStats all;
+  all.lse = join(&SlabStats::lse);
+  all.target_logit = join(&SlabStats::target_logit);
+  all.logit_sum = join(&SlabStats::logit_sum);
+  all.expected_logit = join(&SlabStats::expected_logit);
+  return all;
+}
+
 RowResults head_rows(const Head& h, const LossOptions* loss, bool want_logprob, bool want_entropy) {
   c10::NoGradGuard no_grad;
-  const int64_t N = h.rows();
-  const auto opts = h.x.options().dtype(h.acc);
+  const SlabStats s = all_row_stats(h, loss && loss->label_smoothing != 0, want_entropy);
   RowResults r;
-  r.lse = at::empty({N}, opts);
-  if (loss) r.loss = at::empty({N}, opts);
-  if (want_logprob) r.logprob = at::empty({N}, opts);
-  if (want_entropy) r.entropy = at::empty({N}, opts);
-  const bool want_sum = loss && loss->label_smoothing != 0;
-  auto emit = [&](int64_t r0, int64_t n, const SlabStats& s) {
-    r.lse.narrow(0, r0, n).copy_(s.lse);
-    if (loss || want_logprob) {
-      const at::Tensor valid = valid_targets(h.targets.narrow(0, r0, n), h.ignore_index);
-      if (loss) r.loss.narrow(0, r0, n).copy_(row_loss(h, s, valid, *loss));
-      if (want_logprob) r.logprob.narrow(0, r0, n).copy_((s.target_logit - s.lse) * valid);
-    }
-    if (want_entropy) r.entropy.narrow(0, r0, n).copy_(s.lse - s.expected_logit);  // H = lse - Σ_v p_v·z_v
-  };
-  if (const auto fused = fused_stats(h, want_sum, want_entropy)) {
-    emit(0, N, *fused);
-    return r;
+  r.lse = s.lse;
+  if (loss || want_logprob) {
+    const at::Tensor valid = valid_targets(h.targets, h.ignore_index);
+    if (loss) r.loss = row_loss(h, s, valid, *loss);
+    if (want_logprob) r.logprob = (s.target_logit - s.lse) * valid;
   }
-  if (h.recompute && !want_entropy && N > 0) {
-    emit(0, N, chunked_stats(h, want_sum));
-    return r;
-  }
-  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
-    const int64_t n = std::min(h.rows_per_slab, N - r0);
-    emit(r0, n, slab_stats(h, slab_logits(h, r0, n), r0, want_sum, want_entropy));
-  }
+  if (want_entropy) r.entropy = s.lse - s.expected_logit;  // H = lse - Σ_v p_v·z_v
   return r;
 }
 
@@ -685,6 +694,36 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
                                      rows(grad_entropy, "grad_entropy"), want);
   return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
 }
+
+namespace head_slice {
+
+namespace {
+HeadOptions slice_options(const HeadOptions& head) {
+  HeadOptions o = head;
+  o.ignore_index = -1;  // local targets: -1 where the target is not in the slice
+  return o;
+}
+}  // namespace
+
+cuda::HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
+                              const HeadOptions& head, bool want_sum, bool want_expected) {
+  c10::NoGradGuard no_grad;
+  return all_row_stats(prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false), want_sum,
+                       want_expected);
+}
+
+std::array<at::Tensor, 3> gradients(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
+                                    const HeadOptions& head, const LossOptions& loss, const at::Tensor& lse,
+                                    const at::Tensor& g, int64_t total_vocabulary, std::array<bool, 3> want) {
+  c10::NoGradGuard no_grad;
+  Head h = prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false);
+  h.total_vocabulary = total_vocabulary;
+  want[2] = want[2] && h.bias.defined();
+  Gradients d = h.recompute ? recomputed_gradients(h, g, lse, loss, want) : head_gradients(h, g, lse, loss, want);
+  return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
+}
+
+}  // namespace head_slice
 
 at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                 const HeadOptions& head, const LossOptions& loss) {

@@ -9,7 +9,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
 #include "trellis/linear_cross_entropy.h"
+#include "trellis/linear_cross_entropy_parallel.h"
 
 namespace {
 
@@ -92,6 +95,64 @@ Tensors3 head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
 
+// ---- vocabulary parallelism: weight (and bias) is this rank's slice of the vocabulary; the process group is named as
+// in PyTorch's functional collectives (torch.distributed's group_name), which keeps the operators traceable ----
+
+trellis::VocabularySlice vocabulary_slice(c10::string_view group_name) {
+  trellis::VocabularySlice s;
+  s.group = c10d::resolve_process_group(std::string(group_name));
+  return s;
+}
+
+at::Tensor vp_linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
+                               const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                               int64_t chunk_bytes) {
+  return trellis::linear_logsumexp(x, weight, head_options(bias, softcap, -100, chunk_bytes),
+                                   vocabulary_slice(group_name));
+}
+
+std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const at::Tensor& weight,
+                                                     const at::Tensor& targets, c10::string_view group_name,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     std::optional<double> softcap, int64_t ignore_index, bool entropy,
+                                                     int64_t chunk_bytes) {
+  auto r = trellis::token_logprobs(x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes), entropy,
+                                   vocabulary_slice(group_name));
+  return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
+}
+
+std::tuple<at::Tensor, at::Tensor> vp_linear_cross_entropy_forward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, c10::string_view group_name,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+    std::optional<double> softcap, double z_loss, int64_t chunk_bytes, bool recompute_logits) {
+  auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
+                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+                                                 loss_options(reduction, label_smoothing, z_loss),
+                                                 vocabulary_slice(group_name));
+  return {f.loss, f.lse};
+}
+
+Tensors3 vp_linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& targets, c10::string_view group_name,
+                                          const std::optional<at::Tensor>& bias, const at::Tensor& lse,
+                                          int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                                          std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                          bool recompute_logits, Mask want) {
+  auto d = trellis::linear_cross_entropy_backward(
+      grad, x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+      loss_options(reduction, label_smoothing, z_loss), lse, vocabulary_slice(group_name), want);
+  return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
+}
+
+at::Tensor vp_linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                        c10::string_view group_name, const std::optional<at::Tensor>& bias,
+                                        int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                                        std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                        bool recompute_logits) {
+  return std::get<0>(vp_linear_cross_entropy_forward(x, weight, targets, group_name, bias, ignore_index, reduction,
+                                                     label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits));
+}
+
 // Without autograd (inference mode, or below it): the loss alone.
 at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
@@ -150,6 +211,43 @@ Tensors3 head_statistics_backward_meta(const at::Tensor& x, const at::Tensor& we
                                        const std::optional<at::Tensor>&, Mask want) {
   return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
           shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
+}
+
+at::Tensor vp_linear_logsumexp_meta(const at::Tensor& x, const at::Tensor&, c10::string_view,
+                                    const std::optional<at::Tensor>&, std::optional<double>, int64_t) {
+  return rows_meta(x);
+}
+
+std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                          c10::string_view, const std::optional<at::Tensor>&,
+                                                          std::optional<double>, int64_t, bool entropy, int64_t) {
+  return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
+}
+
+std::tuple<at::Tensor, at::Tensor> vp_linear_cross_entropy_forward_meta(
+    const at::Tensor& x, const at::Tensor&, const at::Tensor&, c10::string_view, const std::optional<at::Tensor>&,
+    int64_t, c10::string_view reduction, double, std::optional<double>, double, int64_t, bool) {
+  const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
+  c10::SymInt n = 1;
+  for (const c10::SymInt& s : row_shape(x)) n *= s;
+  return {unreduced ? rows_meta(x) : at::empty({}, acc_options(x)), at::empty_symint({n}, acc_options(x))};
+}
+
+Tensors3 vp_linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tensor& x, const at::Tensor& weight,
+                                               const at::Tensor&, c10::string_view,
+                                               const std::optional<at::Tensor>& bias, const at::Tensor&, int64_t,
+                                               c10::string_view, double, std::optional<double>, double, int64_t, bool,
+                                               Mask want) {
+  return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
+          shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
+}
+
+at::Tensor vp_linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                             c10::string_view, const std::optional<at::Tensor>&, int64_t,
+                                             c10::string_view reduction, double, std::optional<double>, double, int64_t,
+                                             bool) {
+  const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
+  return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
 }
 
 at::Tensor linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
@@ -281,6 +379,85 @@ struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
   }
 };
 
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& targets, c10::string_view group_name,
+                            const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
+                            double label_smoothing, std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                            bool recompute_logits) {
+    static const auto op =
+        find<decltype(vp_linear_cross_entropy_forward)>("trellis::_vocab_parallel_linear_cross_entropy_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [loss, lse] = op.call(x, weight, targets, group_name, bias, ignore_index, reduction, label_smoothing, softcap,
+                               z_loss, chunk_bytes, recompute_logits);
+    ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
+    ctx->saved_data["group_name"] = std::string(group_name);
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["z_loss"] = z_loss;
+    ctx->saved_data["chunk_bytes"] = chunk_bytes;
+    ctx->saved_data["recompute_logits"] = recompute_logits;
+    return loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    static const auto op =
+        find<decltype(vp_linear_cross_entropy_backward)>("trellis::_vocab_parallel_linear_cross_entropy_backward");
+    const auto s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    // needs_input_grad counts tensor arguments only: bias is the fourth.
+    const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), s[3].defined() && ctx->needs_input_grad(3)};
+    auto [dx, dweight, dbias] =
+        op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4],
+                d.at("ignore_index").toInt(), d.at("reduction").toStringRef(), d.at("label_smoothing").toDouble(),
+                saved_softcap(ctx), d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
+                d.at("recompute_logits").toBool(), want);
+    return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), {}, {}, want[2] ? dbias : at::Tensor(),
+            {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+at::Tensor vp_linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                            c10::string_view group_name, const std::optional<at::Tensor>& bias,
+                                            int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                                            std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                            bool recompute_logits) {
+  return VocabParallelCrossEntropy::apply(x, weight, targets, group_name, bias, ignore_index, reduction,
+                                          label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits);
+}
+
+// The vocabulary-parallel log-probabilities and log-sum-exps have no backward yet: an input that asks for a gradient
+// is an error rather than a silently missing gradient (the log-probabilities' gradient is the unreduced loss's, negated:
+// vocab_parallel_linear_cross_entropy with reduction='none').
+void refuse_gradients(const char* op, std::initializer_list<const at::Tensor*> inputs) {
+  if (!c10::GradMode::is_enabled()) return;
+  for (const at::Tensor* t : inputs)
+    TORCH_CHECK(!t || !t->defined() || !t->requires_grad(), "trellis.", op,
+                ": no gradient is implemented; for log-probabilities use -vocab_parallel_linear_cross_entropy("
+                "..., reduction='none')");
+}
+
+at::Tensor vp_linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
+                                        const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                        int64_t chunk_bytes) {
+  refuse_gradients("vocab_parallel_linear_logsumexp", {&x, &weight, bias ? &*bias : nullptr});
+  at::AutoDispatchBelowADInplaceOrView below;
+  return vp_linear_logsumexp(x, weight, group_name, bias, softcap, chunk_bytes);
+}
+
+std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                                              const at::Tensor& targets, c10::string_view group_name,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              std::optional<double> softcap, int64_t ignore_index,
+                                                              bool entropy, int64_t chunk_bytes) {
+  refuse_gradients("vocab_parallel_token_logprobs", {&x, &weight, bias ? &*bias : nullptr});
+  at::AutoDispatchBelowADInplaceOrView below;
+  return vp_token_logprobs(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes);
+}
+
 at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                      std::optional<double> softcap, int64_t chunk_bytes) {
   return LinearLogsumexp::apply(x, weight, bias, softcap, chunk_bytes);
@@ -327,6 +504,22 @@ TORCH_LIBRARY(trellis, m) {
         "bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // The backward of linear_logsumexp and token_logprobs: gradients for (x, weight, bias) of
   // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy.
+  // Vocabulary parallelism: weight and bias are this rank's contiguous slice of the vocabulary (ranks in order),
+  // targets are ids of the whole vocabulary, group_name names the process group (torch.distributed's group_name).
+  m.def("vocab_parallel_linear_logsumexp(Tensor x, Tensor weight, str group_name, Tensor? bias=None, "
+        "float? softcap=None, int chunk_bytes=0) -> Tensor");
+  m.def("vocab_parallel_token_logprobs(Tensor x, Tensor weight, Tensor targets, str group_name, Tensor? bias=None, "
+        "float? softcap=None, int ignore_index=-100, bool entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)");
+  m.def("vocab_parallel_linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, str group_name, "
+        "Tensor? bias=None, int ignore_index=-100, str reduction='mean', float label_smoothing=0.0, "
+        "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False) -> Tensor");
+  m.def("_vocab_parallel_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, str group_name, "
+        "Tensor? bias, int ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss, "
+        "int chunk_bytes, bool recompute_logits) -> (Tensor, Tensor)");
+  m.def("_vocab_parallel_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, "
+        "str group_name, Tensor? bias, Tensor lse, int ignore_index, str reduction, float label_smoothing, "
+        "float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, bool[3] output_mask) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, Tensor? bias, float? softcap, "
         "int ignore_index, int chunk_bytes, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
@@ -339,6 +532,11 @@ TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward);
   m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward);
   m.impl("_head_statistics_backward", &head_statistics_backward);
+  m.impl("vocab_parallel_linear_logsumexp", &vp_linear_logsumexp);
+  m.impl("vocab_parallel_token_logprobs", &vp_token_logprobs);
+  m.impl("vocab_parallel_linear_cross_entropy", &vp_linear_cross_entropy_loss);
+  m.impl("_vocab_parallel_linear_cross_entropy_forward", &vp_linear_cross_entropy_forward);
+  m.impl("_vocab_parallel_linear_cross_entropy_backward", &vp_linear_cross_entropy_backward);
 }
 
 TORCH_LIBRARY_IMPL(trellis, Meta, m) {
@@ -348,10 +546,18 @@ TORCH_LIBRARY_IMPL(trellis, Meta, m) {
   m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_meta);
   m.impl("_linear_cross_entropy_backward", &linear_cross_entropy_backward_meta);
   m.impl("_head_statistics_backward", &head_statistics_backward_meta);
+  m.impl("vocab_parallel_linear_logsumexp", &vp_linear_logsumexp_meta);
+  m.impl("vocab_parallel_token_logprobs", &vp_token_logprobs_meta);
+  m.impl("vocab_parallel_linear_cross_entropy", &vp_linear_cross_entropy_loss_meta);
+  m.impl("_vocab_parallel_linear_cross_entropy_forward", &vp_linear_cross_entropy_forward_meta);
+  m.impl("_vocab_parallel_linear_cross_entropy_backward", &vp_linear_cross_entropy_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(trellis, Autograd, m) {
   m.impl("linear_logsumexp", &linear_logsumexp_autograd);
   m.impl("token_logprobs", &token_logprobs_autograd);
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+  m.impl("vocab_parallel_linear_logsumexp", &vp_linear_logsumexp_autograd);
+  m.impl("vocab_parallel_token_logprobs", &vp_token_logprobs_autograd);
+  m.impl("vocab_parallel_linear_cross_entropy", &vp_linear_cross_entropy_autograd);
 }

@@ -1,0 +1,57 @@
+// The LLM head with its vocabulary split over the ranks of a torch.distributed process group (vocabulary
+// parallelism, as under tensor parallelism): rank r holds the contiguous rows [offset_r, offset_r + V_r) of the whole
+// weight (and of the bias); x and the targets (ids of the whole vocabulary) are the same on every rank. Each rank runs
+// the single-device head (trellis/linear_cross_entropy.h: the fused kernel, slabs or recompute_logits) on its slice,
+// and the rows' statistics merge across ranks the way the kernels merge them inside a GPU,
+// (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)): one all-gather of packed per-row statistics (log-sum-exp, target
+// logit, and the logit sum or expected logit where label smoothing or the entropy needs them). The loss's backward
+// forms the slice's gradients from the whole vocabulary's log-sum-exp: dW and the bias need no communication, dx one
+// all-reduce. Every rank calls the same function with the same x, targets and options (collectives).
+//
+// On one rank the results are the single-device ones. Communication per call: the all-gather of N × (2 to 4) numbers
+// per rank, and for training the all-reduce of dx (N × D).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "trellis/linear_cross_entropy.h"
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace trellis {
+
+struct VocabularySlice {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // NCCL for CUDA tensors, Gloo for CPU ones
+  // This rank's first row in the whole vocabulary and the whole vocabulary's size. Left at -1 and 0, they are
+  // gathered from every rank's weight.size(0) in rank order (one more small all-gather per call).
+  int64_t offset = -1;
+  int64_t vocabulary = 0;
+};
+
+// log Σ_v exp(logit_v) over the whole vocabulary, per row: [...]. No autograd state.
+at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head,
+                            const VocabularySlice& slice);
+
+// Log-probabilities of the targets (and each row's entropy) over the whole vocabulary. No autograd state.
+TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                             const HeadOptions& head, bool with_entropy, const VocabularySlice& slice);
+
+// The cross-entropy over the whole vocabulary (as linear_cross_entropy on one device), with autograd for x (whole on
+// every rank), this rank's weight slice and bias slice.
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                const HeadOptions& head, const LossOptions& loss, const VocabularySlice& slice);
+
+// linear_cross_entropy in its two halves, for callers that wire autograd themselves (the PyTorch operators). The
+// forward's lse is the whole vocabulary's, the backward's input; backward's gradients are as linear_cross_entropy's.
+LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                       const at::Tensor& targets, const HeadOptions& head,
+                                                       const LossOptions& loss, const VocabularySlice& slice);
+std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                        const at::Tensor& weight, const at::Tensor& targets,
+                                                        const HeadOptions& head, const LossOptions& loss,
+                                                        const at::Tensor& lse, const VocabularySlice& slice,
+                                                        std::array<bool, 3> want);
+
+}  // namespace trellis

@@ -1,0 +1,223 @@
+#include "trellis/linear_cross_entropy_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "head_slice.h"
+#include "trellis/error.h"
+
+namespace trellis {
+namespace {
+
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// Every rank's `local` tensor, stacked in rank order: [P, ...local's shape]. One all-gather.
+at::Tensor all_gather(const Group& group, const at::Tensor& local) {
+  const at::Tensor mine = local.contiguous();
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < group->getSize(); ++r) out[0].push_back(at::empty_like(mine));
+  std::vector<at::Tensor> in{mine};
+  group->allgather(out, in)->wait();
+  return at::stack(out[0]);
+}
+
+// This rank's rows of the whole vocabulary.
+struct Slice {
+  Group group;
+  int64_t offset = 0, size = 0, vocabulary = 0;
+};
+
+Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
+  if (!s.group) throw Error("vocabulary-parallel head: no process group");
+  if (weight.dim() != 2) throw Error(c10::str("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
+  Slice out{s.group, s.offset, weight.size(0), s.vocabulary};
+  if (s.offset < 0 || s.vocabulary <= 0) {
+    const at::Tensor sizes =
+        all_gather(s.group, at::full({1}, weight.size(0), weight.options().dtype(at::kLong))).flatten().cpu();
+    out.offset = sizes.narrow(0, 0, s.group->getRank()).sum().item<int64_t>();
+    out.vocabulary = sizes.sum().item<int64_t>();
+  }
+  if (out.offset < 0 || out.offset + out.size > out.vocabulary)
+    throw Error(c10::str("vocabulary-parallel head: rank ", s.group->getRank(), "'s rows [", out.offset, ", ",
+                         out.offset + out.size, ") lie outside the vocabulary of ", out.vocabulary));
+  return out;
+}
+
+// Targets as columns of this rank's slice: -1 where the target is another rank's or ignored. The whole vocabulary's
+// range is checked (every rank sees the same targets).
+at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t ignore_index) {
+  const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const at::Tensor valid = t != ignore_index;
+  const at::Tensor bad = valid & ((t < 0) | (t >= s.vocabulary));
+  if (bad.any().item<bool>()) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    throw Error(c10::str("vocabulary-parallel head: targets[", i, "] = ", t[i].item<int64_t>(),
+                         " is outside the vocabulary [0, ", s.vocabulary, ") and is not ignore_index (", ignore_index,
+                         ")"));
+  }
+  const at::Tensor here = valid & (t >= s.offset) & (t < s.offset + s.size);
+  return at::where(here, t - s.offset, -1);
+}
+
+// The whole vocabulary's statistics from every rank's slice statistics: log-sum-exps merge as (max, sum) pairs, target
+// logits and logit sums add (each target is in one slice), and the expected logit Σ p·z is the slices' own, each
+// weighted by its share of the probability e^(lse_r − lse).
+cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bool with_targets, bool want_sum,
+                         bool want_expected) {
+  std::vector<at::Tensor> columns{local.lse};
+  if (with_targets) columns.push_back(local.target_logit);
+  if (want_sum) columns.push_back(local.logit_sum);
+  if (want_expected) columns.push_back(local.expected_logit);
+  const at::Tensor all = all_gather(group, at::stack(columns, 1));  // [P, N, columns]
+  cuda::HeadRowStats out;
+  const at::Tensor lse_r = all.select(2, 0);
+  out.lse = at::logsumexp(lse_r, 0);
+  int64_t c = 1;
+  if (with_targets) out.target_logit = all.select(2, c++).sum(0);
+  if (want_sum) out.logit_sum = all.select(2, c++).sum(0);
+  if (want_expected) {
+    // A rank whose slice gives a row no probability (lse_r = -inf) adds nothing.
+    const at::Tensor share = (lse_r - out.lse.unsqueeze(0)).exp();
+    out.expected_logit = at::where(share > 0, share * all.select(2, c), 0).sum(0);
+  }
+  return out;
+}
+
+struct WholeVocabulary {
+  Slice slice;
+  at::Tensor targets;  // local, [N], or undefined
+  cuda::HeadRowStats stats;
+};
+
+WholeVocabulary statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                           const HeadOptions& head, const VocabularySlice& vs, bool want_sum, bool want_expected) {
+  c10::NoGradGuard no_grad;
+  WholeVocabulary w{resolve(vs, weight), {}, {}};
+  if (targets.defined()) w.targets = local_targets(targets, w.slice, head.ignore_index);
+  const cuda::HeadRowStats local = head_slice::statistics(x, weight, w.targets, head, want_sum, want_expected);
+  w.stats = merge(w.slice.group, local, targets.defined(), want_sum, want_expected);
+  return w;
+}
+
+std::vector<int64_t> row_shape(const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.pop_back();
+  return shape;
+}
+
+struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& targets, const std::optional<at::Tensor>& bias, const HeadOptions* head,
+                            const LossOptions* loss, const VocabularySlice* slice) {
+    HeadOptions h = *head;
+    h.bias = bias ? *bias : at::Tensor();
+    const LinearCrossEntropyForward f = linear_cross_entropy_forward(x, weight, targets, h, *loss, *slice);
+    ctx->save_for_backward({x, weight, targets, h.bias, f.lse});
+    ctx->saved_data["head"] = c10::IValue::make_capsule(c10::make_intrusive<Held<HeadOptions>>(*head));
+    ctx->saved_data["loss"] = c10::IValue::make_capsule(c10::make_intrusive<Held<LossOptions>>(*loss));
+    ctx->saved_data["slice"] = c10::IValue::make_capsule(c10::make_intrusive<Held<VocabularySlice>>(*slice));
+    return f.loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto s = ctx->get_saved_variables();
+    HeadOptions head = held<HeadOptions>(ctx, "head");
+    head.bias = s[3];
+    const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                      s[3].defined() && ctx->needs_input_grad(3)};
+    auto g = linear_cross_entropy_backward(grad_out[0], s[0], s[1], s[2], head, held<LossOptions>(ctx, "loss"), s[4],
+                                           held<VocabularySlice>(ctx, "slice"), want);
+    return {g[0], g[1], at::Tensor(), g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  // Options kept in the autograd context until backward.
+  template <class T>
+  struct Held : torch::CustomClassHolder {
+    explicit Held(T v) : value(std::move(v)) {}
+    T value;
+  };
+  template <class T>
+  static const T& held(torch::autograd::AutogradContext* ctx, const char* name) {
+    return c10::static_intrusive_pointer_cast<Held<T>>(ctx->saved_data.at(name).toCapsule())->value;
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head,
+                            const VocabularySlice& slice) {
+  return statistics(x, weight, {}, head, slice, false, false).stats.lse.view(row_shape(x));
+}
+
+TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                             const HeadOptions& head, bool with_entropy, const VocabularySlice& slice) {
+  if (!targets.defined()) throw Error("token_logprobs: targets are required");
+  const WholeVocabulary w = statistics(x, weight, targets, head, slice, false, with_entropy);
+  const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;
+  TokenLogprobs out;
+  out.logprobs = ((w.stats.target_logit - w.stats.lse) * valid).view(row_shape(x));
+  if (with_entropy) out.entropy = (w.stats.lse - w.stats.expected_logit).view(row_shape(x));
+  return out;
+}
+
+LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                       const at::Tensor& targets, const HeadOptions& head,
+                                                       const LossOptions& loss, const VocabularySlice& slice) {
+  if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
+  if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
+    throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
+  if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
+  const bool smoothing = loss.label_smoothing != 0;
+  const WholeVocabulary w = statistics(x, weight, targets, head, slice, smoothing, false);
+  const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;
+  // The single-device loss, from the whole vocabulary's statistics: lse − (1−ε)·z_t − ε·mean z + z_loss·lse².
+  at::Tensor rows = w.stats.lse - (1 - loss.label_smoothing) * w.stats.target_logit;
+  if (smoothing) rows = rows - (loss.label_smoothing / static_cast<double>(w.slice.vocabulary)) * w.stats.logit_sum;
+  if (loss.z_loss != 0) rows = rows + loss.z_loss * w.stats.lse * w.stats.lse;
+  rows = rows * valid;
+  LinearCrossEntropyForward f;
+  f.lse = w.stats.lse;
+  if (loss.reduction == Reduction::none) f.loss = rows.view(row_shape(x));
+  else if (loss.reduction == Reduction::sum) f.loss = rows.sum();
+  else f.loss = rows.sum() / valid.sum();  // NaN when every target is ignored, as on one device
+  return f;
+}
+
+std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                        const at::Tensor& weight, const at::Tensor& targets,
+                                                        const HeadOptions& head, const LossOptions& loss,
+                                                        const at::Tensor& lse, const VocabularySlice& vs,
+                                                        std::array<bool, 3> want) {
+  c10::NoGradGuard no_grad;
+  const Slice slice = resolve(vs, weight);
+  const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const at::Tensor valid = (t != head.ignore_index).to(lse.scalar_type());
+  // Each counted row's weight in the loss, times the incoming gradient.
+  const at::Tensor g =
+      grad.reshape({-1}).to(lse.scalar_type()) * (loss.reduction == Reduction::mean ? valid / valid.sum().clamp_min(1) : valid);
+  const at::Tensor here = (t != head.ignore_index) & (t >= slice.offset) & (t < slice.offset + slice.size);
+  want[2] = want[2] && head.bias.defined();
+  auto grads = head_slice::gradients(x, weight, at::where(here, t - slice.offset, -1), head, loss, lse, g,
+                                     slice.vocabulary, want);
+  if (want[0]) {
+    std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
+    slice.group->allreduce(dx)->wait();
+  }
+  return grads;
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                const HeadOptions& head, const LossOptions& loss, const VocabularySlice& slice) {
+  if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
+  const std::optional<at::Tensor> bias = head.bias.defined() ? std::optional<at::Tensor>(head.bias) : std::nullopt;
+  return ParallelCrossEntropy::apply(x, weight, targets, bias, &head, &loss, &slice);
+}
+
+}  // namespace trellis
