@@ -40,6 +40,8 @@ findings=$(find tests/fuzz/findings -type f -newer "$started" 2>/dev/null | sort
 if [ -n "$findings" ]; then
   echo "[fuzz] new failing inputs (reproduce: build-fuzz/tests/fuzz/fuzz_TARGET FILE):"
   echo "$findings"
+  echo "[fuzz] grouped by what they trigger:"
+  bash tests/fuzz/triage.sh "${targets[@]}"
   status=1
 fi
 exit $status

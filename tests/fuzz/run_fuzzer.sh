@@ -15,8 +15,9 @@ rm -f "$work/tmp"/*
 
 dict=()
 [ -f "$here/$target.dict" ] && dict=("-dict=$here/$target.dict")
-# LibTorch under ASan: leak checking reports LibTorch's and HDF5's never-freed globals, not our leaks.
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:symbolize=1:${ASAN_OPTIONS:-}"
+# LibTorch under ASan: leak checking reports LibTorch's and HDF5's never-freed globals, not our leaks; a small
+# quarantine keeps freed memory from counting towards -rss_limit_mb.
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:symbolize=1:quarantine_size_mb=64:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 # One core per fuzzer: LibTorch's intra-op pool would otherwise take them all.
 export OMP_NUM_THREADS=1 TMPDIR="$work/tmp"
