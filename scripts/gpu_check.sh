@@ -8,6 +8,9 @@
 #              (bench args, default all) and the HMM throughput runs (scripts/hmm_bench.sh, unless TRELLIS_HMM_BENCH=0)
 #   sanitize   build, the CUDA tests and the three sanitizers: no ctest, no benchmarks
 #   bench      build, the whole ctest suite, the CUDA tests and the benchmarks: no sanitizers
+#   scale      build the operator library and run the multi-GPU benchmarks (bench/vocab_parallel_head.py) under
+#              torchrun at every world size from 1 to the GPUs present; rows into $OUT/scale.json. Peers' wheels
+#              (liger-kernel) travel in .whl/ (carry it). NVLink multicast stays off in every process.
 # Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
 # Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
 # when any step failed (the benchmarks still run after a failure). While working on one kernel, TRELLIS_GPU_FILTER (a
@@ -22,7 +25,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
 mode=all
 case "${1:-}" in
-  sanitize | bench) mode=$1; shift ;;
+  sanitize | bench | scale) mode=$1; shift ;;
 esac
 out="${OUT:-/tmp/trellis-gpu}"
 mkdir -p "$out"
@@ -51,10 +54,30 @@ torch_prefix="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_p
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 echo "mode: $mode"
 
+if [ "$mode" = scale ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+fi
 rm -rf "$build"  # a stale cache silently keeps old paths
 step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr"
-step build cmake --build "$build" -j "$(nproc)"
+if [ "$mode" = scale ]; then
+  step build cmake --build "$build" -j "$(nproc)" --target trellis_ops
+  gpus=$(nvidia-smi --list-gpus | wc -l)
+  commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  for ((p = 1; p <= gpus; p++)); do
+    step "scale_p$p" env TRELLIS_COMMIT="$commit" timeout -k 30 "${TRELLIS_SCALE_TIMEOUT:-240}" \
+      torchrun --standalone --nproc-per-node="$p" bench/vocab_parallel_head.py \
+      --library "$build/lib/libtrellis_ops.so" --json "$out/scale.json"
+    grep '^{' "$out/scale_p$p.log"
+  done
+  [ ${#failed[@]} -gt 0 ] && { echo "=== FAILED steps: ${failed[*]} ($SECONDS s in all)"; exit 1; }
+  echo "=== every step ok ($SECONDS s in all)"
+  exit 0
+fi
 ctest_default=1
 [ "$mode" = sanitize ] && ctest_default=0
 if [ "${TRELLIS_GPU_CTEST:-$ctest_default}" = 1 ]; then
