@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <functional>
 
 #include "cuda/linear_head.h"  // HeadRowStats (declarations only)
 #include "trellis/linear_cross_entropy.h"
@@ -23,5 +24,18 @@ cuda::HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, con
 std::array<at::Tensor, 3> gradients(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
                                     const HeadOptions& head, const LossOptions& loss, const at::Tensor& lse,
                                     const at::Tensor& g, int64_t total_vocabulary, std::array<bool, 3> want);
+
+// A slab's statistics over the slice made the whole vocabulary's (an exchange with the other slices' holders).
+using Merge = std::function<cuda::HeadRowStats(const cuda::HeadRowStats&)>;
+
+// The loss's gradients in the same pass as its statistics, for a reduced loss whose row weights g are known before
+// the statistics (1 or 1/count per counted row): each slab of logits gives its rows' slice statistics (lse, target
+// logit, and Σ z with label smoothing), `merge` turns them into the whole vocabulary's, and the slab's gradient
+// follows from those. `merged` receives every row's merged statistics. Not for recompute_logits, which forms no slab.
+std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& local_targets, const HeadOptions& head,
+                                                const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
+                                                std::array<bool, 3> want, const Merge& merge,
+                                                cuda::HeadRowStats& merged);
 
 }  // namespace trellis::head_slice

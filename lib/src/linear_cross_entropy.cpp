@@ -262,16 +262,23 @@ void add_slab_gradients(const Head& h, const at::Tensor& dz, int64_t r0, std::ar
 }
 
 // Gradients of Σ_i g_i·loss_i. lse, when given, saves recomputing it; loss, when given, receives the per-row loss.
+// merge, when given: W is a slice of the vocabulary, and each slab's statistics (lse, target logit, Σ z) become the
+// whole vocabulary's through it before the slab's gradient is formed; `merged` receives them for every row.
 Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
-                         std::array<bool, 3> want, at::Tensor* loss = nullptr) {
+                         std::array<bool, 3> want, at::Tensor* loss = nullptr,
+                         const head_slice::Merge* merge = nullptr, SlabStats* merged = nullptr) {
   const int64_t N = h.rows();
   Gradients out = empty_gradients(h, want);
+  std::vector<SlabStats> merged_slabs;
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
     at::Tensor z = slab_logits(h, r0, n);
     at::Tensor slab_lse, dz;
     if (lse.defined()) {
       slab_lse = lse.narrow(0, r0, n);
+    } else if (merge) {
+      merged_slabs.push_back((*merge)(slab_stats(h, z, r0, o.label_smoothing != 0)));
+      slab_lse = merged_slabs.back().lse;
     } else {
       SlabStats s;
       if (loss) target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
@@ -296,6 +303,17 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
     add_slab_gradients(h, dz, r0, want, out);
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  if (merged) {
+    const auto join = [&](at::Tensor SlabStats::*field) {
+      std::vector<at::Tensor> parts;
+      for (const SlabStats& m : merged_slabs)
+        if ((m.*field).defined()) parts.push_back(m.*field);
+      return parts.empty() ? at::Tensor() : at::cat(parts);
+    };
+    merged->lse = join(&SlabStats::lse);
+    merged->target_logit = join(&SlabStats::target_logit);
+    merged->logit_sum = join(&SlabStats::logit_sum);
+  }
   return out;
 }
 
@@ -720,6 +738,20 @@ std::array<at::Tensor, 3> gradients(const at::Tensor& x, const at::Tensor& weigh
   h.total_vocabulary = total_vocabulary;
   want[2] = want[2] && h.bias.defined();
   Gradients d = h.recompute ? recomputed_gradients(h, g, lse, loss, want) : head_gradients(h, g, lse, loss, want);
+  return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
+}
+
+std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& local_targets, const HeadOptions& head,
+                                                const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
+                                                std::array<bool, 3> want, const Merge& merge,
+                                                cuda::HeadRowStats& merged) {
+  c10::NoGradGuard no_grad;
+  Head h = prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false);
+  h.total_vocabulary = total_vocabulary;
+  want[2] = want[2] && h.bias.defined();
+  Gradients d = head_gradients(h, g, {}, loss, want, nullptr, &merge, &merged);
+  if (h.rows() == 0) merged = all_row_stats(h, loss.label_smoothing != 0, false);
   return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
 }
 

@@ -113,11 +113,17 @@ std::vector<int64_t> row_shape(const at::Tensor& x) {
 struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& targets, const std::optional<at::Tensor>& bias, const HeadOptions* head,
-                            const LossOptions* loss, const VocabularySlice* slice) {
+                            const LossOptions* loss, const VocabularySlice* slice, bool grad_enabled) {
     HeadOptions h = *head;
     h.bias = bias ? *bias : at::Tensor();
-    const LinearCrossEntropyForward f = linear_cross_entropy_forward(x, weight, targets, h, *loss, *slice);
-    ctx->save_for_backward({x, weight, targets, h.bias, f.lse});
+    // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
+    const std::array<bool, 3> want = {grad_enabled && x.requires_grad(), grad_enabled && weight.requires_grad(),
+                                      grad_enabled && bias && bias->requires_grad()};
+    const LinearCrossEntropyForward f = linear_cross_entropy_forward(x, weight, targets, h, *loss, *slice, want);
+    // A reduced loss's gradients come with the forward; an unreduced one's backward forms them from the inputs.
+    if (f.lse.defined()) ctx->save_for_backward({x, weight, targets, h.bias, f.lse});
+    else ctx->save_for_backward({f.dx, f.dweight, f.dbias});
+    ctx->saved_data["bias"] = bias.has_value();
     ctx->saved_data["head"] = c10::IValue::make_capsule(c10::make_intrusive<Held<HeadOptions>>(*head));
     ctx->saved_data["loss"] = c10::IValue::make_capsule(c10::make_intrusive<Held<LossOptions>>(*loss));
     ctx->saved_data["slice"] = c10::IValue::make_capsule(c10::make_intrusive<Held<VocabularySlice>>(*slice));
@@ -128,12 +134,15 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
                                                  torch::autograd::variable_list grad_out) {
     const auto s = ctx->get_saved_variables();
     HeadOptions head = held<HeadOptions>(ctx, "head");
-    head.bias = s[3];
+    LinearCrossEntropyForward f;
+    at::Tensor x, weight, targets;
+    if (s.size() == 5) x = s[0], weight = s[1], targets = s[2], head.bias = s[3], f.lse = s[4];
+    else f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
     const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                      s[3].defined() && ctx->needs_input_grad(3)};
-    auto g = linear_cross_entropy_backward(grad_out[0], s[0], s[1], s[2], head, held<LossOptions>(ctx, "loss"), s[4],
+                                      ctx->saved_data.at("bias").toBool() && ctx->needs_input_grad(3)};
+    auto g = linear_cross_entropy_backward(grad_out[0], x, weight, targets, head, held<LossOptions>(ctx, "loss"), f,
                                            held<VocabularySlice>(ctx, "slice"), want);
-    return {g[0], g[1], at::Tensor(), g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g[0], g[1], at::Tensor(), g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
  private:
@@ -169,21 +178,46 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 
 LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
                                                        const at::Tensor& targets, const HeadOptions& head,
-                                                       const LossOptions& loss, const VocabularySlice& slice) {
+                                                       const LossOptions& loss, const VocabularySlice& vs,
+                                                       std::array<bool, 3> want) {
   if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
   if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
     throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
   if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
+  c10::NoGradGuard no_grad;
   const bool smoothing = loss.label_smoothing != 0;
-  const WholeVocabulary w = statistics(x, weight, targets, head, slice, smoothing, false);
   const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;
-  // The single-device loss, from the whole vocabulary's statistics: lse − (1−ε)·z_t − ε·mean z + z_loss·lse².
-  at::Tensor rows = w.stats.lse - (1 - loss.label_smoothing) * w.stats.target_logit;
-  if (smoothing) rows = rows - (loss.label_smoothing / static_cast<double>(w.slice.vocabulary)) * w.stats.logit_sum;
-  if (loss.z_loss != 0) rows = rows + loss.z_loss * w.stats.lse * w.stats.lse;
-  rows = rows * valid;
+  want[2] = want[2] && head.bias.defined();
   LinearCrossEntropyForward f;
-  f.lse = w.stats.lse;
+  cuda::HeadRowStats stats;
+  Slice slice;
+  if (loss.reduction != Reduction::none && !head.recompute_logits && (want[0] || want[1] || want[2])) {
+    // A reduced loss's row weights are known now (1, or 1/count), so its gradients form in the same pass as the
+    // statistics, each slab's statistics merged across the ranks before its gradient: the logits are formed once.
+    slice = resolve(vs, weight);
+    const at::Tensor w = valid.to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    const at::Tensor g = loss.reduction == Reduction::mean ? w / valid.sum().clamp_min(1) : w;
+    const head_slice::Merge exchange = [&](const cuda::HeadRowStats& local) {
+      return merge(slice.group, local, true, smoothing, false);
+    };
+    auto d = head_slice::gradients_in_one_pass(x, weight, local_targets(targets, slice, head.ignore_index), head, loss,
+                                               g, slice.vocabulary, want, exchange, stats);
+    if (want[0]) {
+      std::vector<at::Tensor> dx{d[0]};  // every slice's share: summed over the ranks
+      slice.group->allreduce(dx)->wait();
+    }
+    f.dx = d[0], f.dweight = d[1], f.dbias = d[2];
+  } else {
+    WholeVocabulary w = statistics(x, weight, targets, head, vs, smoothing, false);
+    slice = w.slice;
+    stats = w.stats;
+    f.lse = stats.lse;
+  }
+  // The single-device loss, from the whole vocabulary's statistics: lse − (1−ε)·z_t − ε·mean z + z_loss·lse².
+  at::Tensor rows = stats.lse - (1 - loss.label_smoothing) * stats.target_logit;
+  if (smoothing) rows = rows - (loss.label_smoothing / static_cast<double>(slice.vocabulary)) * stats.logit_sum;
+  if (loss.z_loss != 0) rows = rows + loss.z_loss * stats.lse * stats.lse;
+  rows = rows * valid;
   if (loss.reduction == Reduction::none) f.loss = rows.view(row_shape(x));
   else if (loss.reduction == Reduction::sum) f.loss = rows.sum();
   else f.loss = rows.sum() / valid.sum();  // NaN when every target is ignored, as on one device
@@ -193,18 +227,23 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
 std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
                                                         const at::Tensor& weight, const at::Tensor& targets,
                                                         const HeadOptions& head, const LossOptions& loss,
-                                                        const at::Tensor& lse, const VocabularySlice& vs,
-                                                        std::array<bool, 3> want) {
+                                                        const LinearCrossEntropyForward& forward,
+                                                        const VocabularySlice& vs, std::array<bool, 3> want) {
   c10::NoGradGuard no_grad;
+  if (!forward.lse.defined()) {
+    // The forward formed the gradients (a reduced loss): scaled by the incoming gradient, as on one device.
+    LinearCrossEntropyForward formed = forward;
+    return trellis::linear_cross_entropy_backward(grad, {}, {}, {}, {}, loss, formed, want);
+  }
   const Slice slice = resolve(vs, weight);
   const at::Tensor t = targets.reshape({-1}).to(at::kLong);
-  const at::Tensor valid = (t != head.ignore_index).to(lse.scalar_type());
+  const at::Tensor valid = (t != head.ignore_index).to(forward.lse.scalar_type());
   // Each counted row's weight in the loss, times the incoming gradient.
-  const at::Tensor g =
-      grad.reshape({-1}).to(lse.scalar_type()) * (loss.reduction == Reduction::mean ? valid / valid.sum().clamp_min(1) : valid);
+  const at::Tensor g = grad.reshape({-1}).to(forward.lse.scalar_type()) *
+                       (loss.reduction == Reduction::mean ? valid / valid.sum().clamp_min(1) : valid);
   const at::Tensor here = (t != head.ignore_index) & (t >= slice.offset) & (t < slice.offset + slice.size);
   want[2] = want[2] && head.bias.defined();
-  auto grads = head_slice::gradients(x, weight, at::where(here, t - slice.offset, -1), head, loss, lse, g,
+  auto grads = head_slice::gradients(x, weight, at::where(here, t - slice.offset, -1), head, loss, forward.lse, g,
                                      slice.vocabulary, want);
   if (want[0]) {
     std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
@@ -217,7 +256,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, c
                                 const HeadOptions& head, const LossOptions& loss, const VocabularySlice& slice) {
   if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
   const std::optional<at::Tensor> bias = head.bias.defined() ? std::optional<at::Tensor>(head.bias) : std::nullopt;
-  return ParallelCrossEntropy::apply(x, weight, targets, bias, &head, &loss, &slice);
+  return ParallelCrossEntropy::apply(x, weight, targets, bias, &head, &loss, &slice, c10::GradMode::is_enabled());
 }
 
 }  // namespace trellis

@@ -121,26 +121,30 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const 
   return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
 }
 
-std::tuple<at::Tensor, at::Tensor> vp_linear_cross_entropy_forward(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, c10::string_view group_name,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-    std::optional<double> softcap, double z_loss, int64_t chunk_bytes, bool recompute_logits) {
+Tensors5 vp_linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                         c10::string_view group_name, const std::optional<at::Tensor>& bias,
+                                         int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                                         std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                         bool recompute_logits, Mask want) {
   auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
                                                  head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
                                                  loss_options(reduction, label_smoothing, z_loss),
-                                                 vocabulary_slice(group_name));
-  return {f.loss, f.lse};
+                                                 vocabulary_slice(group_name), want);
+  return {f.loss, or_none(f.lse, x), or_none(f.dx, x), or_none(f.dweight, x), or_none(f.dbias, x)};
 }
 
+// Backward of the unreduced loss, or of one whose forward kept the lse (recompute_logits).
 Tensors3 vp_linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& targets, c10::string_view group_name,
                                           const std::optional<at::Tensor>& bias, const at::Tensor& lse,
                                           int64_t ignore_index, c10::string_view reduction, double label_smoothing,
                                           std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
                                           bool recompute_logits, Mask want) {
+  trellis::LinearCrossEntropyForward f;
+  f.lse = lse;
   auto d = trellis::linear_cross_entropy_backward(
       grad, x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
-      loss_options(reduction, label_smoothing, z_loss), lse, vocabulary_slice(group_name), want);
+      loss_options(reduction, label_smoothing, z_loss), f, vocabulary_slice(group_name), want);
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
 
@@ -150,7 +154,8 @@ at::Tensor vp_linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& w
                                         std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
                                         bool recompute_logits) {
   return std::get<0>(vp_linear_cross_entropy_forward(x, weight, targets, group_name, bias, ignore_index, reduction,
-                                                     label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits));
+                                                     label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits,
+                                                     {false, false, false}));
 }
 
 // Without autograd (inference mode, or below it): the loss alone.
@@ -224,13 +229,15 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_meta(const at::Tensor& x, c
   return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
 }
 
-std::tuple<at::Tensor, at::Tensor> vp_linear_cross_entropy_forward_meta(
-    const at::Tensor& x, const at::Tensor&, const at::Tensor&, c10::string_view, const std::optional<at::Tensor>&,
-    int64_t, c10::string_view reduction, double, std::optional<double>, double, int64_t, bool) {
-  const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
-  c10::SymInt n = 1;
-  for (const c10::SymInt& s : row_shape(x)) n *= s;
-  return {unreduced ? rows_meta(x) : at::empty({}, acc_options(x)), at::empty_symint({n}, acc_options(x))};
+Tensors5 vp_linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                              c10::string_view, const std::optional<at::Tensor>& bias,
+                                              int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                                              std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
+                                              bool recompute_logits, Mask want) {
+  // As on one device, except that recompute_logits keeps the lse for the backward instead of forming the gradients.
+  auto m = linear_cross_entropy_forward_meta(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap,
+                                             z_loss, chunk_bytes, false, recompute_logits ? Mask{false, false, false} : want);
+  return m;
 }
 
 Tensors3 vp_linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tensor& x, const at::Tensor& weight,
@@ -384,13 +391,18 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             const at::Tensor& targets, c10::string_view group_name,
                             const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                             double label_smoothing, std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                            bool recompute_logits) {
+                            bool recompute_logits, Mask want) {
     static const auto op =
         find<decltype(vp_linear_cross_entropy_forward)>("trellis::_vocab_parallel_linear_cross_entropy_forward");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, lse] = op.call(x, weight, targets, group_name, bias, ignore_index, reduction, label_smoothing, softcap,
-                               z_loss, chunk_bytes, recompute_logits);
-    ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
+    auto [loss, lse, dx, dweight, dbias] = op.call(x, weight, targets, group_name, bias, ignore_index, reduction,
+                                                   label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits, want);
+    // The gradients come with the forward (a reduced loss), or its backward forms them from the inputs and lse.
+    const bool formed = reduction != "none" && !recompute_logits && (want[0] || want[1] || want[2]);
+    if (formed) ctx->save_for_backward({dx, dweight, dbias});
+    else ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
+    ctx->saved_data["formed"] = formed;
+    ctx->saved_data["bias"] = bias.has_value();
     ctx->saved_data["group_name"] = std::string(group_name);
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["reduction"] = std::string(reduction);
@@ -409,14 +421,24 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     const auto s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     // needs_input_grad counts tensor arguments only: bias is the fourth.
-    const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), s[3].defined() && ctx->needs_input_grad(3)};
-    auto [dx, dweight, dbias] =
-        op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4],
-                d.at("ignore_index").toInt(), d.at("reduction").toStringRef(), d.at("label_smoothing").toDouble(),
-                saved_softcap(ctx), d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
-                d.at("recompute_logits").toBool(), want);
-    return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), {}, {}, want[2] ? dbias : at::Tensor(),
-            {}, {}, {}, {}, {}, {}, {}};
+    const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                       d.at("bias").toBool() && ctx->needs_input_grad(3)};
+    std::array<at::Tensor, 3> g;
+    if (d.at("formed").toBool()) {
+      // The forward formed the gradients; the library scales them by grad (in operators that torch.compile traces).
+      trellis::LinearCrossEntropyForward f;
+      f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
+      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {}, loss_options(d.at("reduction").toStringRef(), 0, 0),
+                                                 f, want);
+    } else {
+      auto [dx, dweight, dbias] =
+          op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4],
+                  d.at("ignore_index").toInt(), d.at("reduction").toStringRef(), d.at("label_smoothing").toDouble(),
+                  saved_softcap(ctx), d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
+                  d.at("recompute_logits").toBool(), want);
+      g = {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
+    }
+    return {g[0], g[1], {}, {}, g[2], {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -425,8 +447,12 @@ at::Tensor vp_linear_cross_entropy_autograd(const at::Tensor& x, const at::Tenso
                                             int64_t ignore_index, c10::string_view reduction, double label_smoothing,
                                             std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
                                             bool recompute_logits) {
+  // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
+  const bool grad = c10::GradMode::is_enabled();
+  const Mask want = {grad && x.requires_grad(), grad && weight.requires_grad(),
+                     grad && bias && bias->defined() && bias->requires_grad()};
   return VocabParallelCrossEntropy::apply(x, weight, targets, group_name, bias, ignore_index, reduction,
-                                          label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits);
+                                          label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits, want);
 }
 
 // The vocabulary-parallel log-probabilities and log-sum-exps have no backward yet: an input that asks for a gradient
@@ -513,9 +539,11 @@ TORCH_LIBRARY(trellis, m) {
   m.def("vocab_parallel_linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, str group_name, "
         "Tensor? bias=None, int ignore_index=-100, str reduction='mean', float label_smoothing=0.0, "
         "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False) -> Tensor");
+  // Returns (loss, lse, dx, dweight, dbias) as _linear_cross_entropy_forward does (the gradients formed with a reduced
+  // loss, unless recompute_logits, which keeps lse for the backward).
   m.def("_vocab_parallel_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, str group_name, "
         "Tensor? bias, int ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss, "
-        "int chunk_bytes, bool recompute_logits) -> (Tensor, Tensor)");
+        "int chunk_bytes, bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("_vocab_parallel_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, "
         "str group_name, Tensor? bias, Tensor lse, int ignore_index, str reduction, float label_smoothing, "
         "float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, bool[3] output_mask) "

@@ -43,15 +43,19 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                 const HeadOptions& head, const LossOptions& loss, const VocabularySlice& slice);
 
-// linear_cross_entropy in its two halves, for callers that wire autograd themselves (the PyTorch operators). The
-// forward's lse is the whole vocabulary's, the backward's input; backward's gradients are as linear_cross_entropy's.
+// linear_cross_entropy in its two halves, for callers that wire autograd themselves (the PyTorch operators). want:
+// which of x, weight, bias need gradients. With a mean or sum reduction and gradients wanted (and not
+// recompute_logits) the forward forms them in the same pass as the loss — each slab's statistics merged across the
+// ranks before its gradient, dx all-reduced — and the backward scales them; otherwise the forward keeps the whole
+// vocabulary's lse and the backward forms the logits again.
 LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
                                                        const at::Tensor& targets, const HeadOptions& head,
-                                                       const LossOptions& loss, const VocabularySlice& slice);
+                                                       const LossOptions& loss, const VocabularySlice& slice,
+                                                       std::array<bool, 3> want = {false, false, false});
 std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
                                                         const at::Tensor& weight, const at::Tensor& targets,
                                                         const HeadOptions& head, const LossOptions& loss,
-                                                        const at::Tensor& lse, const VocabularySlice& slice,
-                                                        std::array<bool, 3> want);
+                                                        const LinearCrossEntropyForward& forward,
+                                                        const VocabularySlice& slice, std::array<bool, 3> want);
 
 }  // namespace trellis
