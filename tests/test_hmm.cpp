@@ -1,5 +1,7 @@
 #include "trellis/hmm.h"
 
+#include <cmath>
+
 #include "test_util.h"
 
 using namespace trellis;
@@ -152,6 +154,28 @@ TEST(HMM, ObservationOutsideVocabularyIsAnErrorNamingItsPosition) {
     EXPECT_NE(std::string(e.what()).find("[1][2] = 3"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(log_likelihood(m, obs, at::tensor({3, 2}, at::kLong)));  // position 2 of sequence 1 is padding
+}
+
+TEST(HMM, Float32MatchesFloat64OnLongSequences) {
+  // Log-space messages of a long sequence reach about -T nats, where a float32 keeps only about 1e-2 absolutely: the
+  // recursions must keep their numbers small.
+  const int64_t T = 100000;
+  const CategoricalHMM m = CategoricalHMM::random(3, 4, 21);
+  const CategoricalHMM m32 = m.to(at::TensorOptions().dtype(at::kFloat));
+  at::manual_seed(22);
+  const at::Tensor obs = at::randint(0, 4, {1, T}, at::kLong);
+  const at::Tensor post64 = posteriors(m, obs), post32 = posteriors(m32, obs);
+  EXPECT_LT((post32.to(at::kDouble) - post64).abs().max().item<double>(), 1e-4);
+  EXPECT_LT((post32.sum(2) - 1).abs().max().item<double>(), 1e-4);
+  const double ll64 = log_likelihood(m, obs).item<double>(), ll32 = log_likelihood(m32, obs).item<double>();
+  EXPECT_NEAR(ll32, ll64, 1e-6 * std::abs(ll64));
+  const ViterbiResult v64 = viterbi(m, obs), v32 = viterbi(m32, obs);
+  EXPECT_NEAR(v32.score.item<double>(), v64.score.item<double>(), 1e-6 * std::abs(v64.score.item<double>()));
+  EXPECT_GT(v32.path.eq(v64.path).to(at::kDouble).mean().item<double>(), 0.999);
+  // The E-step (the same recursion's gradient) as well.
+  const auto s64 = expected_statistics(m, obs), s32 = expected_statistics(m32, obs);
+  expect_close(s32.transitions.to(at::kDouble) / T, s64.transitions / T, 0, 1e-4);
+  EXPECT_NEAR(s32.log_likelihood, s64.log_likelihood, 1e-6 * std::abs(s64.log_likelihood));
 }
 
 TEST(HMMCuda, MatchesCpu) {

@@ -204,6 +204,36 @@ TEST(LinearChainCRF, Float32AgreesWithFloat64) {
   EXPECT_TRUE(at::equal(viterbi(f).path, viterbi(p).path));
 }
 
+TEST(LinearChainCRF, Float32AgreesWithFloat64OnLongSequences) {
+  // Forward messages reach about -T·(mean score), where a float32 keeps about 1e-7 of that absolutely: the recursions
+  // keep them small. The fused recursion (few labels: log-partition, Viterbi, marginals):
+  at::manual_seed(31);
+  const auto to_float = [](ChainPotentials p) {
+    p.emissions = p.emissions.to(at::kFloat);
+    p.transitions = p.transitions.to(at::kFloat);
+    return p;
+  };
+  const auto relative = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.to(at::kDouble) - b).abs() / b.abs()).max().item<double>();
+  };
+  const int64_t T = 100000;
+  ChainPotentials p;
+  p.emissions = randn({2, T, 4}) - 30;  // log-potentials well below zero: messages fall steadily
+  p.transitions = randn({4, 4});
+  p.lengths = at::tensor({T, T / 2}, at::kLong);
+  const ChainPotentials f = to_float(p);
+  EXPECT_LT(relative(log_partition(f), log_partition(p)), 1e-6);
+  EXPECT_LT(relative(viterbi(f).score, viterbi(p).score), 1e-6);
+  EXPECT_LT((marginals(f).nodes.to(at::kDouble) - marginals(p).nodes).abs().max().item<double>(), 1e-4);
+  // The scaled recursion (many labels, log-partition without gradients), shorter as its steps are separate tensor
+  // operations, with scores close together so that they stay on its GEMM path; its error grows as sqrt(T).
+  const int64_t K = 128, T2 = 6000;
+  ChainPotentials q;
+  q.emissions = randn({1, T2, K}, at::kDouble, 0.1) - 30;
+  q.transitions = randn({K, K}, at::kDouble, 0.1);
+  EXPECT_LT(relative(log_partition(to_float(q)), log_partition(q)), 5e-7);
+}
+
 TEST(LinearChainCRF, RejectsBadInputWithIndex) {
   ChainPotentials p = random_chain(3, 4, 2);
   p.lengths = at::tensor({4, 0, 2}, at::kLong);

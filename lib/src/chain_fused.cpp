@@ -151,17 +151,30 @@ struct StepFactory {
   int64_t K_;
 };
 
-// One sequence at a time, sequences in parallel; messages are [T,K] rows.
+// Subtracts the largest of a[0..K) from each (unless none is finite) and returns it.
+template <class T>
+T rebase(T* a, int64_t K) {
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t k = 0; k < K; ++k) m = std::max(m, a[k]);
+  if (!std::isfinite(m)) return T(0);
+  for (int64_t k = 0; k < K; ++k) a[k] -= m;
+  return m;
+}
+
+// One sequence at a time, sequences in parallel; messages are [T,K] rows. A sequence's messages grow to about -T
+// (log-probabilities of its prefixes), where a float32 keeps only about 1e-2 absolutely: each alpha_t is stored minus its
+// largest entry, the offsets summed in float64. The recursion and its reverse mode only take differences of alpha_{t-1}
+// and pre_t, which share an offset; frame_score is the score in the last alpha's frame, score the true one.
 template <class S, class T>
 void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                  const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
-                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik) {
+                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score, at::Tensor& loglik) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const StepFactory<S, T> steps(trans);
   const T *E = em.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>(), *W = trans.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
-  T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>();
+  T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>(), *FZ = frame_score.data_ptr<T>();
   T* LL = Y ? loglik.data_ptr<T>() : nullptr;
   int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
   int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
@@ -175,19 +188,23 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
         p[j] = St[j];
         a[j] = S::times(St[j], e[j]);
       }
+      double offset = rebase(a, K);
       for (int64_t t = 1; t < L; ++t) {
         step.forward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr);
         for (int64_t j = 0; j < K; ++j) a[t * K + j] = S::times(p[t * K + j], e[t * K + j]);
+        offset += rebase(a + t * K, K);
       }
       typename S::template Accumulator<T> acc;
       for (int64_t k = 0; k < K; ++k) acc.add(S::times(a[(L - 1) * K + k], En[k]), k);
-      Z[b] = acc.value();
+      FZ[b] = acc.value();
+      const double z = offset + FZ[b];
+      Z[b] = static_cast<T>(z);
       if (IE) IE[b] = acc.arg();
       if (Y) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
         const int64_t* y = Y + b * Tn;
-        T g = St[y[0]] + e[y[0]] + En[y[L - 1]];
-        for (int64_t t = 1; t < L; ++t) g += W[y[t - 1] * K + y[t]] + e[t * K + y[t]];
-        LL[b] = g - Z[b];
+        double g = double(St[y[0]]) + e[y[0]] + En[y[L - 1]];
+        for (int64_t t = 1; t < L; ++t) g += double(W[y[t - 1] * K + y[t]]) + e[t * K + y[t]];
+        LL[b] = static_cast<T>(g - z);
       }
     }
   });
@@ -199,7 +216,7 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
 template <class S, class T>
 void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
                   const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
-                  const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
+                  const at::Tensor& end_arg, const at::Tensor& frame_score, at::Tensor& g_em, at::Tensor& g_trans,
                   at::Tensor& g_start, at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
   // At most 64 chunks, fewer when their K×K buffers would pass 64 MiB, but at least 4 (while B allows) so that large
@@ -210,7 +227,7 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
   at::Tensor part_w = at::zeros({chunks, K, K}, alpha.options());
   at::Tensor part_s = at::zeros({chunks, K}, alpha.options()), part_e = at::zeros({chunks, K}, alpha.options());
   const T *G = grad.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(),
-          *Z = score.data_ptr<T>();
+          *Z = frame_score.data_ptr<T>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
   const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
@@ -235,6 +252,16 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
           std::fill(next.begin(), next.end(), T(0));
           step.backward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr, adj.data(), next.data(), gw);
           std::swap(adj, next);
+          if constexpr (!S::kIsMax) {
+            // adj_t is gb times position t's marginals, which sum to one: restoring that total at each step keeps
+            // rounding from compounding over a long sequence (float32 drifts by 2e-4 over 1e5 steps otherwise).
+            double total = 0;
+            for (int64_t k = 0; k < K; ++k) total += adj[k];
+            if (total != 0 && std::isfinite(total)) {
+              const T scale = static_cast<T>(gb / total);
+              for (int64_t k = 0; k < K; ++k) adj[k] *= scale;
+            }
+          }
         }
         for (int64_t k = 0; k < K; ++k) {
           gem[k] = adj[k];
@@ -278,6 +305,7 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                             const at::Tensor& tags) {
     const int64_t B = em.size(0);
     at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
+    at::Tensor frame_score = score;  // the CUDA kernels keep alphas unshifted
     at::Tensor loglik = at::empty({tags.numel() ? B : 0}, em.options());
     const auto long_opts = em.options().dtype(at::kLong);
     at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
@@ -298,11 +326,13 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
       throw Error("this Trellis build has no CUDA kernels");
 #endif
     } else {
+      frame_score = at::empty({B}, em.options());
       AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
+        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, frame_score,
+                                 loglik);
       });
     }
-    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, score, tags, scaled, colmax});
+    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, frame_score, tags, scaled, colmax});
     return tags.numel() ? loglik : score;
   }
 
@@ -367,8 +397,10 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
 #endif
     return {path, score};
   }
+  at::Tensor frame_score = at::empty({B}, em.options());
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
-    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, loglik);
+    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
+                                       loglik);
   });
   const int64_t K = em.size(2);
   const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();

@@ -187,12 +187,30 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   // Many sequences: the fused chain kernels (one launch for all steps) where they take K.
   if (p.emissions.is_cuda() && detail::fused_chain_supported<LogSemiring>(p.emissions)) return chain_score<LogSemiring>(p, s);
 #endif
+  // Each step's alpha is kept minus its largest entry, the offsets summed in float64: alphas of long sequences would
+  // otherwise grow to about -T, where float32 keeps only about 1e-2 absolutely.
+  const auto largest = [](const at::Tensor& a) {
+    const at::Tensor m = a.amax(1, true);
+    return at::where(at::isfinite(m), m, at::zeros_like(m));
+  };
   at::Tensor alpha = p.emissions.select(1, 0) + or_zeros(p.start, p, s.K);
+  at::Tensor offset = largest(alpha);
+  alpha = alpha - offset;
+  offset = offset.to(at::kDouble);
   for (int64_t t = 1; t < s.T; ++t) {
-    const at::Tensor next = detail::scaled_log_matmul(alpha.unsqueeze(0), w).squeeze(0) + p.emissions.select(1, t);
-    alpha = p.lengths.defined() ? at::where((lengths > t).unsqueeze(1), next, alpha) : next;
+    at::Tensor next = detail::scaled_log_matmul(alpha.unsqueeze(0), w).squeeze(0) + p.emissions.select(1, t);
+    at::Tensor m = largest(next);
+    next = next - m;
+    if (p.lengths.defined()) {
+      const at::Tensor live = (lengths > t).unsqueeze(1);
+      next = at::where(live, next, alpha);
+      m = at::where(live, m, at::zeros_like(m));
+    }
+    alpha = next;
+    offset = offset + m.to(at::kDouble);
   }
-  return semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
+  const at::Tensor z = semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
+  return (z.to(at::kDouble) + offset.squeeze(1)).to(z.scalar_type());
 }
 
 }  // namespace
