@@ -7,6 +7,7 @@
 
 #include "cli_util.h"
 #include "commands.h"
+#include "trellis/atomic_file.h"
 #include "trellis/conll.h"
 #include "trellis/error.h"
 #include "trellis/hmm_tasks.h"
@@ -70,16 +71,19 @@ int init(const std::vector<std::string>& args) {
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("states,k", po::value(&K)->required(), "number of hidden states")
-      ("symbols,v", po::value(&V)->default_value(0), "categorical emissions over this many symbols")
-      ("features,f", po::value(&F)->default_value(0), "diagonal-Gaussian emissions of this many features")
+      ("symbols,v", po::value(&V), "categorical emissions over this many symbols")
+      ("features,f", po::value(&F), "diagonal-Gaussian emissions of this many features")
       ("seed", po::value(&seed)->default_value(0), "random seed")
       ("output,o", po::value(&output)->required(), "model file to write");
   po::variables_map vm;
   const std::string usage = "usage: trellis hmm init --states K (--symbols V | --features F) --output MODEL.h5";
   if (int rc = parse("hmm init", args, desc, vm, usage); rc >= 0) return rc;
-  if (K < 1 || (V > 0) == (F > 0)) throw Error("init: give --states >= 1 and exactly one of --symbols, --features");
-  HMMModelFile m{CategoricalHMM::random(K, std::max<int64_t>(V, 1), seed)};
-  if (F > 0) m.model = GaussianHMM::random(K, F, seed);
+  if (vm.count("symbols") == vm.count("features")) throw Error("init: give exactly one of --symbols, --features");
+  HMMModelFile m;
+  if (vm.count("symbols"))
+    m.model = CategoricalHMM::random(K, V, seed);
+  else
+    m.model = GaussianHMM::random(K, F, seed);
   save_hmm(output, m);
   std::cerr << "wrote " << output << ": " << describe(m) << "\n";
   return 0;
@@ -167,6 +171,7 @@ int fit(const std::vector<std::string>& args) {
   if (int rc = parse("hmm fit", args, desc, vm, "usage: trellis hmm fit --data DATA.h5 --output MODEL.h5 (--states K | --init MODEL.h5 | --supervised) [options]"); rc >= 0)
     return rc;
   const HMMRunOptions run = flags.resolve();
+  check_writable_location(output);
   if (!init_path.empty()) f.initial = load_hmm(init_path);
   HMMDataset data(data_path);
   std::cerr << "data: " << data.num_sequences() << " sequences, " << data.num_tokens() << " tokens\n";
@@ -212,6 +217,7 @@ int convert(const std::vector<std::string>& args) {
     return rc;
   std::vector<int> label_columns;
   if (!no_labels) label_columns = parse_int_list(label_column, "--label-column");
+  check_writable_location(output);
   Vocabulary words;
   std::vector<std::string> labels;
   if (!from.empty()) {

@@ -141,13 +141,125 @@ expect_error "labels length" "short_labels.h5: '/labels' must be a 1-d integer d
 expect_error "transition row" "rows.h5: transmat row 1 is not a probability distribution" out.h5 infer rows.h5 cat_data.h5
 expect_error "foreign model" "foreign.h5: not a Trellis HMM model" out.h5 infer foreign.h5 cat_data.h5
 expect_error "model version" "version.h5: model format version 7 is not supported" out.h5 infer version.h5 cat_data.h5
-expect_error "missing covars" "no_covars.h5: missing dataset 'covars'" out.h5 infer no_covars.h5 gauss_data.h5
+expect_error "missing covars" "no_covars.h5: missing dataset '/covars'" out.h5 infer no_covars.h5 gauss_data.h5
 expect_error "not HDF5" "text.h5: not an HDF5 file" out.h5 infer cat.h5 text.h5
 expect_error "missing file" "cannot open 'nowhere.h5'" out.h5 infer cat.h5 nowhere.h5
 expect_error "memory budget" "'12Q' is not a size" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --memory-budget 12Q
 expect_error "init options" "exactly one of --symbols, --features" m.h5 "$trellis" hmm init --states 2 -o m.h5
 expect_error "fit without K" "give --states or an initial model" m.h5 "$trellis" hmm fit -d cat_data.h5 -o m.h5
 expect_error "unknown subcommand" "unknown command 'frobnicate'" none "$trellis" hmm frobnicate
+
+# Numeric flags out of range: a message naming the flag (or the model's size), before any work.
+fit() { "$trellis" hmm fit -d cat_data.h5 -o m.h5 "$@"; }
+expect_error "no EM iterations" "--max-iterations must be >= 1, not 0" m.h5 fit --states 3 --max-iterations 0
+expect_error "negative EM iterations" "--max-iterations must be >= 1, not -2" m.h5 fit --states 3 --max-iterations -2
+expect_error "negative smoothing" "--smoothing must be a finite number >= 0, not -1" m.h5 fit --supervised --smoothing -1
+expect_error "NaN smoothing" "--smoothing must be a finite number >= 0, not nan" m.h5 fit --supervised --smoothing nan
+expect_error "zero covars prior" "--covars-prior must be a finite number > 0, not 0" m.h5 \
+  "$trellis" hmm fit -d gauss_data.h5 -o m.h5 --states 2 --covars-prior 0
+expect_error "NaN tolerance" "--tolerance must be a finite number >= 0, not nan" m.h5 fit --states 3 --tolerance nan
+expect_error "negative tolerance" "--tolerance must be a finite number >= 0, not -1" m.h5 fit --states 3 --tolerance -1
+expect_error "no restarts" "--restarts must be >= 1, not 0" m.h5 fit --states 3 --restarts 0
+expect_error "order 3" "--order must be 1, or 2 with --supervised" m.h5 fit --supervised --order 3
+expect_error "negative states" "--states must be >= 1, not -1" m.h5 fit --states -1
+expect_error "states in exponent notation" "the argument ('1e10') for option '--states' is invalid" m.h5 fit --states 1e10
+expect_error "states beyond memory" "a model of 10000000000 states and 6 symbols (8 copies of its parameters) needs about" m.h5 \
+  fit --states 10000000000
+expect_error "negative symbols" "--symbols must be >= 1, not -4" m.h5 fit --states 3 --symbols -4
+expect_error "negative threads" "--threads must be >= 0 (0: LibTorch's default), not -2" m.h5 fit --states 3 --threads -2
+expect_error "init: negative states" "a model needs at least 1 state, not -1" m.h5 "$trellis" hmm init --states -1 --symbols 3 -o m.h5
+expect_error "init: no symbols" "a model needs at least 1 symbol, not 0" m.h5 "$trellis" hmm init --states 2 --symbols 0 -o m.h5
+expect_error "init: negative features" "a model needs at least 1 feature, not -3" m.h5 \
+  "$trellis" hmm init --states 2 --features -3 -o m.h5
+expect_error "init: both kinds" "exactly one of --symbols, --features" m.h5 "$trellis" hmm init --states 2 --symbols 3 --features 2 -o m.h5
+expect_error "init beyond memory" "a model of 3000000 states and 5 symbols (2 copies of its parameters) needs about" m.h5 \
+  "$trellis" hmm init --states 3000000 --symbols 5 -o m.h5
+expect_error "sample: no sequences" "need --sequences >= 1" d.h5 "$trellis" hmm sample -m cat.h5 -o d.h5 -n 0 -l 5
+expect_error "sample: negative length" "need --sequences >= 1 and 1 <= --min-length <= --length" d.h5 \
+  "$trellis" hmm sample -m cat.h5 -o d.h5 -n 3 -l -5
+expect_error "sample: min above max" "1 <= --min-length <= --length" d.h5 "$trellis" hmm sample -m cat.h5 -o d.h5 -n 3 -l 5 --min-length 9
+expect_error "sample beyond memory" "sampling 1 sequences of up to 1000000000000 positions needs about" d.h5 \
+  "$trellis" hmm sample -m cat.h5 -o d.h5 -n 1 -l 1000000000000
+expect_error "sample beyond a dataset" "are more than a dataset can hold" d.h5 \
+  "$trellis" hmm sample -m cat.h5 -o d.h5 -n 9000000000000000000 -l 1000
+expect_error "infer: negative threads" "--threads must be >= 0" out.h5 \
+  "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --threads -1
+
+# Model files whose values are out of range: the file, dataset and index.
+"$py" - <<'EOF' || fail "writing the bad models"
+import h5py, numpy as np
+def model(name, emission="categorical", **datasets):
+    base = dict(startprob=[0.5, 0.5], transmat=[[0.5, 0.5], [0.2, 0.8]])
+    if emission == "categorical":
+        base["emissionprob"] = [[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]
+    else:
+        base.update(means=[[0.0], [1.0]], covars=[[1.0], [2.0]])
+    base.update(datasets)
+    with h5py.File(name, "w") as f:
+        f.attrs["format"] = "trellis-hmm"; f.attrs["version"] = 1; f.attrs["emission"] = emission
+        for k, v in base.items():
+            f[k] = np.asarray(v, dtype=np.float64)
+model("nan_trans.h5", transmat=[[0.5, 0.5], [np.nan, 0.8]])
+model("neg_emit.h5", emissionprob=[[0.5, 0.25, 0.25], [1.2, -0.2, 0.0]])
+model("inf_mean.h5", "gaussian", means=[[0.0], [np.inf]])
+model("neg_var.h5", "gaussian", covars=[[1.0], [-2.0]])
+model("denormal_var.h5", "gaussian", covars=[[1.0], [1e-310]])
+model("tiny_var.h5", "gaussian", covars=[[1.0], [1e-50]])
+model("bad_state_labels.h5")
+with h5py.File("bad_state_labels.h5", "a") as f: f["state_labels"] = np.array([0, 7], np.int64)
+model("vocab_size.h5")
+with h5py.File("vocab_size.h5", "a") as f: f["vocabulary"] = np.array([b"a", b"b"], dtype=h5py.string_dtype())
+model("group.h5")
+with h5py.File("group.h5", "a") as f: del f["transmat"]; f.create_group("transmat")
+# Observations stored as uint64 with ids of 2^63 and more (HDF5 would clamp them to 2^63 - 1).
+with h5py.File("huge_id.h5", "w") as f:
+    f["observations"] = np.array([0, 1, 2**63 + 5, 1], np.uint64); f["offsets"] = np.array([0, 2, 4], np.int64)
+with h5py.File("huge_id_fit.h5", "w") as f:
+    f["observations"] = np.array([0, 1, 2**64 - 1, 1], np.uint64); f["offsets"] = np.array([0, 2, 4], np.int64)
+with h5py.File("group_obs.h5", "w") as f:
+    f.create_group("observations"); f["offsets"] = np.array([0, 1], np.int64)
+with h5py.File("no_sequences.h5", "w") as f:
+    f["observations"] = np.zeros(0, np.int32); f["offsets"] = np.array([0], np.int64)
+x = np.random.default_rng(0).normal(size=(6, 1)).astype(np.float32)
+with h5py.File("one_feature.h5", "w") as f:
+    f["observations"] = x; f["offsets"] = np.array([0, 3, 6], np.int64)
+EOF
+expect_error "NaN transition" "nan_trans.h5: transmat[1][0] is nan; probabilities must be finite" out.h5 infer nan_trans.h5 cat_data.h5
+expect_error "negative emission" "neg_emit.h5: emissionprob[1][1] = -0.200000 is negative" out.h5 infer neg_emit.h5 cat_data.h5
+expect_error "infinite mean" "inf_mean.h5: means[1][0] is inf; means must be finite" out.h5 infer inf_mean.h5 one_feature.h5
+expect_error "negative variance" "neg_var.h5: covars[1][0] = -2; variances must be finite and > 0" out.h5 infer neg_var.h5 one_feature.h5
+expect_error "denormal variance" "denormal_var.h5: covars[1][0] = 1e-310 is too small" out.h5 infer denormal_var.h5 one_feature.h5
+expect_error "variance too small for float32" "the model's covars[1][0] = 1e-50 (mean 1) is too small for float32 computation" out.h5 \
+  "$trellis" hmm infer -m tiny_var.h5 -d one_feature.h5 -o out.h5 --precision float32
+"$trellis" hmm infer -m tiny_var.h5 -d one_feature.h5 -o tiny.h5 >/dev/null 2>&1 && "$py" - <<'EOF' && ok || fail "tiny variance in float64"
+import h5py, numpy as np
+f = h5py.File("tiny.h5")
+assert np.isfinite(f["log_likelihood"][:]).all() and np.isfinite(f["viterbi_log_prob"][:]).all()
+EOF
+expect_error "state label outside the states" "bad_state_labels.h5: state_labels[1] = 7 is not a label id in [0, 2)" out.h5 \
+  infer bad_state_labels.h5 cat_data.h5
+expect_error "vocabulary size" "vocab_size.h5: 'vocabulary' has 2 entries for 3 symbols" out.h5 infer vocab_size.h5 cat_data.h5
+expect_error "group instead of a dataset" "group.h5: '/transmat' is not a dataset" out.h5 infer group.h5 cat_data.h5
+expect_error "uint64 id of 2^63 and more" "huge_id.h5: /observations[2] = 9223372036854775813 is outside the vocabulary [0, 6)" \
+  out.h5 infer cat.h5 huge_id.h5
+expect_error "uint64 id, no vocabulary" "huge_id_fit.h5: /observations[2] = 18446744073709551615 is not an id" m.h5 \
+  "$trellis" hmm fit -d huge_id_fit.h5 -o m.h5 --states 2
+expect_error "observations a group" "group_obs.h5: '/observations' is not a dataset" out.h5 infer cat.h5 group_obs.h5
+expect_error "fit on no sequences" "no_sequences.h5: has no sequences to fit a model to" m.h5 \
+  "$trellis" hmm fit -d no_sequences.h5 -o m.h5 --states 2
+mkdir -p adir
+expect_error "directory as data" "cannot open 'adir': it is a directory" out.h5 infer cat.h5 adir
+expect_error "directory as model" "cannot open 'adir': it is a directory" out.h5 infer adir cat_data.h5
+# The output's directory is checked before any work.
+expect_error "infer into a missing directory" "cannot write 'nodir/out.h5': directory 'nodir': No such file or directory" \
+  nodir/out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o nodir/out.h5
+expect_error "fit into a missing directory" "cannot write 'nodir/m.h5': directory 'nodir': No such file or directory" \
+  nodir/m.h5 "$trellis" hmm fit -d cat_data.h5 -o nodir/m.h5 --states 3
+grep -q "^iter" stderr.txt && fail "fit into a missing directory: trained first" || ok
+expect_error "convert into a missing directory" "cannot write 'nodir/c.h5': directory 'nodir'" nodir/c.h5 \
+  "$trellis" hmm convert -i train.txt -o nodir/c.h5
+expect_error "output onto a directory" "cannot write 'adir': it is a directory" none \
+  "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o adir
 
 echo "hmm cli: $passed passed, $failed failed"
 [ "$failed" = 0 ]

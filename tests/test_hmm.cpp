@@ -178,6 +178,44 @@ TEST(HMM, Float32MatchesFloat64OnLongSequences) {
   EXPECT_NEAR(s32.log_likelihood, s64.log_likelihood, 1e-6 * std::abs(s64.log_likelihood));
 }
 
+TEST(HMM, ModelShapesAndOptionsOutOfRangeAreErrors) {
+  EXPECT_THROW(CategoricalHMM::random(-1, 5, 0), Error);
+  EXPECT_THROW(CategoricalHMM::random(3, 0, 0), Error);
+  EXPECT_THROW(GaussianHMM::random(2, -3, 0), Error);
+  try {
+    CategoricalHMM::random(int64_t(1) << 33, 5, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than this machine's"), std::string::npos) << e.what();
+  }
+  const CategoricalHMM m = CategoricalHMM::random(2, 3, 1);
+  const at::Tensor obs = at::zeros({1, 4}, at::kLong);
+  BaumWelchOptions nan_tolerance;
+  nan_tolerance.tolerance = std::nan("");
+  EXPECT_THROW(baum_welch(m, obs, {}, nan_tolerance), Error);
+  BaumWelchOptions negative_smoothing;
+  negative_smoothing.m_step.smoothing = -1;
+  EXPECT_THROW(baum_welch(m, obs, {}, negative_smoothing), Error);
+  EXPECT_THROW(fit_supervised(obs, at::zeros({1, 4}, at::kLong), {}, 2, 3, std::nan("")), Error);
+}
+
+TEST(GaussianHMM, VariancesTooSmallForTheComputationsTypeAreErrorsNotNaN) {
+  GaussianHMM m = GaussianHMM::random(2, 1, 3);
+  m.variances[1][0] = 1e-50;  // fine in float64, zero in float32
+  const at::Tensor x = at::randn({1, 5, 1}, at::kDouble);
+  EXPECT_TRUE(at::isfinite(log_likelihood(m, x)).all().item<bool>());
+  EXPECT_TRUE(at::isfinite(viterbi(m, x).score).all().item<bool>());
+  const GaussianHMM m32 = m.to(at::TensorOptions().dtype(at::kFloat));
+  try {
+    viterbi(m32, x.to(at::kFloat));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("variance [1][0]"), std::string::npos) << e.what();
+  }
+  m.variances[1][0] = 1e-310;  // subnormal: 1/variance overflows float64
+  EXPECT_THROW(posteriors(m, x), Error);
+}
+
 TEST(HMMCuda, MatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
   const CategoricalHMM m = CategoricalHMM::random(5, 7, 10);

@@ -1,6 +1,11 @@
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iterator>
 
 #include "test_util.h"
 #include "trellis/hmm_tasks.h"
@@ -12,6 +17,42 @@ namespace {
 
 std::string scratch(const std::string& name) {
   return "/tmp/trellis_test_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string contents(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+// While it lives, this process's writes beyond `bytes` of a file fail with EFBIG: a full disk, as writers see it.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, handler_);
+  }
+
+ private:
+  rlimit saved_{};
+  void (*handler_)(int);
+};
+
+void expect_error_containing(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing: " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
@@ -69,6 +110,89 @@ TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
   const std::string path = scratch("never.h5");
   { HMMDatasetWriter w(path, 2, false); }
   EXPECT_NE(::access(path.c_str(), F_OK), 0);
+}
+
+TEST(HMMFiles, AFullDiskIsAnErrorNamingTheFileAndTheOldFileStays) {
+  // HDF5 reports some failed writes only when the file is flushed or closed: limits below, within and near the end
+  // of what each writer writes.
+  const std::string path = scratch("full.h5"), temporary = path + ".tmp." + std::to_string(::getpid());
+  save_hmm(path, {CategoricalHMM::random(2, 3, 1)});
+  const std::string before = contents(path);
+  const HMMModelFile big{CategoricalHMM::random(60, 600, 2)};
+  for (rlim_t limit : {1 << 10, 1 << 13, 1 << 16, 1 << 18}) {
+    FileSizeLimit full(limit);
+    expect_error_containing([&] { save_hmm(path, big); }, "cannot write '" + path + "': File too large");
+  }
+  EXPECT_EQ(contents(path), before);
+  EXPECT_FALSE(exists(temporary));
+
+  const HMMSample s = sample(CategoricalHMM::random(3, 9, 3), 2000, 50, 50, 4);
+  for (rlim_t limit : {1 << 12, 1 << 20}) {
+    FileSizeLimit full(limit);
+    expect_error_containing(
+        [&] {
+          HMMDatasetWriter w(path, 0, true);
+          w.append(s.observations, s.lengths, s.states);
+          w.commit();
+        },
+        "File too large");
+    expect_error_containing(
+        [&] {
+          HMMInferenceWriter w(path, std::vector<int64_t>(2001, 0), 3, true);
+          const ViterbiResult v = viterbi(CategoricalHMM::random(3, 9, 3), s.observations, s.lengths);
+          w.append(v.score, v.score, v.path, s.lengths, at::rand({2000, 50, 3}, at::kDouble));
+          w.commit();
+        },
+        "File too large");
+  }
+  {  // left uncommitted on a full disk: the destructor closes the file quietly and removes it
+    auto w = std::make_unique<HMMDatasetWriter>(path, 0, false);
+    FileSizeLimit full(1 << 12);
+    try {
+      w->append(s.observations, s.lengths);  // HDF5 may keep this in its cache: no write fails yet
+    } catch (const Error&) {
+    }
+    w.reset();
+  }
+  EXPECT_EQ(contents(path), before);
+  EXPECT_FALSE(exists(temporary));
+  std::remove(path.c_str());
+}
+
+TEST(HMMFiles, FitOptionsOutOfRangeAreErrorsBeforeAnyWork) {
+  const std::string path = scratch("fit_data.h5");
+  const HMMSample s = sample(CategoricalHMM::random(3, 5, 1), 20, 5, 10, 2);
+  {
+    HMMDatasetWriter w(path, 0, true);
+    w.append(s.observations, s.lengths, s.states);
+    w.commit();
+  }
+  HMMDataset data(path);
+  const auto fit_with = [&](const std::function<void(HMMFitOptions&)>& change, const std::string& needle) {
+    HMMFitOptions f;
+    f.states = 3;
+    change(f);
+    expect_error_containing([&] { fit_dataset(data, f, {}); }, needle);
+  };
+  fit_with([](HMMFitOptions& f) { f.em.max_iterations = 0; }, "--max-iterations must be >= 1, not 0");
+  fit_with([](HMMFitOptions& f) { f.em.max_iterations = -1; }, "--max-iterations must be >= 1, not -1");
+  fit_with([](HMMFitOptions& f) { f.restarts = 0; }, "--restarts must be >= 1");
+  fit_with([](HMMFitOptions& f) { f.em.tolerance = -1; }, "--tolerance must be a finite number >= 0");
+  fit_with([](HMMFitOptions& f) { f.em.m_step.covars_prior = std::nan(""); }, "--covars-prior must be a finite number > 0");
+  fit_with([](HMMFitOptions& f) { f.states = -1; }, "--states must be >= 1, not -1");
+  fit_with([](HMMFitOptions& f) { f.states = int64_t(1) << 40; }, "more than this machine's");
+  fit_with(
+      [](HMMFitOptions& f) {
+        f.supervised = true;
+        f.em.m_step.smoothing = -1;
+      },
+      "--smoothing must be a finite number >= 0, not -1");
+  HMMRunOptions negative_threads;
+  negative_threads.threads = -1;
+  HMMFitOptions f;
+  f.states = 3;
+  expect_error_containing([&] { fit_dataset(data, f, negative_threads); }, "--threads must be >= 0");
+  std::remove(path.c_str());
 }
 
 TEST(Vocabulary, RareWordsTrainSuffixClassesThatUnknownWordsBackOffTo) {

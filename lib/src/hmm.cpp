@@ -5,7 +5,11 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <type_traits>
 
 #include "trellis/error.h"
 
@@ -90,11 +94,49 @@ ChainPotentials chain(const HMM& m, const at::Tensor& observations, const at::Te
   return p;
 }
 
+std::string gigabytes(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f GB", bytes / 1e9);
+  return text;
+}
+
+std::string number(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.6g", v);
+  return text;
+}
+
 }  // namespace
+
+void check_fits_in_memory(double bytes, const std::string& what) {
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  if (!(bytes <= memory))
+    throw Error(what + " needs about " + gigabytes(bytes) + ", more than this machine's " + gigabytes(memory) +
+                " of memory");
+}
+
+void check_model_shape(int64_t states, int64_t width, const std::string& unit, double copies) {
+  if (states < 1) throw Error("a model needs at least 1 state, not " + std::to_string(states));
+  if (width < 1)
+    throw Error("a model needs at least 1 " + unit.substr(0, unit.size() - 1) + ", not " + std::to_string(width));
+  const double K = static_cast<double>(states), W = static_cast<double>(width);
+  // start, transitions and the emission parameters (a Gaussian has means and variances), float64
+  const double bytes = 8 * (K + K * K + (unit == "features" ? 2 : 1) * K * W);
+  check_fits_in_memory(copies * bytes, "a model of " + std::to_string(states) + " states and " + std::to_string(width) +
+                                           " " + unit + (copies > 1 ? " (" + number(copies) + " copies of its parameters)" : ""));
+}
+
+void MStepOptions::check() const {
+  if (!std::isfinite(smoothing) || smoothing < 0)
+    throw Error("smoothing must be a finite number >= 0, not " + number(smoothing));
+  if (!std::isfinite(covars_prior) || covars_prior <= 0)
+    throw Error("covars_prior must be a finite number > 0 (it keeps variances above zero), not " + number(covars_prior));
+}
 
 // ---- categorical emissions ----
 
 CategoricalHMM CategoricalHMM::random(int64_t num_states, int64_t num_symbols, uint64_t seed) {
+  check_model_shape(num_states, num_symbols, "symbols", 2);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return {dirichlet_rows(1, num_states, gen).squeeze(0), dirichlet_rows(num_states, num_states, gen),
           dirichlet_rows(num_states, num_symbols, gen)};
@@ -160,6 +202,7 @@ CategoricalHMM CategoricalHMM::maximise(const Statistics& s, const MStepOptions&
 // ---- diagonal-Gaussian emissions ----
 
 GaussianHMM GaussianHMM::random(int64_t num_states, int64_t num_features, uint64_t seed) {
+  check_model_shape(num_states, num_features, "features", 2);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   at::Tensor start = dirichlet_rows(1, num_states, gen).squeeze(0), trans = dirichlet_rows(num_states, num_states, gen);
   at::Tensor means = at::empty({num_states, num_features}, at::kDouble).normal_(0.0, 3.0, gen);
@@ -185,8 +228,18 @@ at::Tensor GaussianHMM::emission_scores(const at::Tensor& observations, const at
   const at::Tensor x = observations.to(means.options());
   // log N(x; μ, diag σ²) = -½ (F log 2π + Σ log σ² + Σ μ²/σ² - 2 x·(μ/σ²) + x²·(1/σ²)): two GEMMs, as hmmlearn.
   const at::Tensor precision = variances.reciprocal();
-  const at::Tensor constant =
-      num_features() * std::log(2 * M_PI) + variances.log().sum(1) + (means * means * precision).sum(1);
+  const at::Tensor scaled_means = means * means * precision;
+  const at::Tensor unusable = ~at::isfinite(precision) | ~at::isfinite(scaled_means);
+  if (unusable.any().item<bool>()) {
+    const at::Tensor i = unusable.nonzero()[0].cpu();
+    const int64_t k = i[0].item<int64_t>(), f = i[1].item<int64_t>();
+    throw Error("Gaussian HMM: variance [" + std::to_string(k) + "][" + std::to_string(f) + "] = " +
+                number(variances[k][f].item<double>()) + " (mean " + number(means[k][f].item<double>()) + ") in " +
+                (variances.scalar_type() == at::kFloat ? "float32" : "float64") +
+                " is too small: 1/variance or mean²/variance overflows (compute in float64, or give the state a larger "
+                "variance)");
+  }
+  const at::Tensor constant = num_features() * std::log(2 * M_PI) + variances.log().sum(1) + scaled_means.sum(1);
   const at::Tensor quad = at::matmul(x * x, precision.t()) - 2 * at::matmul(x, (means * precision).t());
   const at::Tensor scores = -0.5 * (quad + constant);
   if (!lengths.defined()) return scores;
@@ -297,6 +350,12 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
   hmm.check();
   if (num_sequences < 1 || min_length < 1 || max_length < min_length)
     throw Error("HMM sample: need at least one sequence and 1 <= min_length <= max_length");
+  // Per position: the state, observation (or feature vector), mask and their temporaries.
+  int64_t width = 1;
+  if constexpr (std::is_same_v<HMM, GaussianHMM>) width = hmm.num_features();
+  check_fits_in_memory(static_cast<double>(num_sequences) * static_cast<double>(max_length) * (48.0 + 24.0 * width),
+                       "sampling " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) +
+                           " positions");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor lengths = at::randint(min_length, max_length + 1, {num_sequences}, gen, at::kLong);
   const int64_t K = hmm.num_states();
@@ -318,7 +377,7 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
 
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t K, int64_t V, double smoothing) {
-  if (smoothing < 0) throw Error("HMM fit: smoothing must be >= 0");
+  MStepOptions{smoothing}.check();
   const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
   return shape.maximise(labelled_statistics(shape, observations, states, lengths), {smoothing});
 }
@@ -390,7 +449,10 @@ template <class HMM>
 BaumWelchResult<HMM> baum_welch(const HMM& initial, const at::Tensor& observations, const at::Tensor& lengths,
                                 const BaumWelchOptions& options) {
   initial.check();
-  if (options.m_step.smoothing < 0) throw Error("Baum-Welch: smoothing must be >= 0");
+  options.m_step.check();
+  if (options.max_iterations < 0) throw Error("Baum-Welch: max_iterations must be >= 0");
+  if (!std::isfinite(options.tolerance) || options.tolerance < 0)
+    throw Error("Baum-Welch: tolerance must be a finite number >= 0, not " + number(options.tolerance));
   const double tokens = valid_mask(observations, lengths).sum().item<double>();
   BaumWelchResult<HMM> result{initial, {}, false};
   for (int it = 0; it < options.max_iterations; ++it) {

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "trellis/atomic_file.h"
 #include "trellis/conll.h"
 #include "trellis/error.h"
 
@@ -24,6 +26,8 @@ at::TensorOptions run_options(const HMMRunOptions& o) {
   if (o.device != "cpu" && o.device != "cuda") throw Error("device must be cpu or cuda, not '" + o.device + "'");
   if (o.device == "cuda" && !at::hasCUDA()) throw Error("--device cuda: no CUDA device is available");
   if (o.dtype != at::kFloat && o.dtype != at::kDouble) throw Error("HMM computations run in float32 or float64");
+  if (o.threads < 0) throw Error("--threads must be >= 0 (0: LibTorch's default), not " + std::to_string(o.threads));
+  if (o.memory_budget < 1) throw Error("--memory-budget must be at least 1 byte");
   if (o.threads > 0) at::set_num_threads(o.threads);
   return at::TensorOptions().dtype(o.dtype).device(at::Device(o.device));
 }
@@ -50,6 +54,45 @@ void check_fits(const HMMModelFile& file, HMMDataset& data) {
         }
       },
       file.model);
+}
+
+// The model in the computation's type and on its device. A Gaussian variance too small for that type (1/variance or
+// mean²/variance overflows, which would make every score NaN) is an error naming it with its stored value.
+template <class HMM>
+HMM for_computation(const HMM& m, const at::TensorOptions& opt) {
+  if constexpr (std::is_same_v<HMM, GaussianHMM>) {
+    const at::Tensor var = m.variances.detach().cpu().to(opt.dtype()), mean = m.means.detach().cpu().to(opt.dtype());
+    const at::Tensor bad = ~at::isfinite(var.reciprocal()) | ~at::isfinite(mean * mean / var);
+    if (bad.any().item<bool>()) {
+      const at::Tensor i = bad.nonzero()[0];
+      const int64_t k = i[0].item<int64_t>(), f = i[1].item<int64_t>();
+      throw Error("the model's covars[" + std::to_string(k) + "][" + std::to_string(f) + "] = " +
+                  c10::str(m.variances[k][f].template item<double>()) + " (mean " +
+                  c10::str(m.means[k][f].template item<double>()) + ") is too small for " +
+                  (opt.dtype() == at::kFloat ? "float32 computation (1/variance or mean²/variance overflows): use "
+                                               "--precision float64"
+                                             : "float64 computation (1/variance or mean²/variance overflows)"));
+    }
+  }
+  return m.to(opt);
+}
+
+// Copies of the model's parameters that training holds at once (model, statistics, gradients, per-thread sums).
+constexpr double kTrainingCopies = 8;
+
+void check_fit_options(const HMMFitOptions& f) {
+  if (f.states < 0) throw Error("--states must be >= 1, not " + std::to_string(f.states));
+  if (f.symbols < 0) throw Error("--symbols must be >= 1, not " + std::to_string(f.symbols));
+  if (f.order != 1 && (f.order != 2 || !f.supervised))
+    throw Error("--order must be 1, or 2 with --supervised (second-order models are estimated from labels)");
+  if (f.restarts < 1) throw Error("--restarts must be >= 1, not " + std::to_string(f.restarts));
+  if (f.em.max_iterations < 1) throw Error("--max-iterations must be >= 1, not " + std::to_string(f.em.max_iterations));
+  if (!std::isfinite(f.em.tolerance) || f.em.tolerance < 0)
+    throw Error("--tolerance must be a finite number >= 0, not " + c10::str(f.em.tolerance));
+  if (!std::isfinite(f.em.m_step.smoothing) || f.em.m_step.smoothing < 0)
+    throw Error("--smoothing must be a finite number >= 0, not " + c10::str(f.em.m_step.smoothing));
+  if (!std::isfinite(f.em.m_step.covars_prior) || f.em.m_step.covars_prior <= 0)
+    throw Error("--covars-prior must be a finite number > 0, not " + c10::str(f.em.m_step.covars_prior));
 }
 
 // Largest id in /observations (categorical) or /labels, by one streaming pass.
@@ -106,6 +149,7 @@ int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_
 
 InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
                            const HMMRunOptions& o, const BatchProgress& progress) {
+  check_writable_location(output);
   const at::TensorOptions opt = run_options(o);
   check_fits(model, data);
   const auto start = Clock::now();
@@ -113,7 +157,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
   InferSummary sum;
   std::visit(
       [&](const auto& stored) {
-        const auto m = stored.to(opt);
+        const auto m = for_computation(stored, opt);
         HMMInferenceWriter out(output, data.offsets(), m.num_states(), with_posteriors, model.state_labels);
         for (const auto& [first, count] : data.batches(max_tokens)) {
           const SequenceBatch b = data.read(first, count);
@@ -143,8 +187,10 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
 
 HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRunOptions& o,
                          const std::function<void(const EMIteration&)>& on_iteration) {
+  check_fit_options(fit);
   const at::TensorOptions opt = run_options(o);
   const at::TensorOptions f64 = opt.dtype(at::kDouble);
+  if (data.num_sequences() == 0) throw Error(data.path() + ": has no sequences to fit a model to");
   HMMModelFile out;
   out.state_names = data.label_names();
   out.vocabulary = data.vocabulary();
@@ -166,10 +212,12 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens) + 1 : int64_t(out.state_names.size());
     data.expect_labels(K);
   }
-  if (fit.order != 1 && (fit.order != 2 || !fit.supervised))
-    throw Error("--order must be 1, or 2 with --supervised (second-order models are estimated from labels)");
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
   if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens) + 1 : int64_t(out.vocabulary.size());
+  // Second-order models have a state per label pair.
+  const int64_t model_states = fit.order == 2 ? (K + 1) * K : K;
+  check_model_shape(model_states, data.categorical() ? V : data.num_features(),
+                    data.categorical() ? "symbols" : "features", kTrainingCopies);
   if (data.categorical()) data.expect_symbols(V);
   if (int64_t(out.state_names.size()) != K) out.state_names.clear();
   if (int64_t(out.vocabulary.size()) != V) out.vocabulary.clear();
@@ -224,13 +272,13 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
           return;
         }
         double best = -std::numeric_limits<double>::infinity();
-        for (int r = 0; r < std::max(1, fit.restarts); ++r) {
+        for (int r = 0; r < fit.restarts; ++r) {
           HMM m = fit.initial ? std::get<HMM>(fit.initial->model).to(f64)
                               : random_start(shape, data, fit.seed + r, fit.em.m_step.covars_prior).to(f64);
           std::vector<double> history;
           for (int it = 0; it < fit.em.max_iterations; ++it) {
             const auto t0 = Clock::now();
-            const HMM work = m.to(opt);
+            const HMM work = for_computation(m, opt);
             Stats total;
             int64_t tokens = 0;
             for (const auto& [first, count] : ranges) {
@@ -259,6 +307,10 @@ void sample_dataset(const HMMModelFile& model, const std::string& output, int64_
                     int64_t max_length, uint64_t seed, const BatchProgress& progress) {
   if (num_sequences < 1 || min_length < 1 || max_length < min_length)
     throw Error("sample: need --sequences >= 1 and 1 <= --min-length <= --length");
+  if (static_cast<double>(num_sequences) * static_cast<double>(max_length) >= 0x1p62)
+    throw Error("sample: " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) +
+                " positions are more than a dataset can hold (2^62 positions)");
+  check_fits_in_memory(8.0 * static_cast<double>(num_sequences), "the offsets of " + std::to_string(num_sequences) + " sequences");
   std::visit(
       [&](const auto& m) {
         int64_t F = 0;
@@ -410,6 +462,7 @@ ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_c
 ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
                                 int word_column, const std::vector<std::string>* labels,
                                 const std::vector<int>& label_columns, const std::string& comment_prefix) {
+  check_writable_location(output);
   ConllReadOptions ro;
   ro.comment_prefix = comment_prefix;
   const ConllCorpus corpus = read_conll(conll_path, ro);

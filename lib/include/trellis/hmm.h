@@ -6,16 +6,25 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "trellis/linear_chain_crf.h"
 
 namespace trellis {
 
+// Sizes checked before allocating: an Error naming `what` when `bytes` exceed this machine's physical memory, instead
+// of an allocator's failure deep inside a computation.
+void check_fits_in_memory(double bytes, const std::string& what);
+// A model of `states` >= 1 states and `width` >= 1 symbols or features (`unit`: "symbols" or "features"), whose
+// float64 parameters fit in memory `copies` times over (training holds several copies: statistics, gradients).
+void check_model_shape(int64_t states, int64_t width, const std::string& unit, double copies = 1);
+
 // M-step settings, hmmlearn's conventions (so that EM from the same start reaches the same model).
 struct MStepOptions {
   double smoothing = 0.0;      // added to every expected start, transition and categorical emission count
   double covars_prior = 1e-2;  // Gaussian: variance = (covars_prior + Σγ(x-μ)²) / Σγ, keeps variances above zero
+  void check() const;          // smoothing finite and >= 0, covars_prior finite and > 0
 };
 
 // Observations: int64-convertible symbol ids [B,T] in [0,V) (padding may hold anything).
@@ -48,7 +57,9 @@ struct CategoricalHMM {
   CategoricalHMM maximise(const Statistics& stats, const MStepOptions& options = {}) const;
 };
 
-// Observations: feature vectors [B,T,F] (float32/float64).
+// Observations: feature vectors [B,T,F] (float32/float64). Variances so small that 1/variance or mean²/variance
+// overflows the computation's type (below about 1e-38 in float32, 1e-308 in float64) are an error naming the state and
+// feature: they would turn every score into NaN.
 struct GaussianHMM {
   at::Tensor log_start;        // [K]
   at::Tensor log_transitions;  // [K,K]
