@@ -168,6 +168,8 @@ def measure(name, loss_fn):
 
 
 measure("trellis", trellis)
+if world == 1:  # the process-group path's overhead: the same call without a group
+    measure("trellis single-device linear_cross_entropy", lambda x, w: ops.linear_cross_entropy(x, w, targets))
 measure("megatron-style (plain PyTorch)", megatron)
 if LigerVocabParallelCEFunction is not None and not args.cpu:
     measure("liger LigerVocabParallelCEFunction", liger)
