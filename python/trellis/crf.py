@@ -74,6 +74,7 @@ class CRF(nn.Module):
     allowed_end: Optional[Tensor]
 
     def __init__(self, num_tags: int, batch_first: bool = False, constraints: Optional[Constraints] = None) -> None:
+        """Create the layer with random parameters (:meth:`reset_parameters`); the class documents the arguments."""
         if num_tags <= 0:
             raise ValueError(f'invalid number of tags: {num_tags}')
         super().__init__()
@@ -119,6 +120,8 @@ class CRF(nn.Module):
             end = torch.zeros(k, dtype=torch.bool)
             for pair in constraints:
                 i, j = (int(v) for v in pair)
+                if i == k and j == k + 1:
+                    continue  # start straight to end: no sequence is empty
                 if i == k and 0 <= j < k:
                     start[j] = True
                 elif j == k + 1 and 0 <= i < k:
@@ -164,8 +167,7 @@ class CRF(nn.Module):
             raise ValueError(f'invalid reduction: {reduction}')
         emissions, lengths = self._batch_major(emissions, mask)
         tags = self._batch_major_tags(tags)
-        start, end, transitions = self._parameters_for(emissions)
-        llh = torch.ops.trellis.crf_log_likelihood(emissions, tags, transitions, start, end, None, lengths, True)
+        llh = torch.ops.trellis.crf_log_likelihood(emissions, tags, *self._scores(), None, lengths, True)
 
         if reduction == 'none':
             return llh
@@ -201,8 +203,7 @@ class CRF(nn.Module):
         """
         self._validate(emissions, mask=mask)
         emissions, lengths = self._batch_major(emissions, mask)
-        start, end, transitions = self._parameters_for(emissions)
-        paths, _ = torch.ops.trellis.crf_viterbi(emissions, transitions, start, end, None, lengths, True,
+        paths, _ = torch.ops.trellis.crf_viterbi(emissions, *self._scores(), None, lengths, True,
                                                  *self._constraints_for(emissions))
         if as_tensor:
             return paths if self.batch_first else paths.transpose(0, 1)
@@ -229,21 +230,19 @@ class CRF(nn.Module):
         Returns:
             For each sample, a list of up to ``k`` pairs ``(tags, score)`` where ``score`` is the sequence's
             unnormalised score (its log probability plus the log-partition); fewer than ``k`` where fewer sequences
-            exist or are allowed. With ``as_tensor=True``, ``(paths, scores)``: int64 paths laid out as the mask with
-            a last dimension of size ``k`` (-1 at padding and for missing sequences) and scores of size
-            ``(batch_size, k)`` (-inf for missing sequences).
+            exist or are allowed. With ``as_tensor=True``, ``(paths, scores)``: int64 paths of size
+            ``(seq_length, batch_size, k)`` if ``batch_first`` is ``False``, ``(batch_size, k, seq_length)``
+            otherwise (-1 at padding and for missing sequences), and scores of size ``(batch_size, k)`` (-inf for
+            missing sequences).
         """
         if k < 1:
             raise ValueError(f'k must be at least 1, got {k}')
         self._validate(emissions, mask=mask)
         emissions, lengths = self._batch_major(emissions, mask)
-        start, end, transitions = self._parameters_for(emissions)
-        paths, scores = torch.ops.trellis.crf_kbest(emissions, transitions, start, end, None, lengths, k, True,
+        paths, scores = torch.ops.trellis.crf_kbest(emissions, *self._scores(), None, lengths, k, True,
                                                     *self._constraints_for(emissions))
         if as_tensor:
-            # (batch_size, k, seq_length) -> the emissions' layout with k in place of num_tags
-            paths = paths.permute(0, 2, 1) if self.batch_first else paths.permute(2, 0, 1)
-            return paths, scores
+            return (paths if self.batch_first else paths.permute(2, 0, 1)), scores
         result = []
         for sample_paths, sample_scores, length in zip(paths.tolist(), scores.tolist(), _lengths_list(paths, lengths)):
             result.append([(path[:length], score) for path, score in zip(sample_paths, sample_scores)
@@ -270,12 +269,12 @@ class CRF(nn.Module):
             `~torch.Tensor` laid out as the emissions: ``P(tag_t = j)``, 0 at padding. With ``edges=True``, also a
             tensor of size ``(batch_size, seq_length - 1, num_tags, num_tags)`` (``(seq_length - 1, batch_size,
             num_tags, num_tags)`` if ``batch_first`` is ``False``) whose ``[t, i, j]`` is ``P(tag_t = i,
-            tag_{t+1} = j)``. Differentiable with respect to the emissions and parameters.
+            tag_{t+1} = j)``. Not differentiable: for gradients, differentiate :meth:`log_partition` (whose
+            gradient with respect to the emissions these marginals are).
         """
         self._validate(emissions, mask=mask)
         emissions, lengths = self._batch_major(emissions, mask)
-        start, end, transitions = self._parameters_for(emissions)
-        unary, pairwise = torch.ops.trellis.crf_marginals(emissions, transitions, start, end, None, lengths, True,
+        unary, pairwise = torch.ops.trellis.crf_marginals(emissions, *self._scores(), None, lengths, True,
                                                           edges, *self._constraints_for(emissions))
         if not self.batch_first:
             unary = unary.transpose(0, 1)
@@ -295,8 +294,7 @@ class CRF(nn.Module):
         """
         self._validate(emissions, mask=mask)
         emissions, lengths = self._batch_major(emissions, mask)
-        start, end, transitions = self._parameters_for(emissions)
-        return torch.ops.trellis.crf_log_partition(emissions, transitions, start, end, None, lengths, True,
+        return torch.ops.trellis.crf_log_partition(emissions, *self._scores(), None, lengths, True,
                                                    *self._constraints_for(emissions))
 
     def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
@@ -338,14 +336,10 @@ class CRF(nn.Module):
         tags = tags.long()
         return tags if self.batch_first else tags.transpose(0, 1)
 
-    def _parameters_for(self, emissions: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """start, end and transitions in the type the computation runs in: float32 for half-precision emissions (the
-        operators read those as they are), else the promotion of the emissions' and parameters' types."""
-        if emissions.dtype in (torch.bfloat16, torch.float16):
-            dtype = torch.promote_types(self.transitions.dtype, torch.float32)
-        else:
-            dtype = torch.promote_types(self.transitions.dtype, emissions.dtype)
-        return self.start_transitions.to(dtype), self.end_transitions.to(dtype), self.transitions.to(dtype)
+    def _scores(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """transitions, start and end as the operators take them (any float type: they compute in float32, or in
+        float64 when any input is float64)."""
+        return self.transitions, self.start_transitions, self.end_transitions
 
     def _constraints_for(self, emissions: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         if self.allowed_transitions is None:
