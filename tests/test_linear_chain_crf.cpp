@@ -321,6 +321,31 @@ TEST(LinearChainCRF, VouchedValuesSkipOnlyTheRangeCheck) {
   EXPECT_THROW(log_partition(v), Error);  // shapes are still checked
 }
 
+TEST(LinearChainCRFCuda, Float32AgreesWithFloat64OnLongSequences) {
+  TRELLIS_REQUIRE_CUDA();
+  // The CUDA kernels keep messages unshifted, so float32 on long sequences must not drift there either.
+  at::manual_seed(37);
+  const int64_t T = 20000;
+  ChainPotentials p;
+  p.emissions = (randn({2, T, 6}) - 30).to(at::kFloat).to(at::kDouble);  // values a float32 holds exactly
+  p.transitions = randn({6, 6}).to(at::kFloat).to(at::kDouble);
+  p.lengths = at::tensor({T, T / 3}, at::kLong);
+  const auto on_gpu = [](ChainPotentials q, at::ScalarType type) {
+    for (at::Tensor* t : {&q.emissions, &q.transitions}) *t = t->to(at::kCUDA, type);
+    q.lengths = q.lengths.to(at::kCUDA);
+    return q;
+  };
+  const ChainPotentials f = on_gpu(p, at::kFloat), d = on_gpu(p, at::kDouble);
+  const auto relative = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.to(at::kDouble) - b).abs() / b.abs()).max().item<double>();
+  };
+  EXPECT_EQ(log_partition(f).scalar_type(), at::kFloat);
+  EXPECT_LT(relative(log_partition(f), log_partition(d)), 1e-6);
+  EXPECT_LT(relative(viterbi(f).score, viterbi(d).score), 1e-6);
+  EXPECT_TRUE(at::equal(viterbi(f).path, viterbi(d).path));
+  EXPECT_LT((marginals(f).nodes.to(at::kDouble) - marginals(d).nodes).abs().max().item<double>(), 1e-4);
+}
+
 TEST(LinearChainCRFCuda, MatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
   // K from one warp-shared block to one sequence per block, and past the fused kernels' shared-memory limit (the

@@ -213,20 +213,38 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   return (z.to(at::kDouble) + offset.squeeze(1)).to(z.scalar_type());
 }
 
+// Log-space messages grow to about −T·(nats per step), where float32 keeps only about 1e-2 absolutely. The CPU
+// recursion rebases its messages each step; the CUDA kernels keep them unshifted. Long float32 sequences on the GPU
+// therefore run in float64 and come back in float32 (with autograd through the conversion): marginals stay within
+// 1e-4 of float64 at every length.
+constexpr int64_t kGpuFloat32MaxSteps = 256;
+bool widened_on_gpu(const ChainPotentials& p) {
+  return p.emissions.is_cuda() && p.emissions.scalar_type() == at::kFloat && p.emissions.size(1) > kGpuFloat32MaxSteps;
+}
+ChainPotentials widened(const ChainPotentials& p) {
+  ChainPotentials q = p;
+  for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end})
+    if (t->defined()) *t = t->to(at::kDouble);
+  return q;
+}
+
 }  // namespace
 
 at::Tensor log_partition(const ChainPotentials& p) {
+  if (widened_on_gpu(p)) return log_partition(widened(p)).to(at::kFloat);
   const Shape s = check(p);
   if (s.K >= kScaledMinLabels && !needs_grad(p)) return scaled_log_partition(p, s);
   return chain_score<LogSemiring>(p, s);
 }
 
 at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
+  if (widened_on_gpu(p)) return gold_score(widened(p), tags).to(at::kFloat);
   const Shape s = check(p, &tags);
   return gold_score_unchecked(p, s, tags);
 }
 
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
+  if (widened_on_gpu(p)) return log_likelihood(widened(p), tags).to(at::kFloat);
   const Shape s = check(p, &tags);
   if (!detail::fused_chain_supported<LogSemiring>(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
   // One fused node computes gold score − log Z and its gradient (gold indicators minus marginals).
@@ -263,6 +281,12 @@ at::Tensor backward_log_betas(const ChainPotentials& p) {
 }
 
 Marginals marginals(const ChainPotentials& p, bool with_edges) {
+  if (widened_on_gpu(p)) {
+    Marginals m = marginals(widened(p), with_edges);
+    for (at::Tensor* t : {&m.log_partition, &m.nodes, &m.edges})
+      if (t->defined()) *t = t->to(at::kFloat);
+    return m;
+  }
   const Shape s = check(p);
   c10::AutoGradMode grad_on(true);
   const ChainPotentials q = detached_with_emission_leaf(p);
@@ -282,6 +306,11 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 }
 
 ViterbiResult viterbi(const ChainPotentials& p) {
+  if (widened_on_gpu(p)) {
+    ViterbiResult v = viterbi(widened(p));
+    v.score = v.score.to(at::kFloat);
+    return v;
+  }
   const Shape s = check(p);
   c10::NoGradGuard no_grad;
   if (detail::fused_chain_supported<MaxSemiring>(p.emissions)) {
@@ -378,6 +407,7 @@ KBestResult kbest_viterbi(const ChainPotentials& p, int64_t k) {
 }
 
 at::Tensor viterbi_score(const ChainPotentials& p) {
+  if (widened_on_gpu(p)) return viterbi_score(widened(p)).to(at::kFloat);
   const Shape s = check(p);
   return chain_score<MaxSemiring>(p, s);
 }
