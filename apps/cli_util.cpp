@@ -1,6 +1,7 @@
 #include "cli_util.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 
@@ -45,7 +46,9 @@ int64_t parse_bytes(const std::string& text) {
   }
   const std::string unit = text.substr(used);
   const double scale = unit.empty() ? 1 : unit == "k" || unit == "K" ? 1e3 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
-  if (used == 0 || scale < 0 || v <= 0) throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
+  if (used == 0 || scale < 0 || !(v > 0) || !std::isfinite(v))
+    throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
+  if (v * scale >= 9.2e18) throw Error("'" + text + "' is larger than any memory");
   return static_cast<int64_t>(v * scale);
 }
 

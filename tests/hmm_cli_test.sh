@@ -145,6 +145,12 @@ expect_error "missing covars" "no_covars.h5: missing dataset '/covars'" out.h5 i
 expect_error "not HDF5" "text.h5: not an HDF5 file" out.h5 infer cat.h5 text.h5
 expect_error "missing file" "cannot open 'nowhere.h5'" out.h5 infer cat.h5 nowhere.h5
 expect_error "memory budget" "'12Q' is not a size" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --memory-budget 12Q
+for budget in nan inf -1G; do
+  expect_error "memory budget $budget" "'$budget' is not a size" out.h5 \
+    "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --memory-budget $budget
+done
+expect_error "memory budget 1e30" "'1e30' is larger than any memory" out.h5 \
+  "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --memory-budget 1e30
 expect_error "init options" "exactly one of --symbols, --features" m.h5 "$trellis" hmm init --states 2 -o m.h5
 expect_error "fit without K" "give --states or an initial model" m.h5 "$trellis" hmm fit -d cat_data.h5 -o m.h5
 expect_error "unknown subcommand" "unknown command 'frobnicate'" none "$trellis" hmm frobnicate
