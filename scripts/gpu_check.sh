@@ -78,6 +78,7 @@ if [ "$mode" = scale ]; then
   echo "=== every step ok ($SECONDS s in all)"
   exit 0
 fi
+step build cmake --build "$build" -j "$(nproc)"
 ctest_default=1
 [ "$mode" = sanitize ] && ctest_default=0
 if [ "${TRELLIS_GPU_CTEST:-$ctest_default}" = 1 ]; then
