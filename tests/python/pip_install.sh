@@ -23,6 +23,8 @@ for entry in "$project_site"/*; do
   esac
 done
 
+# A CUDA torch's CMake files need nvcc, which the machine has under /usr/local/cuda but not always on PATH (as build.sh).
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 start=$(date +%s)
 "$python" -m pip install --no-input --disable-pip-version-check -q "$@" "$source_dir"
 echo "pip install took $(($(date +%s) - start)) s"
