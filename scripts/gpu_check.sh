@@ -19,7 +19,7 @@
 # memcheck runs every test the filter selects. racecheck and synccheck, 10-100 times slower on shared memory, skip
 # the head's large-shape tests (LinearCrossEntropyCuda.*): LinearCrossEntropySmallCuda.* reaches the same kernels at
 # small shapes (TRELLIS_GPU_SANITIZE_FILTER replaces their filter). Each sanitizer stops after
-# TRELLIS_SANITIZER_TIMEOUT seconds (default 240), which counts as a failure.
+# TRELLIS_SANITIZER_TIMEOUT seconds (default 300), which counts as a failure.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
@@ -96,7 +96,7 @@ if [ "$mode" != bench ]; then
     *) sanitize_filter="$filter-LinearCrossEntropyCuda.*" ;;
   esac
   sanitize_filter="${TRELLIS_GPU_SANITIZE_FILTER:-$sanitize_filter}"
-  sanitizer_timeout="${TRELLIS_SANITIZER_TIMEOUT:-240}"
+  sanitizer_timeout="${TRELLIS_SANITIZER_TIMEOUT:-300}"
   for tool in memcheck racecheck synccheck; do
     tool_filter=$sanitize_filter
     [ "$tool" = memcheck ] && tool_filter=$filter
