@@ -410,6 +410,12 @@ for name, message, fn in [
          lambda: ops.hmm_log_likelihood(obs + V, log_start, log_trans, log_emit)),
         ("hole", "is on after an off position",
          lambda: ops.hmm_log_likelihood(obs, log_start, log_trans, log_emit, mask=hole)),
+        ("log_start shape", "log_start has shape [4], expected [K] = [3]",
+         lambda: ops.hmm_log_likelihood(obs, torch.zeros(Kh + 1, **f64), log_trans, log_emit)),
+        ("means shape", "means has shape [3, 3], expected [K,F] = [3, 2]",
+         lambda: ops.hmm_viterbi(x, log_start, log_trans, means=torch.zeros(Kh, F + 1, **f64), variances=variances)),
+        ("log_emissions shape", "log_emissions must be [K,V] with K = 3",
+         lambda: ops.hmm_posteriors(obs, log_start, log_trans, log_emit.t())),
 ]:
     raises(f"HMM {name}", message, fn)
 print("HMM operators: log-likelihood, posteriors, Viterbi (categorical and Gaussian) against enumeration; gradcheck; "

@@ -30,6 +30,14 @@ std::string caller_index(int64_t b, int64_t t, bool batch_first) {
                      : "[" + std::to_string(t) + "][" + std::to_string(b) + "]";
 }
 
+// A score tensor's shape against the one the emissions imply.
+void check_shape(const at::Tensor& t, const char* name, const std::vector<int64_t>& shape, const char* layout,
+                 const char* what) {
+  if (t.defined() && t.sizes().vec() != shape)
+    throw Error(std::string(what) + ": " + name + " has shape " + shape_string(t.sizes()) + ", expected " + layout +
+                " = " + shape_string(shape) + " (K from the emissions)");
+}
+
 void check_on_device(const at::Tensor& t, const char* name, const at::Tensor& emissions, const char* what) {
   if (t.defined() && t.device() != emissions.device())
     throw Error(std::string(what) + ": " + name + " is on " + t.device().str() + " but the emissions are on " +
@@ -37,6 +45,12 @@ void check_on_device(const at::Tensor& t, const char* name, const at::Tensor& em
 }
 
 }  // namespace
+
+std::string shape_string(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
 
 at::ScalarType chain_compute_type(std::initializer_list<std::pair<const char*, at::Tensor>> scores, const char* what) {
   at::ScalarType type = at::kFloat;
@@ -61,7 +75,7 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
     if (!at::isIntegralType(lengths.scalar_type(), /*includeBool=*/false))
       throw Error(prefix + "lengths must be an integer tensor, got " + type_name(lengths));
     if (lengths.dim() != 1 || lengths.size(0) != shape.batch)
-      throw Error(prefix + "lengths has shape " + c10::str(lengths.sizes()) + ", expected [B] = [" +
+      throw Error(prefix + "lengths has shape " + shape_string(lengths.sizes()) + ", expected [B] = [" +
                   std::to_string(shape.batch) + "]");
     return lengths.to(device, at::kLong);
   }
@@ -70,8 +84,8 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
     throw Error(prefix + "mask must be a bool or uint8 tensor, got " + type_name(mask));
   const std::vector<int64_t> expected = positions_shape(shape, batch_first);
   if (mask.sizes().vec() != expected)
-    throw Error(prefix + "mask has shape " + c10::str(mask.sizes()) + ", expected " + positions_layout(batch_first) +
-                " = " + c10::str(expected));
+    throw Error(prefix + "mask has shape " + shape_string(mask.sizes()) + ", expected " + positions_layout(batch_first) +
+                " = " + shape_string(expected));
   at::Tensor on = mask.to(device, at::kBool);
   if (!batch_first) on = on.t();
   if (shape.batch == 0 || shape.steps == 0) return on.sum(1);  // nothing to check; the library rejects T = 0
@@ -99,10 +113,14 @@ ChainPotentials chain_potentials(const ChainInputs& in, const char* what) {
   const at::Tensor& e = in.emissions;
   if (!e.defined() || e.dim() != 3)
     throw Error(prefix + "emissions must be a " + (in.batch_first ? "[B,T,K]" : "[T,B,K]") + " tensor" +
-                (e.defined() ? ", got shape " + c10::str(e.sizes()) : ""));
+                (e.defined() ? ", got shape " + shape_string(e.sizes()) : ""));
   if (!in.transitions.defined()) throw Error(prefix + "transitions are required");
   const at::ScalarType type = chain_compute_type(
       {{"emissions", e}, {"transitions", in.transitions}, {"start", in.start}, {"end", in.end}}, what);
+  const int64_t K = e.size(2);
+  check_shape(in.transitions, "transitions", {K, K}, "[K,K]", what);
+  check_shape(in.start, "start", {K}, "[K]", what);
+  check_shape(in.end, "end", {K}, "[K]", what);
   check_on_device(in.transitions, "transitions", e, what);
   check_on_device(in.start, "start", e, what);
   check_on_device(in.end, "end", e, what);
@@ -123,8 +141,8 @@ at::Tensor batch_first_tags(const at::Tensor& tags, const ChainInputs& in, const
   if (in.emissions.defined() && in.emissions.dim() == 3) {
     const std::vector<int64_t> expected = positions_shape(batch_shape(in.emissions, in.batch_first), in.batch_first);
     if (tags.sizes().vec() != expected)
-      throw Error(prefix + "tags have shape " + c10::str(tags.sizes()) + ", expected " +
-                  positions_layout(in.batch_first) + " = " + c10::str(expected) + " (the emissions' batch and steps)");
+      throw Error(prefix + "tags have shape " + shape_string(tags.sizes()) + ", expected " +
+                  positions_layout(in.batch_first) + " = " + shape_string(expected) + " (the emissions' batch and steps)");
   }
   return (in.batch_first ? tags : tags.t()).to(in.emissions.device(), at::kLong);
 }
@@ -137,8 +155,8 @@ TransitionConstraints allowed_constraints(const at::Tensor& allowed, const at::T
     if (t.scalar_type() != at::kBool && t.scalar_type() != at::kByte)
       throw Error(std::string(what) + ": " + name + " must be a bool or uint8 tensor, got " + type_name(t));
     if (t.sizes().vec() != shape)
-      throw Error(std::string(what) + ": " + name + " has shape " + c10::str(t.sizes()) + ", expected " +
-                  c10::str(shape) + " (K = " + std::to_string(num_tags) + " tags)");
+      throw Error(std::string(what) + ": " + name + " has shape " + shape_string(t.sizes()) + ", expected " +
+                  shape_string(shape) + " (K = " + std::to_string(num_tags) + " tags)");
     return t.to(device, at::kBool);
   };
   return {convert(allowed, "allowed", {num_tags, num_tags}), convert(allowed_start, "allowed_start", {num_tags}),

@@ -117,7 +117,7 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 
 // ---- semiring matrix products ----
 
-std::string shape(const at::Tensor& t) { return c10::str(t.sizes()); }
+std::string shape(const at::Tensor& t) { return trellis::shape_string(t.sizes()); }
 
 void check_matmul_operands(const at::Tensor& a, const at::Tensor& b, const char* what) {
   if (a.dim() < 2 || b.dim() < 2)
@@ -330,7 +330,8 @@ at::TensorOptions score_options(const at::Tensor& emissions, const at::Tensor& t
 }
 void check_emissions_meta(const at::Tensor& emissions, const char* what) {
   if (emissions.dim() != 3)
-    throw trellis::Error(std::string(what) + ": emissions must be a 3-d tensor, got shape " + c10::str(emissions.sym_sizes()));
+    throw trellis::Error(std::string(what) + ": emissions must be a 3-d tensor, got " + std::to_string(emissions.dim()) +
+                         " dimensions");
 }
 c10::SymInt batch_size(const at::Tensor& x, bool batch_first) { return x.sym_size(batch_first ? 0 : 1); }
 c10::SymInt steps(const at::Tensor& x, bool batch_first) { return x.sym_size(batch_first ? 1 : 0); }
@@ -529,6 +530,24 @@ auto with_hmm(const HmmArgs& h, const char* what, F&& f) {
                            x.device().str());
   if (!h.log_start.defined() || !h.log_transitions.defined())
     throw trellis::Error(prefix + "log_start and log_transitions are required");
+  const at::Tensor& trans = h.log_transitions;
+  if (trans.dim() != 2 || trans.size(0) != trans.size(1))
+    throw trellis::Error(prefix + "log_transitions must be [K,K], got shape " + shape(trans));
+  const int64_t K = trans.size(0);
+  const auto expect = [&](const at::Tensor& t, const char* name, std::vector<int64_t> sizes, const char* layout) {
+    if (t.defined() && t.sizes().vec() != sizes)
+      throw trellis::Error(prefix + name + " has shape " + shape(t) + ", expected " + layout + " = " +
+                           trellis::shape_string(sizes) + " (K from log_transitions)");
+  };
+  expect(h.log_start, "log_start", {K}, "[K]");
+  if (is_categorical) {
+    if (h.log_emissions.dim() != 2 || h.log_emissions.size(0) != K)
+      throw trellis::Error(prefix + "log_emissions must be [K,V] with K = " + std::to_string(K) + ", got shape " +
+                           shape(h.log_emissions));
+  } else {
+    expect(h.means, "means", {K, x.size(2)}, "[K,F]");
+    expect(h.variances, "variances", {K, x.size(2)}, "[K,F]");
+  }
   const at::Tensor lengths = trellis::sequence_lengths(h.mask, h.lengths, h.batch_first,
                                                        trellis::batch_shape(x, h.batch_first), x.device(), what);
   at::Tensor obs = h.batch_first ? x : x.transpose(0, 1);
@@ -614,8 +633,8 @@ at::TensorOptions hmm_score_options(const HmmArgs& h, const char* what) {
 }
 void check_observations_meta(const at::Tensor& observations, const char* what) {
   if (observations.dim() < 2)
-    throw trellis::Error(std::string(what) + ": observations must be [B,T] or [B,T,F], got shape " +
-                         c10::str(observations.sym_sizes()));
+    throw trellis::Error(std::string(what) + ": observations must be [B,T] or [B,T,F], got " +
+                         std::to_string(observations.dim()) + " dimensions");
 }
 
 at::Tensor hmm_log_likelihood_meta(const at::Tensor& observations, const at::Tensor& log_start,

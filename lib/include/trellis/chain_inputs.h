@@ -14,11 +14,15 @@
 
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "trellis/linear_chain_crf.h"
 
 namespace trellis {
+
+// "[2, 3, 4]", for messages.
+std::string shape_string(at::IntArrayRef sizes);
 
 // Scores of a batch of chains as given by a caller; every tensor on the emissions' device except mask and lengths.
 struct ChainInputs {
