@@ -269,6 +269,11 @@ paths, _ = ops.crf_viterbi(em * 0 + torch.tensor([0.0, -5.0, 5.0], **f64), trans
                            allowed=bio, allowed_start=bio_start)
 if (paths[:, 0] == 2).any() or ((paths[:, :-1] == 0) & (paths[:, 1:] == 2)).any():
     raise SystemExit(f"crf_viterbi under BIO constraints: {paths}")
+# An empty batch, with a mask or lengths: empty results.
+for kw in (dict(mask=mask[:0], lengths=None), dict(mask=None, lengths=lengths[:0])):
+    if ops.crf_log_partition(em[:0], trans, start, end, **kw).shape != (0,) or \
+            ops.crf_viterbi(em[:0], trans, start, end, **kw)[0].shape != (0, T):
+        raise SystemExit(f"an empty batch ({list(kw)}) gave a non-empty result")
 print("CRF operators: log Z, log-likelihood, marginals, Viterbi, k-best against enumeration (masks, lengths, "
       "time-first, constraints)")
 

@@ -77,7 +77,7 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
     if (lengths.dim() != 1 || lengths.size(0) != shape.batch)
       throw Error(prefix + "lengths has shape " + shape_string(lengths.sizes()) + ", expected [B] = [" +
                   std::to_string(shape.batch) + "]");
-    return lengths.to(device, at::kLong);
+    return shape.batch == 0 ? at::Tensor() : lengths.to(device, at::kLong);  // no sequences: nothing to bound
   }
   if (!mask.defined()) return {};
   if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kByte)
@@ -88,7 +88,8 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
                 " = " + shape_string(expected));
   at::Tensor on = mask.to(device, at::kBool);
   if (!batch_first) on = on.t();
-  if (shape.batch == 0 || shape.steps == 0) return on.sum(1);  // nothing to check; the library rejects T = 0
+  if (shape.batch == 0) return {};
+  if (shape.steps == 0) return on.sum(1);  // the library rejects T = 0 by name
   // A hole is a position that is on after an earlier one of its sequence was off.
   const at::Tensor off_before = (~on).to(at::kInt).cumsum(1) > 0;
   const at::Tensor hole = on & off_before;

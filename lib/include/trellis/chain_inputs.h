@@ -45,7 +45,7 @@ struct BatchShape {
 };
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first);
 
-// The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given. A mask's
+// The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given (or B = 0). A mask's
 // shape, dtype and right-padding are checked here (one transfer to the host): "mask of the first timestep must all be
 // on", and a hole (on after off) is an error naming its position. Lengths are checked for shape and integer dtype; their
 // values in [1, T] are checked by the library's functions. `what` names the caller in messages.
