@@ -317,3 +317,18 @@ TEST(NnCrf, CudaMatchesCpu) {
   EXPECT_EQ(crf->transitions.grad().device().type(), at::kCUDA);
   EXPECT_THROW(crf(em, tags, mask), Error);  // CPU emissions, CUDA parameters
 }
+
+TEST(NnCrf, EmptyBatchGivesEmptyResults) {
+  std::vector<at::Device> devices = {at::kCPU};
+  if (has_cuda()) devices.push_back(at::kCUDA);  // the fused CUDA kernels launch no empty grid: answered before them
+  for (const at::Device& device : devices) {
+    nn::CRF crf(K);
+    crf->to(device);
+    const at::Tensor em = at::randn({0, T, K}, device), tags = at::zeros({0, T}, at::TensorOptions(device).dtype(at::kLong));
+    const at::Tensor mask = at::ones({0, T}, at::TensorOptions(device).dtype(at::kBool));
+    EXPECT_EQ(crf(em, tags, mask, "none").sizes(), at::IntArrayRef({0})) << device;
+    EXPECT_EQ(crf->decode(em, mask).path.sizes(), at::IntArrayRef({0, T})) << device;
+    EXPECT_EQ(crf->marginals(em, mask, true).edges.sizes(), at::IntArrayRef({0, T - 1, K, K})) << device;
+    EXPECT_EQ(crf->log_partition(em).sizes(), at::IntArrayRef({0})) << device;
+  }
+}

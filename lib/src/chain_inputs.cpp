@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <vector>
@@ -176,6 +177,27 @@ ChainPotentials AutogradScope::usable(const ChainPotentials& p) const {
   ChainPotentials q = p;
   for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end}) *t = usable(*t);
   return q;
+}
+
+at::Tensor batch_log_partition(const ChainPotentials& p) {
+  return p.emissions.size(0) == 0 ? at::zeros({0}, p.emissions.options()) : log_partition(p);
+}
+
+at::Tensor batch_log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
+  return p.emissions.size(0) == 0 ? at::zeros({0}, p.emissions.options()) : log_likelihood(p, tags);
+}
+
+Marginals batch_marginals(const ChainPotentials& p, bool with_edges) {
+  if (p.emissions.size(0) != 0) return marginals(p, with_edges);
+  const int64_t T = p.emissions.size(1), K = p.emissions.size(2);
+  return {at::zeros({0}, p.emissions.options()), at::zeros_like(p.emissions),
+          with_edges ? at::zeros({0, std::max<int64_t>(T - 1, 0), K, K}, p.emissions.options()) : at::Tensor()};
+}
+
+ViterbiResult batch_viterbi(const ChainPotentials& p) {
+  if (p.emissions.size(0) != 0) return viterbi(p);
+  return {at::full({0, p.emissions.size(1)}, -1, p.emissions.options().dtype(at::kLong)),
+          at::zeros({0}, p.emissions.options())};
 }
 
 at::Tensor caller_layout(const at::Tensor& batch_first_result, bool batch_first) {

@@ -60,7 +60,7 @@ at::Tensor CRFImpl::forward(const at::Tensor& emissions, const at::Tensor& tags,
   const Reduction r = parse_reduction(reduction);
   const ChainPotentials p = potentials(emissions, mask, /*constrained=*/false);
   const ChainInputs in{emissions, {}, {}, {}, mask, {}, options.batch_first()};
-  const at::Tensor llh = log_likelihood(p, batch_first_tags(tags, in, kWhat));
+  const at::Tensor llh = batch_log_likelihood(p, batch_first_tags(tags, in, kWhat));
   switch (r) {
     case Reduction::none:
       return llh;
@@ -79,12 +79,12 @@ at::Tensor CRFImpl::forward(const at::Tensor& emissions, const at::Tensor& tags,
 }
 
 at::Tensor CRFImpl::log_partition(const at::Tensor& emissions, const at::Tensor& mask) {
-  return trellis::log_partition(potentials(emissions, mask, /*constrained=*/true));
+  return batch_log_partition(potentials(emissions, mask, /*constrained=*/true));
 }
 
 ViterbiResult CRFImpl::decode(const at::Tensor& emissions, const at::Tensor& mask) {
   const AutogradScope scope;
-  return caller_layout(viterbi(scope.usable(potentials(emissions, mask, /*constrained=*/true))), options.batch_first());
+  return caller_layout(batch_viterbi(scope.usable(potentials(emissions, mask, /*constrained=*/true))), options.batch_first());
 }
 
 KBestResult CRFImpl::kbest(const at::Tensor& emissions, int64_t k, const at::Tensor& mask) {
@@ -94,7 +94,7 @@ KBestResult CRFImpl::kbest(const at::Tensor& emissions, int64_t k, const at::Ten
 
 Marginals CRFImpl::marginals(const at::Tensor& emissions, const at::Tensor& mask, bool edges) {
   const AutogradScope scope;
-  return caller_layout(trellis::marginals(scope.usable(potentials(emissions, mask, /*constrained=*/true)), edges),
+  return caller_layout(batch_marginals(scope.usable(potentials(emissions, mask, /*constrained=*/true)), edges),
                        options.batch_first());
 }
 

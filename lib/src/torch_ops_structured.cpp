@@ -94,8 +94,13 @@ std::vector<at::Tensor> vector_jacobian(const at::Tensor& value, const at::Tenso
   if (!inputs.empty() && value.requires_grad())
     grads = torch::autograd::grad({value}, inputs, {grad.to(value.scalar_type())}, /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
-  for (std::size_t j = 0; j < inputs.size(); ++j)
-    out[index[j]] = grads[j].defined() ? grads[j].contiguous() : at::zeros_like(inputs[j], at::MemoryFormat::Contiguous);
+  for (std::size_t j = 0; j < inputs.size(); ++j) {
+    at::Tensor g = grads[j].defined() ? grads[j].contiguous() : at::zeros_like(inputs[j], at::MemoryFormat::Contiguous);
+    // The fused CUDA backward hands out several gradients as views of one buffer; an operator's outputs may not alias.
+    for (std::size_t k = 0; k < j; ++k)
+      if (g.is_alias_of(out[index[k]])) g = g.clone();
+    out[index[j]] = g;
+  }
   return out;
 }
 
@@ -251,10 +256,10 @@ trellis::ChainPotentials potentials(const trellis::ChainInputs& in, const Allowe
 
 // log Z (tags undefined, constrained by `allowed`) or the log-likelihood of tags.
 at::Tensor crf_score(const trellis::ChainInputs& in, const at::Tensor& tags, const Allowed& allowed) {
-  if (!tags.defined()) return trellis::log_partition(potentials(in, allowed, "trellis::crf_log_partition"));
+  if (!tags.defined()) return trellis::batch_log_partition(potentials(in, allowed, "trellis::crf_log_partition"));
   const char* what = "trellis::crf_log_likelihood";
   const trellis::ChainPotentials p = trellis::chain_potentials(in, what);
-  return trellis::log_likelihood(p, trellis::batch_first_tags(tags, in, what));
+  return trellis::batch_log_likelihood(p, trellis::batch_first_tags(tags, in, what));
 }
 
 at::Tensor crf_log_partition(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
@@ -296,7 +301,7 @@ Tensors2 crf_marginals(const at::Tensor& emissions, const at::Tensor& transition
   const trellis::ChainPotentials p =
       scope.usable(potentials(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first),
                               {allowed, allowed_start, allowed_end}, "trellis::crf_marginals"));
-  const trellis::Marginals m = trellis::caller_layout(trellis::marginals(p, edges), batch_first);
+  const trellis::Marginals m = trellis::caller_layout(trellis::batch_marginals(p, edges), batch_first);
   return {m.nodes, edges ? m.edges : none(m.nodes)};
 }
 
@@ -308,7 +313,7 @@ Tensors2 crf_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
   const trellis::ChainPotentials p =
       scope.usable(potentials(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first),
                               {allowed, allowed_start, allowed_end}, "trellis::crf_viterbi"));
-  const trellis::ViterbiResult r = trellis::caller_layout(trellis::viterbi(p), batch_first);
+  const trellis::ViterbiResult r = trellis::caller_layout(trellis::batch_viterbi(p), batch_first);
   return {r.path, r.score};
 }
 
@@ -579,7 +584,7 @@ at::Tensor hmm_log_likelihood(const at::Tensor& observations, const at::Tensor& 
                            batch_first),
                   "trellis::hmm_log_likelihood",
                   [](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
-                    return trellis::log_likelihood(hmm, obs, len);
+                    return trellis::batch_log_partition(hmm.potentials(obs, len));
                   });
 }
 
@@ -591,7 +596,8 @@ at::Tensor hmm_posteriors(const at::Tensor& observations, const at::Tensor& log_
   return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask,
                                          lengths, batch_first)),
                   "trellis::hmm_posteriors", [&](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
-                    return trellis::caller_layout(trellis::posteriors(hmm, obs, len), batch_first);
+                    return trellis::caller_layout(trellis::batch_marginals(hmm.potentials(obs, len), false).nodes,
+                                                  batch_first);
                   });
 }
 
@@ -602,7 +608,7 @@ Tensors2 hmm_viterbi(const at::Tensor& observations, const at::Tensor& log_start
   return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask,
                                          lengths, batch_first)),
                   "trellis::hmm_viterbi", [&](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
-                    const trellis::ViterbiResult r = trellis::caller_layout(trellis::viterbi(hmm, obs, len), batch_first);
+                    const trellis::ViterbiResult r = trellis::caller_layout(trellis::batch_viterbi(hmm.potentials(obs, len)), batch_first);
                     return Tensors2{r.path, r.score};
                   });
 }

@@ -81,6 +81,13 @@ class AutogradScope {
   std::optional<c10::impl::ForceDispatchKeyGuard> autograd_keys_;
 };
 
+// The library's log_partition, log_likelihood, marginals and viterbi, with an empty batch answered here: the fused
+// CUDA kernels launch no empty grid.
+at::Tensor batch_log_partition(const ChainPotentials& p);
+at::Tensor batch_log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
+Marginals batch_marginals(const ChainPotentials& p, bool with_edges);
+ViterbiResult batch_viterbi(const ChainPotentials& p);
+
 // Whether any of allowed, allowed_start, allowed_end is given.
 inline bool any_constraint(const TransitionConstraints& c) {
   return c.transitions.defined() || c.start.defined() || c.end.defined();
