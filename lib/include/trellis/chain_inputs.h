@@ -21,7 +21,8 @@
 
 namespace trellis {
 
-// "[2, 3, 4]", for messages.
+// "[2, 3, 4]", for messages. Formatted here: c10::str of a tensor's sizes, compiled into these libraries, crashed the
+// Python process raising the error on the H100 machine (torch 2.11.0+cu130, g++ 13.3; 2026-11-24).
 std::string shape_string(at::IntArrayRef sizes);
 
 // Scores of a batch of chains as given by a caller; every tensor on the emissions' device except mask and lengths.
