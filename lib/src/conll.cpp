@@ -96,6 +96,9 @@ void check_writable(const std::vector<ConllSentence>& sentences) {
       for (std::size_t c = 0; c < row.size(); ++c)
         if (row[c].empty() || has_blank(row[c]))
           throw Error("write_conll: " + row_name(s, t) + "[" + std::to_string(c) + "] is empty or contains whitespace");
+      // The file's first bytes: a byte-order mark there is dropped by every reader (read_conll too).
+      if (s == 0 && t == 0 && std::string_view(row[0]).substr(0, kBom.size()) == kBom)
+        throw Error("write_conll: " + row_name(s, t) + "[0] starts with a byte-order mark, which readers drop");
     }
   }
 }

@@ -72,7 +72,7 @@ class Reader {
     }
     need(n * sizeof(float));
     at::Tensor t = at::empty(shape, at::kFloat);
-    std::memcpy(t.data_ptr<float>(), d_.data() + pos_, n * sizeof(float));
+    if (n > 0) std::memcpy(t.data_ptr<float>(), d_.data() + pos_, n * sizeof(float));
     pos_ += n * sizeof(float);
     const at::Tensor bad = ~at::isfinite(t).flatten();
     if (bad.any().item<bool>())
@@ -443,7 +443,10 @@ CrfTagger CrfTagger::load(const std::string& path) {
   const uint64_t F = r.count(sizeof(uint64_t), "feature");
   std::vector<std::string> features(F);
   for (auto& f : features) f = r.str();
-  CrfTagger m(std::move(labels), std::move(features), FeatureExtractor::from_spec(spec), columns);
+  auto extractor = FeatureExtractor::from_spec(spec);
+  // The feature set must read only columns the model has (a template naming column 5 of 2 would read past the rows).
+  extractor->validate(columns, path);
+  CrfTagger m(std::move(labels), std::move(features), std::move(extractor), columns);
   m.set_layout(std::move(layout));
   const int64_t K = m.labels_.size();
   m.weights = r.floats({static_cast<int64_t>(F), K}, "weights");

@@ -395,6 +395,10 @@ std::string read_string_attribute(const H5::Group& root, const std::string& path
   if (!root.attrExists(name)) throw Error(path + ": not a Trellis HMM model (no '" + name + "' attribute)");
   const H5::Attribute a = root.openAttribute(name);
   if (a.getTypeClass() != H5T_STRING) throw Error(path + ": attribute '" + name + "' must be a string");
+  // One string: HDF5 reads an empty (null) or longer attribute into the one std::string regardless.
+  const H5::DataSpace space = a.getSpace();
+  if (space.getSimpleExtentType() == H5S_NULL || space.getSimpleExtentNpoints() != 1)
+    throw Error(path + ": attribute '" + name + "' must hold exactly one string");
   std::string s;
   a.read(a.getStrType(), s);
   return s;
@@ -737,6 +741,12 @@ HMMDataset::HMMDataset(const std::string& path) : impl_(std::make_unique<Impl>()
     if (off.getTypeClass() != H5T_INTEGER || od.size() != 1 || od[0] < 1)
       throw Error(path + ": '/offsets' must be a 1-d integer dataset of N+1 >= 1 entries");
     check_readable(path, "offsets", od, sizeof(int64_t));
+    // Offsets increase strictly from 0 to the observations' rows: at most rows + 1 of them, checked before they are
+    // read (a small file can claim billions of unwritten entries).
+    const auto observation_dims = dims_of(d.observations);
+    if (!observation_dims.empty() && od[0] > observation_dims[0] + 1)
+      throw Error(path + ": '/offsets' has " + std::to_string(od[0]) + " entries for " +
+                  std::to_string(observation_dims[0]) + " observation rows (at most rows + 1)");
     d.offsets.resize(od[0]);
     const bool offsets_unsigned64 = unsigned64(off);
     off.read(d.offsets.data(), offsets_unsigned64 ? H5::PredType::NATIVE_UINT64 : H5::PredType::NATIVE_INT64);
