@@ -48,13 +48,13 @@ Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
   return out;
 }
 
-// Targets as columns of this rank's slice: -1 where the target is another rank's or ignored. The whole vocabulary's
-// range is checked (every rank sees the same targets).
-at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t ignore_index) {
+// Targets as columns of this rank's slice: -1 where the target is another rank's or ignored. With check, the whole
+// vocabulary's range is checked (every rank sees the same targets; the backward's were checked by the forward).
+at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t ignore_index, bool check = true) {
   const at::Tensor t = targets.reshape({-1}).to(at::kLong);
   const at::Tensor valid = t != ignore_index;
   const at::Tensor bad = valid & ((t < 0) | (t >= s.vocabulary));
-  if (bad.any().item<bool>()) {
+  if (check && bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     throw Error(c10::str("vocabulary-parallel head: targets[", i, "] = ", t[i].item<int64_t>(),
                          " is outside the vocabulary [0, ", s.vocabulary, ") and is not ignore_index (", ignore_index,
@@ -241,10 +241,9 @@ std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, 
   // Each counted row's weight in the loss, times the incoming gradient.
   const at::Tensor g = grad.reshape({-1}).to(forward.lse.scalar_type()) *
                        (loss.reduction == Reduction::mean ? valid / valid.sum().clamp_min(1) : valid);
-  const at::Tensor here = (t != head.ignore_index) & (t >= slice.offset) & (t < slice.offset + slice.size);
   want[2] = want[2] && head.bias.defined();
-  auto grads = head_slice::gradients(x, weight, at::where(here, t - slice.offset, -1), head, loss, forward.lse, g,
-                                     slice.vocabulary, want);
+  auto grads = head_slice::gradients(x, weight, local_targets(t, slice, head.ignore_index, /*check=*/false), head, loss,
+                                     forward.lse, g, slice.vocabulary, want);
   if (want[0]) {
     std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
     slice.group->allreduce(dx)->wait();
