@@ -11,6 +11,7 @@
 
 #include "trellis/crf_train.h"
 #include "trellis/error.h"
+#include "../lib/src/encoded_batch.h"  // private to the library: CrfTagger::encode
 #include "../lib/src/owlqn.h"  // internal optimiser, tested on its own
 
 using namespace trellis;

@@ -13,6 +13,7 @@
 #include "trellis/crf_train.h"
 #include "trellis/error.h"
 #include "trellis/linear_chain_crf.h"
+#include "../lib/src/encoded_batch.h"  // private to the library: CrfTagger::encode
 
 using namespace trellis;
 

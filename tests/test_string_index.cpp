@@ -4,7 +4,7 @@
 #include <unordered_map>
 
 #include "trellis/error.h"
-#include "trellis/string_index.h"
+#include "../lib/src/string_index.h"  // private to the library, tested on its own
 
 using namespace trellis;
 

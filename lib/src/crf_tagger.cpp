@@ -9,7 +9,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "encoded_batch.h"
 #include "input_file.h"
+#include "string_index.h"
 #include "trellis/atomic_file.h"
 #include "trellis/error.h"
 
@@ -196,19 +198,21 @@ ConllCorpus ColumnLayout::project(const ConllCorpus& corpus, bool* has_labels) c
 CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
                      std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns)
     : labels_(std::move(labels)),
-      features_(std::move(features), "feature"),
+      features_(std::make_shared<const StringIndex>(std::move(features), "feature")),
       extractor_(std::move(extractor)),
       input_columns_(input_columns),
       layout_(ColumnLayout::inputs_then_label(input_columns)) {
   if (labels_.empty()) throw Error("a CRF tagger needs at least one label");
   for (std::size_t i = 0; i < labels_.size(); ++i)
     if (!label_ids_.emplace(labels_[i], i).second) throw Error("duplicate label '" + labels_[i] + "'");
-  const int64_t K = labels_.size(), F = features_.size();
+  const int64_t K = labels_.size(), F = features_->size();
   weights = at::zeros({F, K}, at::kFloat);
   transitions = at::zeros({K, K}, at::kFloat);
   start = at::zeros({K}, at::kFloat);
   end = at::zeros({K}, at::kFloat);
 }
+
+const std::vector<std::string>& CrfTagger::features() const { return features_->keys(); }
 
 int64_t CrfTagger::label_id(const std::string& label) const {
   const auto it = label_ids_.find(label);
@@ -250,7 +254,7 @@ EncodedBatch CrfTagger::encode(const std::vector<const TokenRows*>& sentences,
         extractor_->extract(rows, t, feats);
         const std::size_t before = ids[b].size();
         for (const std::string_view f : feats)
-          if (const int64_t id = features_.find(f); id >= 0) ids[b].push_back(id);
+          if (const int64_t id = features_->find(f); id >= 0) ids[b].push_back(id);
         counts[b].push_back(static_cast<int64_t>(ids[b].size() - before));
         if (gold) {
           const std::string& label = (*(*gold)[b])[t];
@@ -399,8 +403,8 @@ void CrfTagger::save(const std::string& path) const {
   w.str(extractor_->spec());
   w.pod<uint64_t>(labels_.size());
   for (const auto& l : labels_) w.str(l);
-  w.pod<uint64_t>(features_.size());
-  for (const auto& f : features_.keys()) w.str(f);
+  w.pod<uint64_t>(features_->size());
+  for (const auto& f : features_->keys()) w.str(f);
   for (const at::Tensor& t : parameters()) w.floats(t);
   w.pod<uint64_t>(fnv1a(w.buffer().data(), w.buffer().size()));
   write_file_atomically(path, [&](std::ostream& out) { out.write(w.buffer().data(), w.buffer().size()); });

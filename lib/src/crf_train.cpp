@@ -21,7 +21,9 @@
 
 #include "trellis/chunk_eval.h"
 #include "trellis/error.h"
+#include "encoded_batch.h"
 #include "owlqn.h"
+#include "string_index.h"
 
 namespace trellis {
 namespace {

@@ -1,4 +1,4 @@
-#include "trellis/string_index.h"
+#include "string_index.h"
 
 #include <algorithm>
 #include <functional>

@@ -11,24 +11,12 @@
 #include "trellis/conll.h"
 #include "trellis/crf_features.h"
 #include "trellis/linear_chain_crf.h"
-#include "trellis/string_index.h"
 
 namespace trellis {
 
-// Sentences as feature ids, padded into one batch of B sentences of at most T tokens.
-struct EncodedBatch {
-  at::Tensor feature_ids;  // [nnz] int64, the features of every token, token after token
-  at::Tensor offsets;      // [tokens] int64: where each token's features start in feature_ids
-  at::Tensor positions;    // [tokens] int64: b*T + t of each token
-  at::Tensor lengths;      // [B] int64
-  at::Tensor tags;         // [B,T] int64 gold label ids (0 at padding); undefined when no labels were given
-  int64_t batch = 0, max_length = 0;
-};
-
-// A batch from features already looked up: per sentence, the ids of its tokens' features token after token and each
-// token's number of them; `tags` is [B·max_length] gold label ids (0 at padding), or empty.
-EncodedBatch assemble_batch(const std::vector<const std::vector<int64_t>*>& ids,
-                            const std::vector<const std::vector<int64_t>*>& counts, const std::vector<int64_t>& tags);
+// The library's feature dictionary and its batches of encoded sentences (lib/src/string_index.h, encoded_batch.h).
+class StringIndex;
+struct EncodedBatch;
 
 // Where a model's data sit in a CoNLL file: the file's number of columns, the label column, and the input columns the
 // features read, in that order. Every other column is ignored, by name: a second tag column (XPOS beside UPOS) must
@@ -66,7 +54,7 @@ class CrfTagger {
             std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns);
 
   const std::vector<std::string>& labels() const { return labels_; }
-  const std::vector<std::string>& features() const { return features_.keys(); }
+  const std::vector<std::string>& features() const;
   const FeatureExtractor& extractor() const { return *extractor_; }
   std::size_t input_columns() const { return input_columns_; }
   // The CoNLL layout of the training data (stored in the model file); inputs_then_label(input_columns()) until set.
@@ -80,7 +68,8 @@ class CrfTagger {
   void to(const at::Device& device);
 
   // Encodes sentences (input columns only). gold, if given, holds each sentence's label strings; an unknown label is
-  // an error naming the sentence and token.
+  // an error naming the sentence and token. encode() and potentials() serve the library's trainer: EncodedBatch is
+  // defined in its private headers, and applications tag with tag() and train with train_crf().
   EncodedBatch encode(const std::vector<const TokenRows*>& sentences,
                       const std::vector<const std::vector<std::string>*>* gold = nullptr) const;
   // Chain potentials of an encoded batch, differentiable in the parameters, on the parameters' device.
@@ -103,7 +92,8 @@ class CrfTagger {
  private:
   std::vector<std::string> labels_;
   std::unordered_map<std::string, int64_t> label_ids_;
-  StringIndex features_;
+  // Behind a shared_ptr, deleted by the deleter made with it, so that this header needs no definition of StringIndex.
+  std::shared_ptr<const StringIndex> features_;
   std::unique_ptr<FeatureExtractor> extractor_;
   std::size_t input_columns_;
   ColumnLayout layout_;
