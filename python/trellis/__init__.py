@@ -5,6 +5,8 @@
 - :func:`log_matmul`, :func:`max_matmul`: matrix products in the log and max-plus semirings.
 - :func:`linear_cross_entropy`, :func:`token_logprobs`, :func:`linear_logsumexp`: an LLM output head's loss and
   statistics without materialising the logits.
+- :mod:`trellis.hmm`: ``CategoricalHMM`` and ``GaussianHMM`` estimators with hmmlearn's interface (CPU and CUDA), and
+  the command line's HDF5 model files (``trellis.hmm.load``/``save``); imported on first use (it needs numpy).
 
 Importing trellis imports torch and loads the compiled operators (``torch.ops.trellis``) into it; that torch must be
 the release Trellis was built against (the error says which otherwise).
@@ -20,3 +22,11 @@ from .ops import linear_cross_entropy, linear_logsumexp, log_matmul, max_matmul,
 __version__: str = _library.load() or "0+build.tree"
 
 __all__ = ["CRF", "log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp"]
+
+
+def __getattr__(name: str):
+    # trellis.hmm needs numpy, which torch does not require, so `import trellis` leaves it until first use.
+    if name == "hmm":
+        import importlib
+        return importlib.import_module(".hmm", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
