@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <boost/program_options.hpp>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 #include "cli_util.h"
 #include "commands.h"
 #include "trellis/atomic_file.h"
 #include "trellis/conll.h"
+#include "trellis/distributed.h"
 #include "trellis/error.h"
 #include "trellis/hmm_tasks.h"
 
@@ -62,6 +65,19 @@ std::string describe(const HMMModelFile& m) {
                  std::to_string(h.num_features()) + " features";
       },
       m.model);
+}
+
+// Under torchrun: this rank's share of the data, e.g. "rank 1 of 3: sequences 400-799 (400 of 1200), 5012 of 15000
+// tokens (33.4%)".
+void print_share(const DistributedContext& dist, const HMMDataset& data, const DatasetShare& share) {
+  if (!dist.distributed()) return;
+  std::ostringstream line;  // written at once: the ranks share the terminal
+  line << dist.describe() << " (" << dist.backend() << "): sequences "
+       << (share.count ? std::to_string(share.first) + "-" + std::to_string(share.first + share.count - 1) : "none")
+       << " (" << share.count << " of " << data.num_sequences() << "), " << share.tokens << " of "
+       << data.num_tokens() << " tokens ("
+       << fixed(100.0 * share.tokens / std::max<int64_t>(data.num_tokens(), 1), 1) << "%)\n";
+  std::cerr << line.str();
 }
 
 int init(const std::vector<std::string>& args) {
@@ -127,15 +143,28 @@ int infer(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (int rc = parse("hmm infer", args, desc, vm, "usage: trellis hmm infer --model MODEL.h5 --data DATA.h5 --output OUT.h5 [options]"); rc >= 0)
     return rc;
-  const HMMRunOptions run = flags.resolve();
-  const HMMModelFile m = load_hmm(model_path);
-  HMMDataset data(data_path);
-  std::cerr << "model: " << describe(m) << "; data: " << data.num_sequences() << " sequences, " << data.num_tokens()
-            << " tokens; batches of up to " << batch_tokens(m, data.num_features(), with_posteriors, run)
-            << " positions on " << run.device << "\n";
-  Progress progress("infer", data.num_tokens(), "tokens");
+  HMMRunOptions run = flags.resolve();
+  const DistributedContext dist = DistributedContext::from_environment(run.device);
+  run.distributed = &dist;
+  // Every rank opens the files; one that cannot stops every rank with its message.
+  std::optional<HMMModelFile> model;
+  std::optional<HMMDataset> opened;
+  dist.check_all(failure_of([&] {
+    model = load_hmm(model_path);
+    opened.emplace(data_path);
+  }));
+  const HMMModelFile& m = *model;
+  HMMDataset& data = *opened;
+  const DatasetShare share = dataset_share(data, &dist);
+  if (dist.rank() == 0)
+    std::cerr << "model: " << describe(m) << "; data: " << data.num_sequences() << " sequences, " << data.num_tokens()
+              << " tokens; batches of up to " << batch_tokens(m, data.num_features(), with_posteriors, run)
+              << " positions on " << run.device << "\n";
+  print_share(dist, data, share);
+  Progress progress(dist.distributed() ? "infer, " + dist.describe() : "infer", share.tokens, "tokens");
   const InferSummary s = infer_dataset(m, data, output, with_posteriors, run,
                                        [&](int64_t, int64_t tokens) { progress.update(tokens); });
+  if (dist.rank() != 0) return 0;  // rank 0 reports the whole dataset
   std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood " << fixed(s.log_likelihood, 4)
             << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  " << fixed(s.seconds, 3) << " s  "
             << fixed(s.tokens / s.seconds, 0) << " tokens/s\n";
@@ -170,17 +199,29 @@ int fit(const std::vector<std::string>& args) {
   po::variables_map vm;
   if (int rc = parse("hmm fit", args, desc, vm, "usage: trellis hmm fit --data DATA.h5 --output MODEL.h5 (--states K | --init MODEL.h5 | --supervised) [options]"); rc >= 0)
     return rc;
-  const HMMRunOptions run = flags.resolve();
-  check_writable_location(output);
-  if (!init_path.empty()) f.initial = load_hmm(init_path);
-  HMMDataset data(data_path);
-  std::cerr << "data: " << data.num_sequences() << " sequences, " << data.num_tokens() << " tokens\n";
+  HMMRunOptions run = flags.resolve();
+  const DistributedContext dist = DistributedContext::from_environment(run.device);
+  run.distributed = &dist;
+  std::optional<HMMDataset> opened;
+  dist.check_all(failure_of([&] {
+    if (dist.rank() == 0) check_writable_location(output);
+    if (!init_path.empty()) f.initial = load_hmm(init_path);
+    opened.emplace(data_path);
+  }));
+  HMMDataset& data = *opened;
+  if (dist.rank() == 0)
+    std::cerr << "data: " << data.num_sequences() << " sequences, " << data.num_tokens() << " tokens\n";
+  print_share(dist, data, dataset_share(data, &dist));
   const HMMModelFile m = fit_dataset(data, f, run, [&](const EMIteration& it) {
+    if (dist.rank() != 0) return;  // every rank holds the same numbers
     std::cerr << (f.restarts > 1 ? "restart " + std::to_string(it.restart) + "  " : "") << "iter " << it.iteration
               << "  log-likelihood " << fixed(it.log_likelihood, 4) << "  per token " << fixed(it.log_likelihood / it.tokens, 6)
               << "  " << fixed(it.seconds, 2) << " s\n";
   });
-  save_hmm(output, m);
+  dist.check_all(failure_of([&] {
+    if (dist.rank() == 0) save_hmm(output, m);
+  }));
+  if (dist.rank() != 0) return 0;
   std::cerr << "wrote " << output << ": " << describe(m);
   if (!m.log_likelihood_history.empty())
     std::cerr << "; " << m.log_likelihood_history.size() << " EM iterations, final log-likelihood "

@@ -6,7 +6,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-debs=(cmake ninja-build ccache g++ libboost-program-options-dev libhdf5-dev libgtest-dev python3-venv)
+# libgloo-dev: the Gloo headers LibTorch's ProcessGroupGloo.hpp includes (the wheel links Gloo but ships no headers),
+# for the data-parallel commands' CPU process groups (lib/src/distributed_gloo.cpp).
+debs=(cmake ninja-build ccache g++ libboost-program-options-dev libhdf5-dev libgtest-dev python3-venv libgloo-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -95,16 +97,6 @@ void check_fit_options(const HMMFitOptions& f) {
     throw Error("--covars-prior must be a finite number > 0, not " + c10::str(f.em.m_step.covars_prior));
 }
 
-// Largest id in /observations (categorical) or /labels, by one streaming pass.
-int64_t largest_id(HMMDataset& data, bool labels, int64_t max_tokens) {
-  int64_t top = -1;
-  for (const auto& [first, count] : data.batches(max_tokens)) {
-    const SequenceBatch b = data.read(first, count, labels);
-    top = std::max(top, (labels ? b.labels : b.observations).max().item<int64_t>());
-  }
-  return top;
-}
-
 template <class Stats>
 Stats to_double(Stats s) {
   for (at::Tensor* t : {&s.start, &s.transitions}) *t = t->to(at::kDouble);
@@ -114,6 +106,91 @@ Stats to_double(Stats s) {
     for (at::Tensor* t : {&s.weight, &s.first, &s.second}) *t = t->to(at::kDouble);
   }
   return s;
+}
+
+// The statistics' tensors, for summing over ranks.
+template <class Stats>
+std::vector<at::Tensor> tensors_of(const Stats& s) {
+  if constexpr (std::is_same_v<Stats, CategoricalHMM::Statistics>) return {s.start, s.transitions, s.emissions};
+  else if constexpr (std::is_same_v<Stats, GaussianHMM::Statistics>)
+    return {s.start, s.transitions, s.weight, s.first, s.second};
+  else return {s.unigrams, s.bigrams, s.trigrams, s.emissions};  // TrigramCounts
+}
+
+// Zero statistics for a model of this shape, in float64 on `device`: the sum a rank starts from (a rank whose share
+// is empty still takes part in the sums).
+template <class HMM>
+typename HMM::Statistics zero_statistics(const HMM& shape, const at::Device& device) {
+  const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+  const int64_t K = shape.num_states();
+  typename HMM::Statistics s;
+  s.start = at::zeros({K}, f64);
+  s.transitions = at::zeros({K, K}, f64);
+  if constexpr (std::is_same_v<HMM, CategoricalHMM>) {
+    s.emissions = at::zeros({K, shape.num_symbols()}, f64);
+  } else {
+    s.weight = at::zeros({K}, f64);
+    s.first = at::zeros({K, shape.num_features()}, f64);
+    s.second = at::zeros({K, shape.num_features()}, f64);
+  }
+  return s;
+}
+
+// The process group, or null for a single process (then collectives are skipped and errors keep their type).
+const DistributedContext* group_of(const HMMRunOptions& o) {
+  return o.distributed && o.distributed->distributed() ? o.distributed : nullptr;
+}
+
+// Runs `work` on this rank; with a process group, a failure on any rank becomes the same Error on every rank.
+template <class Work>
+void on_every_rank(const DistributedContext* group, Work&& work) {
+  if (!group) {
+    work();
+    return;
+  }
+  group->check_all(failure_of(std::forward<Work>(work)));
+}
+
+// Consecutive ranges of the sequences [first, first + count), as HMMDataset::batches cuts the whole dataset: at most
+// max_tokens positions (sequences × longest length) each, a longer sequence alone.
+std::vector<std::pair<int64_t, int64_t>> share_batches(const HMMDataset& data, const DatasetShare& share,
+                                                       int64_t max_tokens) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const auto& o = data.offsets();
+  const int64_t end = share.first + share.count;
+  int64_t first = share.first, T = 0;
+  for (int64_t i = share.first; i < end; ++i) {
+    const int64_t len = o[i + 1] - o[i];
+    if (i > first && std::max(T, len) * (i - first + 1) > max_tokens) {
+      out.emplace_back(first, i - first);
+      first = i;
+      T = 0;
+    }
+    T = std::max(T, len);
+  }
+  if (end > first) out.emplace_back(first, end - first);
+  return out;
+}
+
+DatasetShare share_of_rank(const HMMDataset& data, int rank, int world) {
+  const auto& o = data.offsets();
+  std::vector<int64_t> lengths(o.size() - 1);
+  for (std::size_t i = 0; i + 1 < o.size(); ++i) lengths[i] = o[i + 1] - o[i];
+  const std::vector<int64_t> bounds = balanced_shares(lengths, world);
+  return {bounds[rank], bounds[rank + 1] - bounds[rank], o[bounds[rank + 1]] - o[bounds[rank]]};
+}
+
+// Largest id in /observations (categorical) or /labels, by one streaming pass over each rank's share.
+int64_t largest_id(HMMDataset& data, bool labels, int64_t max_tokens, const DistributedContext* group) {
+  int64_t top = -1;
+  on_every_rank(group, [&] {
+    const DatasetShare share = share_of_rank(data, group ? group->rank() : 0, group ? group->world_size() : 1);
+    for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
+      const SequenceBatch b = data.read(first, count, labels);
+      top = std::max(top, (labels ? b.labels : b.observations).max().item<int64_t>());
+    }
+  });
+  return group ? group->all_reduce_max(top) : top;
 }
 
 // A random EM start. Gaussian means are observation rows picked at random, variances the data's, so that every
@@ -136,6 +213,11 @@ HMM random_start(const HMM& shape, HMMDataset& data, uint64_t seed, double covar
 
 }  // namespace
 
+DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* distributed) {
+  if (!distributed) return {0, data.num_sequences(), data.num_tokens()};
+  return share_of_rank(data, distributed->rank(), distributed->world_size());
+}
+
 int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o) {
   const int64_t K = states_of(model), elt = at::elementSize(o.dtype);
   // Per position: emission scores and their temporaries, Viterbi backpointers and path; with posteriors (or an
@@ -149,36 +231,108 @@ int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_
 
 InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
                            const HMMRunOptions& o, const BatchProgress& progress) {
-  check_writable_location(output);
-  const at::TensorOptions opt = run_options(o);
-  check_fits(model, data);
+  const DistributedContext* group = group_of(o);
+  const int rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  at::TensorOptions opt;
+  int64_t max_tokens = 0;
+  on_every_rank(group, [&] {
+    if (rank == 0) check_writable_location(output);
+    opt = run_options(o);
+    check_fits(model, data);
+    max_tokens = batch_tokens(model, data.num_features(), with_posteriors, o);
+  });
   const auto start = Clock::now();
-  const int64_t max_tokens = batch_tokens(model, data.num_features(), with_posteriors, o);
   InferSummary sum;
   std::visit(
       [&](const auto& stored) {
-        const auto m = for_computation(stored, opt);
-        HMMInferenceWriter out(output, data.offsets(), m.num_states(), with_posteriors, model.state_labels);
-        for (const auto& [first, count] : data.batches(max_tokens)) {
-          const SequenceBatch b = data.read(first, count);
-          const at::Tensor lengths = b.lengths.to(opt.device());
-          const ChainPotentials p = m.potentials(b.observations.to(opt.device()), lengths);
-          at::Tensor ll, nodes;
-          if (with_posteriors) {
-            const Marginals mg = marginals(p);
-            ll = mg.log_partition.detach();
-            nodes = mg.nodes;
+        std::optional<std::decay_t<decltype(stored)>> m;
+        std::unique_ptr<HMMInferenceWriter> out;
+        on_every_rank(group, [&] {
+          m = for_computation(stored, opt);
+          if (rank == 0)
+            out = std::make_unique<HMMInferenceWriter>(output, data.offsets(), m->num_states(), with_posteriors,
+                                                       model.state_labels);
+        });
+        // One batch's results as written: log-likelihoods and Viterbi scores [2,B] (float64), paths [B,T] (int32),
+        // posteriors [B,T,K] (float32). Rank 0 writes its own as they come; the others keep theirs for rank 0.
+        struct Results {
+          at::Tensor scores, paths, posteriors;
+        };
+        std::vector<Results> kept;
+        double log_likelihood = 0;
+        on_every_rank(group, [&] {
+          const DatasetShare share = share_of_rank(data, rank, world);
+          for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
+            const SequenceBatch b = data.read(first, count);
+            const at::Tensor lengths = b.lengths.to(opt.device());
+            const ChainPotentials p = m->potentials(b.observations.to(opt.device()), lengths);
+            at::Tensor ll, nodes;
+            if (with_posteriors) {
+              const Marginals mg = marginals(p);
+              ll = mg.log_partition.detach();
+              nodes = mg.nodes;
+            }
+            c10::NoGradGuard no_grad;
+            if (!with_posteriors) ll = log_partition(p);
+            const ViterbiResult v = viterbi(p);
+            if (rank == 0)
+              out->append(ll, v.score, v.path, b.lengths, nodes);
+            else
+              kept.push_back({at::stack({ll, v.score}).cpu().to(at::kDouble), v.path.cpu().to(at::kInt),
+                              with_posteriors ? nodes.detach().cpu().to(at::kFloat) : at::Tensor()});
+            sum.sequences += count;
+            sum.tokens += b.lengths.sum().item<int64_t>();
+            log_likelihood += ll.sum().item<double>();
+            if (progress) progress(sum.sequences, sum.tokens);
           }
-          c10::NoGradGuard no_grad;
-          if (!with_posteriors) ll = log_partition(p);
-          const ViterbiResult v = viterbi(p);
-          out.append(ll, v.score, v.path, b.lengths, nodes);
-          sum.sequences += count;
-          sum.tokens += b.lengths.sum().item<int64_t>();
-          sum.log_likelihood += ll.sum().item<double>();
-          if (progress) progress(sum.sequences, sum.tokens);
+        });
+        // Rank 0 receives the other ranks' results in dataset order. A write that fails on rank 0 still receives
+        // the rest, so that no rank waits on a send rank 0 never matches.
+        std::optional<std::string> write_failure;
+        if (rank == 0) {
+          const auto& offsets = data.offsets();
+          for (int r = 1; r < world; ++r) {
+            for (const auto& [first, count] : share_batches(data, share_of_rank(data, r, world), max_tokens)) {
+              int64_t T = 0;
+              for (int64_t i = first; i < first + count; ++i) T = std::max(T, offsets[i + 1] - offsets[i]);
+              std::vector<int64_t> lengths(count);
+              for (int64_t i = 0; i < count; ++i) lengths[i] = offsets[first + i + 1] - offsets[first + i];
+              Results got{at::empty({2, count}, at::kDouble), at::empty({count, T}, at::kInt), at::Tensor()};
+              group->receive(got.scores, r);
+              group->receive(got.paths, r);
+              if (with_posteriors) {
+                got.posteriors = at::empty({count, T, m->num_states()}, at::kFloat);
+                group->receive(got.posteriors, r);
+              }
+              if (!write_failure)
+                write_failure = failure_of([&] {
+                  out->append(got.scores[0], got.scores[1], got.paths.to(at::kLong), at::tensor(lengths, at::kLong),
+                              got.posteriors);
+                });
+            }
+          }
+          if (!group)
+            out->commit();
+          else if (!write_failure)
+            write_failure = failure_of([&] { out->commit(); });
+        } else {
+          for (const Results& k : kept) {
+            group->send(k.scores, 0);
+            group->send(k.paths, 0);
+            if (with_posteriors) group->send(k.posteriors, 0);
+          }
         }
-        out.commit();
+        if (group) {
+          out.reset();  // without commit() its temporary file is removed
+          group->check_all(write_failure);
+          at::Tensor totals = at::tensor({static_cast<double>(sum.sequences), static_cast<double>(sum.tokens), log_likelihood},
+                                         at::kDouble);
+          group->all_reduce_sum({totals});
+          sum.sequences = static_cast<int64_t>(totals[0].item<double>());
+          sum.tokens = static_cast<int64_t>(totals[1].item<double>());
+          log_likelihood = totals[2].item<double>();
+        }
+        sum.log_likelihood = log_likelihood;
       },
       model.model);
   sum.seconds = since(start);
@@ -190,6 +344,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   check_fit_options(fit);
   const at::TensorOptions opt = run_options(o);
   const at::TensorOptions f64 = opt.dtype(at::kDouble);
+  const DistributedContext* group = group_of(o);
   if (data.num_sequences() == 0) throw Error(data.path() + ": has no sequences to fit a model to");
   HMMModelFile out;
   out.state_names = data.label_names();
@@ -209,11 +364,11 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   }
   if (fit.supervised) {
     if (!data.has_labels()) throw Error(data.path() + ": supervised training needs a '/labels' dataset");
-    if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens) + 1 : int64_t(out.state_names.size());
+    if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens, group) + 1 : int64_t(out.state_names.size());
     data.expect_labels(K);
   }
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
-  if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens) + 1 : int64_t(out.vocabulary.size());
+  if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens, group) + 1 : int64_t(out.vocabulary.size());
   // Second-order models have a state per label pair.
   const int64_t model_states = fit.order == 2 ? (K + 1) * K : K;
   check_model_shape(model_states, data.categorical() ? V : data.num_features(),
@@ -227,7 +382,25 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     shape_file.model = CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)};
   else
     shape_file.model = GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
-  const auto ranges = data.batches(batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
+  const auto ranges = share_batches(data, dataset_share(data, group), batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
+  // Sums this rank's statistics over the ranks (a no-op for one process), extra numbers alongside.
+  const auto sum_over_ranks = [&](std::vector<at::Tensor> tensors, const std::optional<std::string>& failure,
+                                  std::vector<double*> extra = {}) {
+    if (!group) return;
+    at::Tensor numbers = at::empty({static_cast<int64_t>(extra.size())}, at::kDouble);
+    for (std::size_t i = 0; i < extra.size(); ++i) numbers[i] = *extra[i];
+    tensors.push_back(numbers);
+    group->all_reduce_sum(tensors, failure);
+    for (std::size_t i = 0; i < extra.size(); ++i) *extra[i] = numbers[i].item<double>();
+  };
+  // Runs this rank's part of a sum: errors stay as they are for one process, and go to every rank otherwise.
+  const auto local_part = [&](const auto& work) -> std::optional<std::string> {
+    if (!group) {
+      work();
+      return std::nullopt;
+    }
+    return failure_of(work);
+  };
 
   std::visit(
       [&](const auto& shape) {
@@ -235,11 +408,15 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
         using Stats = typename HMM::Statistics;
         if (fit.supervised && fit.order == 2) {
           if constexpr (std::is_same_v<HMM, CategoricalHMM>) {
-            TrigramCounts total;
-            for (const auto& [first, count] : ranges) {
-              const SequenceBatch b = data.read(first, count, true);
-              total += trigram_counts(b.observations, b.labels, b.lengths, K, V);
-            }
+            TrigramCounts total{at::zeros({K}, at::kDouble), at::zeros({K + 1, K}, at::kDouble),
+                                at::zeros({K + 1, K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
+            const auto failure = local_part([&] {
+              for (const auto& [first, count] : ranges) {
+                const SequenceBatch b = data.read(first, count, true);
+                total += trigram_counts(b.observations, b.labels, b.lengths, K, V);
+              }
+            });
+            sum_over_ranks(tensors_of(total), failure);
             CategoricalHMM m = second_order_hmm(total, fit.em.m_step.smoothing);
             if (!out.vocabulary.empty())
               m.log_emissions = tagger_log_emissions(total.emissions, out.vocabulary, fit.em.m_step.smoothing).repeat({K + 1, 1});
@@ -258,12 +435,15 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
           return;
         }
         if (fit.supervised) {
-          Stats total;
-          for (const auto& [first, count] : ranges) {
-            const SequenceBatch b = data.read(first, count, true);
-            total += to_double(labelled_statistics(shape.to(opt), b.observations.to(opt.device()),
-                                                   b.labels.to(opt.device()), b.lengths.to(opt.device())));
-          }
+          Stats total = zero_statistics(shape, opt.device());
+          const auto failure = local_part([&] {
+            for (const auto& [first, count] : ranges) {
+              const SequenceBatch b = data.read(first, count, true);
+              total += to_double(labelled_statistics(shape.to(opt), b.observations.to(opt.device()),
+                                                     b.labels.to(opt.device()), b.lengths.to(opt.device())));
+            }
+          });
+          sum_over_ranks(tensors_of(total), failure);
           HMM m = shape.maximise(total, fit.em.m_step).to(at::TensorOptions().dtype(at::kDouble));
           if constexpr (std::is_same_v<HMM, CategoricalHMM>)
             if (!out.vocabulary.empty())
@@ -279,14 +459,17 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
           for (int it = 0; it < fit.em.max_iterations; ++it) {
             const auto t0 = Clock::now();
             const HMM work = for_computation(m, opt);
-            Stats total;
-            int64_t tokens = 0;
-            for (const auto& [first, count] : ranges) {
-              const SequenceBatch b = data.read(first, count);
-              total += to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
-              tokens += b.lengths.sum().item<int64_t>();
-            }
-            if (on_iteration) on_iteration({r, it, total.log_likelihood, tokens, since(t0)});
+            Stats total = zero_statistics(shape, opt.device());
+            double tokens = 0;  // exact below 2^53
+            const auto failure = local_part([&] {
+              for (const auto& [first, count] : ranges) {
+                const SequenceBatch b = data.read(first, count);
+                total += to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
+                tokens += static_cast<double>(b.lengths.sum().item<int64_t>());
+              }
+            });
+            sum_over_ranks(tensors_of(total), failure, {&total.log_likelihood, &tokens});
+            if (on_iteration) on_iteration({r, it, total.log_likelihood, static_cast<int64_t>(tokens), since(t0)});
             const bool converged = !history.empty() && total.log_likelihood - history.back() < fit.em.tolerance * tokens;
             history.push_back(total.log_likelihood);
             if (converged && fit.em.tolerance > 0) break;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "trellis/distributed.h"
 #include "trellis/hmm_io.h"
 #include "trellis/vocabulary.h"
 
@@ -19,7 +20,17 @@ struct HMMRunOptions {
   at::ScalarType dtype = at::kDouble;  // precision of the computation (the model is kept in float64)
   int64_t memory_budget = int64_t(1) << 30;  // bytes for one batch's working tensors
   int threads = 0;                     // CPU threads (0: LibTorch's default)
+  // Data parallelism (docs/distributed.md): with a process group, each rank works on its share of the sequences
+  // (dataset_share) and the ranks combine their results; null or a single process: the whole dataset here.
+  const DistributedContext* distributed = nullptr;
 };
+
+// This rank's share of the dataset's sequences: consecutive sequences [first, first + count), as near 1/world of the
+// tokens as whole sequences allow. The whole dataset for a single process.
+struct DatasetShare {
+  int64_t first = 0, count = 0, tokens = 0;
+};
+DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* distributed);
 
 // Tokens per batch that keep one batch's working tensors within options.memory_budget.
 int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& options);
@@ -33,6 +44,8 @@ struct InferSummary {
   double seconds = 0;
 };
 // Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
+// Data-parallel: every rank computes its share and rank 0 alone writes the file, receiving the other ranks' results in
+// dataset order; the summary is the whole dataset's on every rank, `progress` counts this rank's share.
 InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
                            const HMMRunOptions& options, const BatchProgress& progress = {});
 
@@ -52,6 +65,8 @@ struct EMIteration {
   int64_t tokens = 0;
   double seconds = 0;
 };
+// Data-parallel: the statistics of each E-step (and of supervised counts) are summed over the ranks' shares, so every
+// rank holds the same model after every iteration; the caller writes it from one rank.
 HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRunOptions& options,
                          const std::function<void(const EMIteration&)>& on_iteration = {});
 

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Data-parallel trellis hmm infer and fit under torchrun (Gloo on the CPU) against single-process runs, at world sizes
+# 2 and 3 (uneven shares, and a rank with no sequences at all), and the failure behaviour: a dataset missing on one
+# rank stops every rank quickly with that rank's message and leaves no output; a rank that never joins makes the
+# others fail at the timeout instead of hanging.
+# Usage: dist_hmm_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with torch and h5py) DATA_DIR (data/ud-en-ewt-sample)
+set -uo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cli_harness.sh" || exit 1
+trellis=$1
+work=$2
+py=$3
+data=$4
+rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+"$py" -c 'import h5py, numpy, torch.distributed.run' 2>/dev/null || { echo "SKIP: $py lacks torch or h5py"; exit 77; }
+export TRELLIS_DIST_TIMEOUT=30
+# Each rank runs through this wrapper: its stderr goes to err.RANK.txt, its stdout to out.RANK.txt, and with
+# MISSING_ON_RANK=r, rank r gets missing.h5 in place of every argument naming dev.h5.
+cat >rank.sh <<'EOF'
+#!/usr/bin/env bash
+args=()
+for a in "$@"; do
+  if [ "${MISSING_ON_RANK:-}" = "$RANK" ] && [ "$a" = dev.h5 ]; then a=missing.h5; fi
+  args+=("$a")
+done
+exec "${args[@]}" >"out.$RANK.txt" 2>"err.$RANK.txt"
+EOF
+free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# torchrun WORLD_SIZE trellis-arguments...: under torchrun (its agent serves the store; starting it takes seconds).
+torchrun() {
+  local world=$1
+  shift
+  rm -f err.*.txt out.*.txt
+  "$py" -m torch.distributed.run --standalone --nproc-per-node="$world" --no-python bash rank.sh "$trellis" "$@" \
+    >torchrun.out 2>torchrun.err
+}
+# run WORLD_SIZE trellis-arguments...: the processes started here with the environment torchrun gives its workers
+# (rank 0 serves the store); fails unless every rank succeeds.
+run() {
+  local world=$1 port rc=0 r
+  shift
+  rm -f err.*.txt out.*.txt
+  port=$(free_port)
+  local pids=()
+  for ((r = 0; r < world; r++)); do
+    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port bash rank.sh "$trellis" "$@" &
+    pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r" || rc=1; done
+  return $rc
+}
+# compare A B: the same datasets; float64 results within 1e-10 relative, integers (paths, offsets) identical.
+cat >compare.py <<'EOF'
+import sys, h5py, numpy as np
+a, b = h5py.File(sys.argv[1], "r"), h5py.File(sys.argv[2], "r")
+assert sorted(a.keys()) == sorted(b.keys()), (sorted(a.keys()), sorted(b.keys()))
+for k in a.keys():
+    x, y = a[k][()], b[k][()]
+    assert x.shape == y.shape and x.dtype == y.dtype, (k, x.shape, y.shape, x.dtype, y.dtype)
+    if x.dtype.kind == "f":
+        tol = 1e-6 if x.dtype == np.float32 else 1e-10
+        assert np.allclose(x, y, rtol=tol, atol=tol * 1e-3), (k, np.abs(x - y).max())
+    else:
+        assert (x == y).all(), k
+EOF
+same() { "$py" compare.py "$1" "$2" 2>compare.err || { cat compare.err; return 1; }; }
+
+"$trellis" hmm convert -i "$data/train.txt" -o train.h5 --label-column 1 2>/dev/null &&
+  "$trellis" hmm convert -i "$data/dev.txt" -o dev.h5 --vocabulary-from train.h5 --label-column 1 --add-labels 2>/dev/null &&
+  "$trellis" hmm init --states 3 --features 2 --seed 4 -o gauss.h5 2>/dev/null &&
+  "$trellis" hmm sample -m gauss.h5 -o gdata.h5 -n 40 -l 30 --min-length 2 --seed 5 2>/dev/null &&
+  "$trellis" hmm sample -m gauss.h5 -o two.h5 -n 2 -l 5 --seed 6 2>/dev/null || { echo "FAIL: set-up"; exit 1; }
+
+# Single-process references.
+"$trellis" hmm fit -d train.h5 -o sup.h5 --supervised --smoothing 0.1 2>/dev/null &&
+  "$trellis" hmm fit -d train.h5 -o sup2.h5 --supervised --order 2 --smoothing 0.1 2>/dev/null &&
+  "$trellis" hmm infer -m sup.h5 -d dev.h5 -o infer.h5 --posteriors >/dev/null 2>&1 &&
+  "$trellis" hmm fit -d dev.h5 -o em.h5 --states 4 --max-iterations 3 --tolerance 0 2>/dev/null &&
+  "$trellis" hmm fit -d gdata.h5 -o gem.h5 --states 3 --max-iterations 3 --tolerance 0 2>/dev/null &&
+  "$trellis" hmm infer -m gauss.h5 -d two.h5 -o two_ref.h5 >/dev/null 2>&1 || { echo "FAIL: single-process runs"; exit 1; }
+
+for world in 2 3; do
+  launch=run
+  ((world == 3)) && launch=torchrun
+  $launch "$world" hmm infer -m sup.h5 -d dev.h5 -o "infer$world.h5" --posteriors && same infer.h5 "infer$world.h5" && ok ||
+    fail "infer at world size $world differs from one process"
+  grep -q "^sequences 400  tokens 6729 " out.0.txt && [ ! -s out.1.txt ] && ok ||
+    fail "infer at world $world: rank 0 alone prints the summary: $(cat out.*.txt)"
+  # Every rank names itself, the world and its share; the shares cover the dataset once.
+  for ((r = 0; r < world; r++)); do
+    grep -q "^rank $r of $world (gloo): sequences [0-9]*-[0-9]* ([0-9]* of 400), [0-9]* of 6729 tokens" "err.$r.txt" && ok ||
+      fail "infer at world $world: rank $r's share line: $(cat "err.$r.txt")"
+  done
+  cat err.*.txt | sed -n 's/^rank [0-9]* of [0-9]* (gloo): sequences \([0-9]*\)-\([0-9]*\) .*/\1 \2/p' | sort -n |
+    awk 'BEGIN { next_first = 0 } { if ($1 != next_first) bad = 1; next_first = $2 + 1 } END { exit bad || next_first != 400 }' &&
+    ok || fail "infer at world $world: the shares do not cover the 400 sequences once"
+  run "$world" hmm fit -d dev.h5 -o "em$world.h5" --states 4 --max-iterations 3 --tolerance 0 && same em.h5 "em$world.h5" &&
+    ok || fail "EM at world size $world differs from one process"
+  [ "$(grep -c '^iter ' err.0.txt)" = 3 ] && ! grep -q '^iter ' err.1.txt && ok ||
+    fail "EM at world $world: rank 0 alone prints the 3 iterations"
+done
+run 3 hmm fit -d train.h5 -o sup_3.h5 --supervised --smoothing 0.1 && same sup.h5 sup_3.h5 && ok ||
+  fail "supervised fit at world size 3 differs"
+run 3 hmm fit -d train.h5 -o sup2_3.h5 --supervised --order 2 --smoothing 0.1 && same sup2.h5 sup2_3.h5 && ok ||
+  fail "second-order supervised fit at world size 3 differs"
+run 2 hmm fit -d gdata.h5 -o gem_2.h5 --states 3 --max-iterations 3 --tolerance 0 && same gem.h5 gem_2.h5 && ok ||
+  fail "Gaussian EM at world size 2 differs"
+# Two sequences over three ranks: one rank has none and still takes part.
+run 3 hmm infer -m gauss.h5 -d two.h5 -o two_3.h5 && same two_ref.h5 two_3.h5 && grep -q "sequences none (0 of 2)" err.*.txt &&
+  ok || fail "a rank with an empty share"
+
+# A dataset missing on rank 1: every rank exits with rank 1's message, quickly, and no output appears.
+start=$SECONDS
+MISSING_ON_RANK=1 torchrun 3 hmm infer -m sup.h5 -d dev.h5 -o lost.h5 && fail "missing dataset on rank 1: exit code 0"
+((SECONDS - start < 20)) && ok || fail "missing dataset on rank 1: took $((SECONDS - start)) s"
+for r in 0 1 2; do
+  grep -q "rank 1 of 3: .*missing.h5" "err.$r.txt" && ok || fail "missing dataset: rank $r's error: $(cat "err.$r.txt")"
+done
+[ ! -e lost.h5 ] && ! ls lost.h5.tmp.* >/dev/null 2>&1 && ok || fail "missing dataset: an output was left"
+MISSING_ON_RANK=2 run 3 hmm fit -d dev.h5 -o lost.h5 --states 4 --max-iterations 2 && fail "fit, dataset missing: exit code 0"
+grep -q "rank 2 of 3: .*missing.h5" err.0.txt && [ ! -e lost.h5 ] && ok || fail "fit, dataset missing on rank 2: $(cat err.0.txt)"
+
+# Launched without torchrun's agent (rank 0 serves the store), a rank that never starts: the others stop at the
+# timeout with a message naming it, instead of waiting for ever.
+port=$(free_port)
+start=$SECONDS
+for r in 0 1; do
+  TRELLIS_DIST_TIMEOUT=3 RANK=$r WORLD_SIZE=3 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    "$trellis" hmm infer -m sup.h5 -d dev.h5 -o never.h5 >/dev/null 2>"never.$r.txt" &
+done
+wait %1; rc0=$?
+wait %2; rc1=$?
+((rc0 != 0 && rc1 != 0)) && ok || fail "a rank that never joins: exit codes $rc0 $rc1"
+((SECONDS - start < 30)) && ok || fail "a rank that never joins: took $((SECONDS - start)) s"
+grep -q "rank 0 of 3: cannot join the process group at 127.0.0.1:$port within 3 s" never.0.txt && ok ||
+  fail "a rank that never joins: rank 0's message: $(cat never.0.txt)"
+[ ! -e never.h5 ] && ok || fail "a rank that never joins: an output was written"
+
+echo "passed $passed, failed $failed"
+((failed == 0))
