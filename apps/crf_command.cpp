@@ -9,6 +9,7 @@
 #include <map>
 
 #include "cli_util.h"
+#include "crf_neural.h"
 #include "commands.h"
 #include "trellis/atomic_file.h"
 #include "trellis/chunk_eval.h"
@@ -92,7 +93,9 @@ int train(const std::vector<std::string>& args) {
       ("early-stopping", po::value(&o.early_stopping)->default_value(0), "stop after N iterations without a better dev score (0: off)")
       ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
       ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
-      ("seed", po::value(&o.seed)->default_value(0), "random seed");
+      ("seed", po::value(&o.seed)->default_value(0), "random seed")
+      ("encoder", po::value<std::string>()->default_value("none"),
+       "none: this feature CRF; bilstm or cnn: a neural tagger (trellis crf train --encoder bilstm --help)");
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
     return rc;
@@ -316,6 +319,7 @@ int crf_main(const std::vector<std::string>& args) {
     std::cout << kCrfUsage;
     return args.empty() ? 2 : 0;
   }
+  if (const auto neural = neural_crf_main(args)) return *neural;  // train --encoder bilstm|cnn, neural model files
   const auto it = commands.find(args[0]);
   if (it == commands.end()) {
     std::cerr << "trellis crf: unknown command '" << args[0] << "'\n" << kCrfUsage;

@@ -1,0 +1,351 @@
+// trellis crf train --encoder bilstm|cnn, and tag/eval/dump of neural models: option parsing and output formatting
+// only; the work is in the library (trellis/neural_tagger.h).
+#include "crf_neural.h"
+
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <functional>
+#include <iostream>
+#include <map>
+
+#include "cli_util.h"
+#include "trellis/atomic_file.h"
+#include "trellis/chunk_eval.h"
+#include "trellis/conll.h"
+#include "trellis/error.h"
+#include "trellis/neural_tagger.h"
+
+namespace po = boost::program_options;
+
+namespace trellis::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point from) { return std::chrono::duration<double>(Clock::now() - from).count(); }
+
+// The value of an option in raw arguments: "--name V", "--name=V", a prefix of --name at least `min_prefix`
+// characters long (Boost accepts unambiguous prefixes), or "-s V" / "-sV" for a short name. nullopt when absent.
+std::optional<std::string> raw_option(const std::vector<std::string>& args, const std::string& name,
+                                      std::size_t min_prefix, char short_name = 0) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (short_name && a.size() >= 2 && a[0] == '-' && a[1] == short_name) {
+      if (a.size() > 2) return a.substr(2);
+      if (i + 1 < args.size()) return args[i + 1];
+      return std::nullopt;
+    }
+    if (a.rfind("--", 0) != 0) continue;
+    const std::size_t eq = a.find('=');
+    const std::string key = a.substr(0, eq);
+    if (key.size() < min_prefix || name.rfind(key, 0) != 0) continue;
+    if (eq != std::string::npos) return a.substr(eq + 1);
+    if (i + 1 < args.size()) return args[i + 1];
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+ConllCorpus read_input(const std::string& path) {
+  return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
+}
+
+// A file's input columns as the model reads them (the file laid out as in training, with or without its label).
+std::vector<TokenRows> model_inputs(const ConllCorpus& projected, std::size_t input_columns) {
+  std::vector<TokenRows> rows;
+  rows.reserve(projected.sentences.size());
+  for (const ConllSentence& s : projected.sentences) {
+    TokenRows r = s.rows;
+    for (auto& row : r) row.resize(input_columns);
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& v) {
+  std::vector<const TokenRows*> p;
+  for (const auto& r : v) p.push_back(&r);
+  return p;
+}
+
+void write_output(const std::string& path, const std::function<void(std::ostream&)>& write) {
+  if (path == "-") {
+    write(std::cout);
+    std::cout.flush();
+  } else {
+    write_file_atomically(path, write);
+  }
+}
+
+int train(const std::vector<std::string>& args) {
+  NeuralTaggerOptions o;
+  std::string train_path, dev_path, model_path, template_path, input_columns;
+  int label_column = -1;
+  bool hybrid = false;
+  int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
+      ("dev", po::value(&dev_path), "development data, scored after every epoch (early stopping, best model kept)")
+      ("model,m", po::value(&model_path)->required(), "where to write the model")
+      ("encoder", po::value(&o.encoder)->required(), "bilstm, cnn (stacked dilated convolutions), or none (the feature CRF)")
+      ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
+      ("input-columns", po::value(&input_columns),
+       "the input columns, e.g. 0,1: the first is the word, each other one (POS, ...) is embedded "
+       "(default: those before the label column)")
+      ("epochs", po::value(&o.epochs)->default_value(o.epochs), "maximum epochs")
+      ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch (bucketed by length)")
+      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate), "Adam learning rate")
+      ("lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay), "learning rate factor per epoch")
+      ("clip", po::value(&o.clip)->default_value(o.clip), "gradient norm clipping (0: off)")
+      ("dropout", po::value(&o.dropout)->default_value(o.dropout), "dropout on inputs, between layers and before the emissions")
+      ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout),
+       "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")
+      ("embedding-dim", po::value(&o.word_dim)->default_value(0), "word embedding size (0: 100, or the --embeddings file's)")
+      ("char-dim", po::value(&o.char_dim)->default_value(o.char_dim), "character embedding size (0: no character CNN)")
+      ("char-filters", po::value(&o.char_filters)->default_value(o.char_filters), "character CNN filters")
+      ("feature-dim", po::value(&o.feature_dim)->default_value(o.feature_dim), "embedding size of the word shape and of each extra input column")
+      ("hidden", po::value(&o.hidden)->default_value(o.hidden), "BiLSTM units per direction (convolution channels: twice this)")
+      ("layers", po::value(&o.layers)->default_value(o.layers), "BiLSTM layers, or dilated convolution blocks")
+      ("patience", po::value(&o.patience)->default_value(o.patience), "with --dev: stop after N epochs without a better dev score (0: never)")
+      ("embeddings", po::value(&o.pretrained_embeddings), "pretrained word vectors to start from (word2vec/GloVe text format)")
+      ("hybrid", po::bool_switch(&hybrid), "add the built-in sparse CRF features to the emissions")
+      ("template,t", po::value(&template_path), "add the sparse features of this CRF++ template to the emissions (implies --hybrid)")
+      ("min-freq", po::value(&o.min_feature_count)->default_value(1), "hybrid: drop sparse features seen fewer times in training")
+      ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
+      ("precision", po::value(&o.precision)->default_value("auto"), "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")
+      ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
+      ("seed", po::value(&o.seed)->default_value(0), "random seed (the same seed on the CPU gives the same model)");
+  po::variables_map vm;
+  if (int rc = parse("crf", args, desc, vm,
+                     "usage: trellis crf train --encoder bilstm|cnn --train FILE [--dev FILE] --model FILE [options]");
+      rc >= 0)
+    return rc;
+
+  if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
+  o.batch_size = static_cast<std::size_t>(batch_size);
+  check_writable_location(model_path);  // before training, not after
+  std::unique_ptr<FeatureExtractor> sparse;
+  if (!template_path.empty()) sparse = load_crfpp_template(template_path);
+  else if (hybrid) sparse = builtin_features();
+  const ConllCorpus train_corpus = read_conll(train_path);
+  const ColumnLayout layout =
+      ColumnLayout::resolve(train_corpus.num_columns, label_column,
+                            input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"),
+                            train_path);
+  const auto labelled = [&](const ConllCorpus& c) {
+    bool has_labels = false;
+    ConllCorpus projected = layout.project(c, &has_labels);
+    if (!has_labels) throw Error("'" + c.source + "' has no label column (the model's columns: " + layout.describe() + ")");
+    return split_labels(projected, -1);
+  };
+  const LabeledSentences tr = labelled(train_corpus);
+  std::optional<LabeledSentences> dv;
+  if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
+  std::cerr << "columns: " << layout.describe();
+  if (!layout.ignored().empty() && input_columns.empty())
+    std::cerr << " (columns after the label are not inputs unless --input-columns names them)";
+  std::cerr << "\ntrain: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
+  if (dv) std::cerr << "; dev: " << dv->inputs.size() << " sentences, " << dv->num_tokens() << " tokens";
+  std::cerr << "\n";
+  NeuralTrainSummary sum;
+  NeuralTagger model = train_neural_tagger(
+      tr, dv ? &*dv : nullptr, std::move(sparse), o,
+      [](const NeuralEpoch& e) {
+        std::cerr << "epoch " << e.epoch << "  loss " << fixed(e.loss, 4) << "/token  lr " << fixed(e.learning_rate, 6)
+                  << "  " << fixed(e.tokens_per_second, 0) << " tokens/s";
+        if (e.dev_accuracy) std::cerr << "  dev acc " << fixed(*e.dev_accuracy, 2) << "%";
+        if (e.dev_f1) std::cerr << "  dev F1 " << fixed(*e.dev_f1, 2);
+        std::cerr << "  " << fixed(e.seconds, 1) << " s\n";
+      },
+      &sum);
+  model.set_layout(layout);
+  model.save(model_path);
+  std::cerr << "done: " << sum.epochs << " epochs"
+            << (sum.stopped_early ? " (stopped: no better dev score for --patience " + std::to_string(o.patience) + " epochs)" : "")
+            << ", " << model.labels().size() << " labels, " << sum.words << " words, " << sum.characters
+            << " characters, ";
+  if (model.hybrid()) std::cerr << sum.features << " sparse features, ";
+  std::cerr << sum.parameters << " parameters, " << fixed(sum.seconds, 1) << " s (set-up " << fixed(sum.setup_seconds, 2) << " s)";
+  if (sum.best_dev_accuracy) {
+    std::cerr << "; best dev (epoch " << sum.best_epoch << ", " << fixed(sum.seconds_to_best, 1)
+              << " s): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
+    if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);
+  }
+  std::cerr << "\nmodel written to " << model_path << "\n";
+  return 0;
+}
+
+int tag(const std::vector<std::string>& args) {
+  std::string model_path, input, output, device, precision;
+  bool with_marginals = false, with_probability = false, timing = false;
+  int64_t kbest = 0;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path)->required(), "trained model")
+      ("input,i", po::value(&input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
+      ("output,o", po::value(&output)->default_value("-"), "output file (- for stdout), written atomically")
+      ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
+      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence")
+      ("kbest,n", po::value(&kbest)->default_value(0),
+       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
+      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
+      ("precision", po::value(&precision)->default_value("auto"), "neural models: auto (bf16 encoder on CUDA), bf16 or fp32")
+      ("timing", po::bool_switch(&timing), "print load and tagging times and tokens/s to stderr");
+  po::positional_options_description pos;
+  pos.add("input", 1);
+  po::variables_map vm;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
+
+  if (kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(kbest));
+  if (kbest > 0 && with_marginals) throw Error("--kbest and --marginals cannot be combined");
+  if (output != "-") check_writable_location(output);
+  const auto t0 = Clock::now();
+  NeuralTagger model = NeuralTagger::load(model_path);
+  model.to(at::Device(device), precision);
+  const double load_seconds = seconds_since(t0);
+  const ConllCorpus corpus = read_input(input);
+  const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model.input_columns());
+  // The first batch on a GPU starts its libraries (cuDNN, cuBLAS): with --timing that start is timed apart.
+  double warmup_seconds = 0;
+  if (timing && !rows.empty()) {
+    const auto w0 = Clock::now();
+    model.tag({&rows.front()});
+    warmup_seconds = seconds_since(w0);
+  }
+  const auto t1 = Clock::now();
+  const auto report = [&] {
+    if (!timing) return;
+    int64_t tokens = 0;
+    for (const auto& r : rows) tokens += static_cast<int64_t>(r.size());
+    const double s = seconds_since(t1);
+    std::cerr << "model loaded in " << fixed(load_seconds, 3) << " s, warm-up " << fixed(warmup_seconds, 3)
+              << " s; tagged " << rows.size() << " sentences, " << tokens << " tokens in " << fixed(s, 3) << " s ("
+              << fixed(tokens / std::max(s, 1e-9), 0) << " tokens/s, encoding, decoding and output)\n";
+  };
+  if (kbest > 0) {
+    const auto alternatives = model.tag_kbest(pointers(rows), kbest);
+    write_output(output, [&](std::ostream& out) {
+      for (std::size_t s = 0; s < alternatives.size(); ++s)
+        for (std::size_t n = 0; n < alternatives[s].size(); ++n) {
+          out << "@kbest\t" << n << '\t' << fixed(alternatives[s][n].probability, 6) << '\n';
+          for (std::size_t t = 0; t < alternatives[s][n].labels.size(); ++t) {
+            for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+            out << alternatives[s][n].labels[t] << '\n';
+          }
+          out << '\n';
+        }
+    });
+    report();
+    return 0;
+  }
+  const auto tagged = model.tag(pointers(rows), with_marginals || with_probability);
+  write_output(output, [&](std::ostream& out) {
+    for (std::size_t s = 0; s < tagged.size(); ++s) {
+      if (with_probability) out << "@probability\t" << fixed(tagged[s].probability, 6) << "\n";
+      for (std::size_t t = 0; t < tagged[s].labels.size(); ++t) {
+        for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+        out << tagged[s].labels[t];
+        if (with_marginals) out << ':' << fixed(tagged[s].marginals[t], 6);
+        out << '\n';
+      }
+      out << '\n';
+    }
+  });
+  report();
+  return 0;
+}
+
+int eval(const std::vector<std::string>& args) {
+  std::string model_path, gold_path, device, precision;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&model_path)->required(), "neural model to tag --gold with")
+      ("gold", po::value(&gold_path)->required(), "gold CoNLL file in the model's training layout (see crf dump)")
+      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
+      ("precision", po::value(&precision)->default_value("auto"), "auto (bf16 encoder on CUDA), bf16 or fp32");
+  po::variables_map vm;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf eval --model FILE --gold FILE", nullptr); rc >= 0) return rc;
+  NeuralTagger model = NeuralTagger::load(model_path);
+  model.to(at::Device(device), precision);
+  bool has_labels = false;
+  const ConllCorpus c = model.layout().project(read_input(gold_path), &has_labels);
+  if (!has_labels)
+    throw Error("'" + c.source + "' has no label column to evaluate against (the model's columns: " +
+                model.layout().describe() + ")");
+  const LabeledSentences gold = split_labels(c, -1);
+  const std::vector<TokenRows> rows = model_inputs(c, model.input_columns());
+  const auto tagged = model.tag(pointers(rows));
+  ChunkEvaluation ev;
+  // Gold labels the model never saw count as errors, as in conlleval, and are listed.
+  std::map<std::string, std::size_t> unseen;
+  for (std::size_t s = 0; s < tagged.size(); ++s) {
+    for (const auto& label : gold.labels[s])
+      if (model.label_id(label) < 0) ++unseen[label];
+    ev.add_sentence(gold.labels[s], tagged[s].labels);
+  }
+  if (!unseen.empty()) {
+    std::size_t tokens = 0;
+    std::string list;
+    for (const auto& [label, n] : unseen) tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
+    std::cerr << "note: " << tokens << " gold tokens have labels the model was not trained on, counted as errors: "
+              << list << "\n";
+  }
+  std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
+  if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();
+  return 0;
+}
+
+int dump(const std::vector<std::string>& args) {
+  std::string model_path;
+  int top = 20;
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
+      ("top", po::value(&top)->default_value(20), "(feature models only)");
+  po::positional_options_description pos;
+  pos.add("model", 1);
+  po::variables_map vm;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf dump [--model] FILE", &pos); rc >= 0) return rc;
+  const NeuralTagger m = NeuralTagger::load(model_path);
+  std::cout << "model: " << model_path << "\nkind: neural CRF\n" << m.describe() << "columns: " << m.layout().describe()
+            << "\nlabels (" << m.labels().size() << "):";
+  for (const auto& l : m.labels()) std::cout << ' ' << l;
+  std::cout << "\n";
+  return 0;
+}
+
+// The model file named in raw arguments of tag, eval or dump: --model/-m, or dump's positional FILE.
+std::optional<std::string> model_argument(const std::string& command, const std::vector<std::string>& args) {
+  if (auto m = raw_option(args, "--model", 4, 'm')) return m;
+  if (command != "dump") return std::nullopt;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i].rfind("--t", 0) == 0 && args[i].find('=') == std::string::npos) {
+      ++i;  // --top's value
+      continue;
+    }
+    if (!args[i].empty() && args[i][0] != '-') return args[i];
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<int> neural_crf_main(const std::vector<std::string>& args) {
+  if (args.empty()) return std::nullopt;
+  const std::string& command = args[0];
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (command == "train") {
+    const auto encoder = raw_option(rest, "--encoder", 4);
+    if (!encoder || *encoder == "none") return std::nullopt;
+    return train(rest);
+  }
+  static const std::map<std::string, std::function<int(const std::vector<std::string>&)>> model_commands{
+      {"tag", tag}, {"eval", eval}, {"dump", dump}};
+  const auto it = model_commands.find(command);
+  if (it == model_commands.end()) return std::nullopt;
+  const auto model = model_argument(command, rest);
+  if (!model || !NeuralTagger::is_model_file(*model)) return std::nullopt;
+  return it->second(rest);
+}
+
+}  // namespace trellis::cli

@@ -1,0 +1,328 @@
+// trellis::NeuralTagger: learning a toy task, model files (round trip, determinism, corruption), options, CUDA.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "test_util.h"
+#include "trellis/error.h"
+#include "trellis/neural_tagger.h"
+
+using namespace trellis;
+
+namespace {
+
+// A toy part-of-speech language. "saw" and "run" are nouns after a determiner or adjective and verbs elsewhere (the
+// context decides); words ending in "-ly" are adverbs and the rare "-ness" words nouns (characters decide for words
+// only seen once or never).
+LabeledSentences toy_corpus(int sentences, uint64_t seed, const std::string& source) {
+  const std::vector<std::string> dets{"the", "a", "this", "every"}, adjs{"big", "red", "old", "quiet"},
+      nouns{"cat", "dog", "idea", "car", "house", "tree"}, verbs{"sees", "likes", "finds", "needs"},
+      advs{"quickly", "slowly", "gladly", "badly"}, ambiguous{"saw", "run"};
+  std::mt19937_64 rng(seed);
+  const auto pick = [&](const std::vector<std::string>& v) { return v[rng() % v.size()]; };
+  LabeledSentences d;
+  d.source = source;
+  for (int s = 0; s < sentences; ++s) {
+    TokenRows rows;
+    std::vector<std::string> labels;
+    const auto add = [&](const std::string& w, const std::string& l) { rows.push_back({w}), labels.push_back(l); };
+    const auto noun_phrase = [&] {
+      add(pick(dets), "DET");
+      if (rng() % 2) add(pick(adjs), "ADJ");
+      if (rng() % 4 == 0) add(pick(ambiguous), "NOUN");
+      else if (rng() % 5 == 0) add("odd" + std::to_string(rng() % 1000) + "ness", "NOUN");
+      else add(pick(nouns), "NOUN");
+    };
+    noun_phrase();
+    if (rng() % 3 == 0) add(pick(advs), "ADV");
+    add(rng() % 4 == 0 ? pick(ambiguous) : pick(verbs), "VERB");
+    noun_phrase();
+    add(".", "PUNCT");
+    d.inputs.push_back(std::move(rows));
+    d.labels.push_back(std::move(labels));
+    d.first_lines.push_back(0);
+  }
+  return d;
+}
+
+NeuralTaggerOptions small_options() {
+  NeuralTaggerOptions o;
+  o.word_dim = 16;
+  o.char_dim = 8;
+  o.char_filters = 8;
+  o.feature_dim = 4;
+  o.hidden = 16;
+  o.layers = 1;
+  o.dropout = 0.1;
+  o.epochs = 6;
+  o.batch_size = 8;
+  o.learning_rate = 0.01;
+  o.threads = 1;
+  return o;
+}
+
+std::vector<const TokenRows*> pointers(const LabeledSentences& d) {
+  std::vector<const TokenRows*> p;
+  for (const auto& r : d.inputs) p.push_back(&r);
+  return p;
+}
+
+double accuracy(const NeuralTagger& m, const LabeledSentences& d) {
+  const auto tagged = m.tag(pointers(d));
+  double right = 0, all = 0;
+  for (std::size_t s = 0; s < tagged.size(); ++s)
+    for (std::size_t t = 0; t < tagged[s].labels.size(); ++t) right += tagged[s].labels[t] == d.labels[s][t], ++all;
+  return 100 * right / all;
+}
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "neural_" + std::to_string(getpid()) + "_" + name;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// One tiny model for the tests that only need a trained one.
+const NeuralTagger& trained_model() {
+  static const NeuralTagger model = [] {
+    const LabeledSentences train = toy_corpus(150, 1, "train");
+    return train_neural_tagger(train, nullptr, nullptr, small_options());
+  }();
+  return model;
+}
+
+}  // namespace
+
+TEST(NeuralTagger, LearnsAToyTaskBeyondTheMajorityTag) {
+  const LabeledSentences train = toy_corpus(200, 1, "train"), dev = toy_corpus(60, 2, "dev");
+  std::map<std::string, int> counts;
+  int tokens = 0;
+  for (const auto& s : dev.labels)
+    for (const auto& l : s) ++counts[l], ++tokens;
+  int majority = 0;
+  for (const auto& [label, n] : counts) majority = std::max(majority, n);
+  const double majority_accuracy = 100.0 * majority / tokens;
+
+  std::vector<NeuralEpoch> epochs;
+  NeuralTrainSummary sum;
+  const NeuralTagger m = train_neural_tagger(train, &dev, nullptr, small_options(),
+                                             [&](const NeuralEpoch& e) { epochs.push_back(e); }, &sum);
+  ASSERT_EQ(epochs.size(), 6u);
+  EXPECT_LT(epochs.back().loss, 0.5 * epochs.front().loss);
+  for (const auto& e : epochs) {
+    EXPECT_GT(e.tokens_per_second, 0);
+    ASSERT_TRUE(e.dev_accuracy.has_value());
+    EXPECT_FALSE(e.dev_f1.has_value());  // not chunk labels
+  }
+  ASSERT_TRUE(sum.best_dev_accuracy.has_value());
+  EXPECT_GT(*sum.best_dev_accuracy, majority_accuracy + 40);
+  EXPECT_GT(*sum.best_dev_accuracy, 90);
+  // The model returned is the best epoch's.
+  EXPECT_NEAR(accuracy(m, dev), *sum.best_dev_accuracy, 1e-9);
+  EXPECT_EQ(sum.parameters, m.num_parameters());
+}
+
+TEST(NeuralTagger, SavedModelTagsIdenticallyAfterLoading) {
+  const NeuralTagger& m = trained_model();
+  const std::string path = temp_path("roundtrip.ncrf");
+  m.save(path);
+  ASSERT_TRUE(NeuralTagger::is_model_file(path));
+  const NeuralTagger back = NeuralTagger::load(path);
+  const LabeledSentences test = toy_corpus(40, 3, "test");
+  const auto a = m.tag(pointers(test), true), b = back.tag(pointers(test), true);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t s = 0; s < a.size(); ++s) {
+    EXPECT_EQ(a[s].labels, b[s].labels);
+    EXPECT_EQ(a[s].marginals, b[s].marginals);
+    EXPECT_EQ(a[s].probability, b[s].probability);
+  }
+  EXPECT_EQ(back.labels(), m.labels());
+  EXPECT_EQ(back.describe(), m.describe());
+  // k-best: the first sequence is the Viterbi one, probabilities fall, and the best one's is the sequence probability.
+  const auto kb = back.tag_kbest(pointers(test), 3);
+  for (std::size_t s = 0; s < kb.size(); ++s) {
+    ASSERT_FALSE(kb[s].empty());
+    EXPECT_EQ(kb[s][0].labels, a[s].labels);
+    EXPECT_NEAR(kb[s][0].probability, a[s].probability, 1e-5);
+    for (std::size_t n = 1; n < kb[s].size(); ++n) EXPECT_LE(kb[s][n].probability, kb[s][n - 1].probability + 1e-9);
+  }
+  std::remove(path.c_str());
+}
+
+TEST(NeuralTagger, TheSameSeedGivesTheSameModelFileOnTheCpu) {
+  const LabeledSentences train = toy_corpus(60, 5, "train");
+  NeuralTaggerOptions o = small_options();
+  o.epochs = 2;
+  const auto file_of = [&](uint64_t seed) {
+    o.seed = seed;
+    const std::string path = temp_path("seed" + std::to_string(seed) + ".ncrf");
+    train_neural_tagger(train, nullptr, nullptr, o).save(path);
+    std::string bytes = read_bytes(path);
+    std::remove(path.c_str());
+    return bytes;
+  };
+  const std::string first = file_of(7);
+  EXPECT_EQ(file_of(7), first);
+  EXPECT_NE(file_of(8), first);
+}
+
+TEST(NeuralTagger, CorruptTruncatedOrForeignModelFilesAreClearErrors) {
+  const std::string path = temp_path("good.ncrf"), bad = temp_path("bad.ncrf");
+  trained_model().save(path);
+  const std::string bytes = read_bytes(path);
+
+  std::string flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x10;
+  write_bytes(bad, flipped);
+  std::string what = error_of([&] { NeuralTagger::load(bad); });
+  EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (checksum mismatch"), std::string::npos) << what;
+
+  write_bytes(bad, bytes.substr(0, bytes.size() - 100));
+  what = error_of([&] { NeuralTagger::load(bad); });
+  EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file"), std::string::npos) << what;
+
+  write_bytes(bad, bytes.substr(0, 10));
+  what = error_of([&] { NeuralTagger::load(bad); });
+  EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (truncated"), std::string::npos) << what;
+
+  write_bytes(bad, "word POS label\n");
+  EXPECT_FALSE(NeuralTagger::is_model_file(bad));
+  what = error_of([&] { NeuralTagger::load(bad); });
+  EXPECT_NE(what.find("'" + bad + "' is not a Trellis neural CRF model"), std::string::npos) << what;
+
+  what = error_of([&] { NeuralTagger::load(temp_path("missing.ncrf")); });
+  EXPECT_NE(what.find("missing.ncrf"), std::string::npos) << what;
+  std::remove(path.c_str());
+  std::remove(bad.c_str());
+}
+
+TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
+  const LabeledSentences train = toy_corpus(5, 1, "train");
+  const auto message = [&](const std::function<void(NeuralTaggerOptions&)>& change) {
+    NeuralTaggerOptions o = small_options();
+    change(o);
+    return error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); });
+  };
+  EXPECT_NE(message([](auto& o) { o.encoder = "rnn"; }).find("--encoder must be bilstm, cnn or none, not 'rnn'"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.dropout = 1.5; }).find("--dropout must be in [0, 1), not 1.5"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.dropout = std::nan(""); }).find("--dropout must be in [0, 1), not nan"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.epochs = 0; }).find("--epochs must be at least 1, not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.learning_rate = -1; }).find("--lr must be a finite number > 0, not -1"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.lr_decay = 0; }).find("--lr-decay must be in (0, 1], not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.hidden = 0; }).find("--hidden must be at least 1, not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.layers = 0; }).find("--layers must be at least 1, not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.precision = "fp8"; }).find("--precision must be auto, bf16 or fp32, not 'fp8'"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.precision = "bf16"; }).find("--precision bf16 needs --device cuda"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.pretrained_embeddings = temp_path("no-such-vectors.txt"); }).find("no-such-vectors.txt"),
+            std::string::npos);
+  // A dev label that training never saw names the file and line.
+  LabeledSentences dev = toy_corpus(2, 1, "dev.txt");
+  dev.first_lines = {1, 20};
+  dev.labels[1][2] = "WEIRD";
+  EXPECT_NE(error_of([&] { train_neural_tagger(train, &dev, nullptr, small_options()); })
+                .find("dev.txt:22: label 'WEIRD' does not occur in the training data"),
+            std::string::npos);
+}
+
+TEST(NeuralTagger, CnnEncoderWithHybridFeaturesTrainsAndRoundTrips) {
+  const LabeledSentences train = toy_corpus(100, 1, "train"), dev = toy_corpus(30, 2, "dev");
+  NeuralTaggerOptions o = small_options();
+  o.encoder = "cnn";
+  o.layers = 2;
+  o.epochs = 4;
+  NeuralTrainSummary sum;
+  const NeuralTagger m = train_neural_tagger(train, &dev, builtin_features(), o, {}, &sum);
+  EXPECT_TRUE(m.hybrid());
+  EXPECT_GT(sum.features, 100u);
+  EXPECT_GT(*sum.best_dev_accuracy, 80);
+  const std::string path = temp_path("cnn.ncrf");
+  m.save(path);
+  const NeuralTagger back = NeuralTagger::load(path);
+  EXPECT_TRUE(back.hybrid());
+  const auto a = m.tag(pointers(dev), true), b = back.tag(pointers(dev), true);
+  for (std::size_t s = 0; s < a.size(); ++s) EXPECT_EQ(a[s].marginals, b[s].marginals);
+  std::remove(path.c_str());
+}
+
+TEST(NeuralTagger, PretrainedVectorsSetTheEmbeddingSizeAndJoinTheVocabulary) {
+  const LabeledSentences train = toy_corpus(20, 1, "train");
+  const std::string vectors = temp_path("vectors.txt");
+  write_bytes(vectors, "3 6\nThe 1 2 3 4 5 6\nunseenword 0.5 0 0 0 0 1\ncat 0 0 0 0 0 0\n");
+  NeuralTaggerOptions o = small_options();
+  o.word_dim = 0;
+  o.epochs = 1;
+  o.pretrained_embeddings = vectors;
+  const NeuralTagger m = train_neural_tagger(train, nullptr, nullptr, o);
+  EXPECT_EQ(m.options().word_dim, 6);
+  const NeuralTagger plain = train_neural_tagger(train, nullptr, nullptr, [] {
+    NeuralTaggerOptions p = small_options();
+    p.word_dim = 6;
+    p.epochs = 1;
+    return p;
+  }());
+  EXPECT_EQ(m.num_parameters(), plain.num_parameters() + 6);  // one more word: "unseenword"
+  o.word_dim = 16;
+  EXPECT_NE(error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); }).find("--embedding-dim 16 differs from the 6"),
+            std::string::npos);
+  o.word_dim = 0;
+  write_bytes(vectors, "the 1 2 3\ncat 1 2\n");
+  EXPECT_NE(error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); }).find(vectors + ":2: expected 3 values"),
+            std::string::npos);
+  std::remove(vectors.c_str());
+}
+
+TEST(NeuralTagger, CudaAgreesWithTheCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  const std::string path = temp_path("cuda.ncrf");
+  trained_model().save(path);
+  NeuralTagger cpu = NeuralTagger::load(path), gpu = NeuralTagger::load(path), gpu_bf16 = NeuralTagger::load(path);
+  gpu.to(at::Device("cuda"), "fp32");
+  gpu_bf16.to(at::Device("cuda"), "bf16");
+  const LabeledSentences test = toy_corpus(200, 4, "test");
+  const auto a = cpu.tag(pointers(test), true), b = gpu.tag(pointers(test), true), c = gpu_bf16.tag(pointers(test));
+  std::size_t tokens = 0, same_bf16 = 0;
+  for (std::size_t s = 0; s < a.size(); ++s) {
+    EXPECT_EQ(a[s].labels, b[s].labels);
+    for (std::size_t t = 0; t < a[s].labels.size(); ++t) {
+      EXPECT_NEAR(a[s].marginals[t], b[s].marginals[t], 1e-3);
+      same_bf16 += a[s].labels[t] == c[s].labels[t], ++tokens;
+    }
+  }
+  EXPECT_GE(same_bf16, tokens * 98 / 100);
+  // And training on CUDA learns as on the CPU.
+  NeuralTaggerOptions o = small_options();
+  o.device = "cuda";
+  NeuralTrainSummary sum;
+  const LabeledSentences train = toy_corpus(150, 1, "train"), dev = toy_corpus(60, 2, "dev");
+  for (const char* precision : {"fp32", "bf16"}) {
+    o.precision = precision;
+    train_neural_tagger(train, &dev, nullptr, o, {}, &sum);
+    EXPECT_GT(*sum.best_dev_accuracy, 90) << precision;
+  }
+  std::remove(path.c_str());
+}
