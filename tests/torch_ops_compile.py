@@ -43,24 +43,29 @@ for dtype in dtypes:
         torch.library.opcheck(ops.token_logprobs.default, (xi, wi, t), {"bias": bi, "entropy": True})
         # With inputs that require gradients: the Autograd kernels and _head_statistics_backward.
         torch.library.opcheck(ops.linear_logsumexp.default, (x, w), {"bias": b, "softcap": 15.0})
+        # At a sampling temperature: the inputs divided by it (through autograd) before the operator proper.
+        torch.library.opcheck(ops.linear_logsumexp.default, (x, w), {"bias": b, "softcap": 15.0, "temperature": 0.7})
+        torch.library.opcheck(ops.token_logprobs.default, (xi, wi, t), {"bias": bi, "temperature": 1.5})
         for entropy in (False, True):
             torch.library.opcheck(ops.token_logprobs.default, (x, w, t), {"bias": b, "entropy": entropy})
+            torch.library.opcheck(ops.token_logprobs.default, (x, w, t),
+                                  {"bias": b, "entropy": entropy, "temperature": 0.7})
         for reduction in ("mean", "sum", "none"):
             for recompute in (False, True):
                 kwargs = {"bias": b, "reduction": reduction, "label_smoothing": 0.1, "z_loss": 1e-3,
-                          "softcap": 20.0, "recompute_logits": recompute}
+                          "softcap": 20.0, "recompute_logits": recompute, "temperature": 0.5 if recompute else 1.0}
                 torch.library.opcheck(ops.linear_cross_entropy.default, (x, w, t), kwargs)
                 # Inference mode skips autograd: the operator's own kernels (real and Meta) answer.
                 with torch.inference_mode():
                     torch.library.opcheck(ops.linear_cross_entropy.default, (xi, wi, t), {**kwargs, "bias": bi},
                                           test_utils=("test_schema", "test_faketensor"))
                 checked += 1
-print(f"opcheck: {checked} linear_cross_entropy cases and both inference operators passed")
+print(f"opcheck: {checked} linear_cross_entropy cases and both inference operators passed, at temperatures too")
 
 
 def head(x, w, t, b):
     loss = ops.linear_cross_entropy(x * 0.5, w, t, bias=b, label_smoothing=0.1, z_loss=1e-4)
-    logprobs, entropy = ops.token_logprobs(x, w, t, bias=b, entropy=True)
+    logprobs, entropy = ops.token_logprobs(x, w, t, bias=b, entropy=True, temperature=0.8)
     lse = ops.linear_logsumexp(x * 2, w, bias=b)
     return loss * 2 - 0.1 * logprobs.mean() + 0.01 * entropy.mean() + 1e-3 * lse.mean(), logprobs
 

@@ -4,6 +4,8 @@
 // (_linear_cross_entropy_forward and _linear_cross_entropy_backward for the loss, _head_statistics_backward for
 // linear_logsumexp and token_logprobs), so that a compiled graph holds those instead of the library's internals
 // (gradients formed without the N×V logits either way).
+#include <cmath>
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -11,6 +13,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "trellis/error.h"
 #include "trellis/linear_cross_entropy.h"
 #include "trellis/linear_cross_entropy_parallel.h"
 
@@ -39,6 +42,31 @@ trellis::LossOptions loss_options(c10::string_view reduction, double label_smoot
   return l;
 }
 
+void check_temperature(const char* op, double temperature) {
+  if (!(std::isfinite(temperature) && temperature > 0))
+    throw trellis::Error(c10::str("trellis.", op, ": temperature must be a positive finite number, got ", temperature));
+}
+
+// The inputs at a sampling temperature τ, whose logits are softcap(x·Wᵀ + b) / τ. Dividing x, the bias and the soft-cap
+// by τ gives exactly those logits ((c/τ)·tanh((z/τ)/(c/τ)) = c·tanh(z/c)/τ), so the library's kernels run unchanged and
+// autograd carries the gradients through the divisions; τ = 1 passes the inputs through as they are. x/τ holds x's
+// type, so bfloat16 and float16 inputs are rounded once more (a relative 2⁻⁹ and 2⁻¹² at most; none for τ a power of
+// two).
+struct Tempered {
+  at::Tensor x;
+  std::optional<at::Tensor> bias;
+  std::optional<double> softcap;
+};
+Tempered temper(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                std::optional<double> softcap, double temperature) {
+  check_temperature(op, temperature);
+  if (temperature == 1) return {x, bias, softcap};
+  Tempered t{x.div(temperature), bias, softcap};
+  if (bias && bias->defined()) t.bias = bias->div(temperature);
+  if (softcap) t.softcap = *softcap / temperature;
+  return t;
+}
+
 // A schema cannot return an undefined tensor: "none" is an empty one.
 at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options()); }
 at::Tensor or_none(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : none(like); }
@@ -46,15 +74,18 @@ at::Tensor or_none(const at::Tensor& t, const at::Tensor& like) { return t.defin
 // ---- the kernels: the library's functions (CPU and CUDA) ----
 
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            std::optional<double> softcap, int64_t chunk_bytes) {
-  return trellis::linear_logsumexp(x, weight, head_options(bias, softcap, -100, chunk_bytes));
+                            std::optional<double> softcap, int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("linear_logsumexp", x, bias, softcap, temperature);
+  return trellis::linear_logsumexp(t.x, weight, head_options(t.bias, t.softcap, -100, chunk_bytes));
 }
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x, const at::Tensor& weight,
                                                   const at::Tensor& targets, const std::optional<at::Tensor>& bias,
                                                   std::optional<double> softcap, int64_t ignore_index, bool entropy,
-                                                  int64_t chunk_bytes) {
-  auto r = trellis::token_logprobs(x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes), entropy);
+                                                  int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("token_logprobs", x, bias, softcap, temperature);
+  auto r =
+      trellis::token_logprobs(t.x, weight, targets, head_options(t.bias, t.softcap, ignore_index, chunk_bytes), entropy);
   return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
 }
 
@@ -106,8 +137,9 @@ trellis::VocabularySlice vocabulary_slice(c10::string_view group_name) {
 
 at::Tensor vp_linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
                                const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                               int64_t chunk_bytes) {
-  return trellis::linear_logsumexp(x, weight, head_options(bias, softcap, -100, chunk_bytes),
+                               int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("vocab_parallel_linear_logsumexp", x, bias, softcap, temperature);
+  return trellis::linear_logsumexp(t.x, weight, head_options(t.bias, t.softcap, -100, chunk_bytes),
                                    vocabulary_slice(group_name));
 }
 
@@ -115,9 +147,10 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const 
                                                      const at::Tensor& targets, c10::string_view group_name,
                                                      const std::optional<at::Tensor>& bias,
                                                      std::optional<double> softcap, int64_t ignore_index, bool entropy,
-                                                     int64_t chunk_bytes) {
-  auto r = trellis::token_logprobs(x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes), entropy,
-                                   vocabulary_slice(group_name));
+                                                     int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("vocab_parallel_token_logprobs", x, bias, softcap, temperature);
+  auto r = trellis::token_logprobs(t.x, weight, targets, head_options(t.bias, t.softcap, ignore_index, chunk_bytes),
+                                   entropy, vocabulary_slice(group_name));
   return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
 }
 
@@ -152,9 +185,10 @@ at::Tensor vp_linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& w
                                         c10::string_view group_name, const std::optional<at::Tensor>& bias,
                                         int64_t ignore_index, c10::string_view reduction, double label_smoothing,
                                         std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                                        bool recompute_logits) {
-  return std::get<0>(vp_linear_cross_entropy_forward(x, weight, targets, group_name, bias, ignore_index, reduction,
-                                                     label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits,
+                                        bool recompute_logits, double temperature) {
+  const Tempered t = temper("vocab_parallel_linear_cross_entropy", x, bias, softcap, temperature);
+  return std::get<0>(vp_linear_cross_entropy_forward(t.x, weight, targets, group_name, t.bias, ignore_index, reduction,
+                                                     label_smoothing, t.softcap, z_loss, chunk_bytes, recompute_logits,
                                                      {false, false, false}));
 }
 
@@ -162,9 +196,11 @@ at::Tensor vp_linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& w
 at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                      c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
-                                     double z_loss, int64_t chunk_bytes, bool recompute_logits) {
-  return std::get<0>(linear_cross_entropy_forward(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
-                                                  softcap, z_loss, chunk_bytes, recompute_logits, {false, false, false}));
+                                     double z_loss, int64_t chunk_bytes, bool recompute_logits, double temperature) {
+  const Tempered t = temper("linear_cross_entropy", x, bias, softcap, temperature);
+  return std::get<0>(linear_cross_entropy_forward(t.x, weight, targets, t.bias, ignore_index, reduction, label_smoothing,
+                                                  t.softcap, z_loss, chunk_bytes, recompute_logits,
+                                                  {false, false, false}));
 }
 
 // ---- Meta kernels: the same results' shapes and types, with symbolic sizes ----
@@ -179,13 +215,15 @@ at::Tensor shaped_meta(bool wanted, c10::SymIntArrayRef shape, const at::Tensor&
 }
 
 at::Tensor linear_logsumexp_meta(const at::Tensor& x, const at::Tensor&, const std::optional<at::Tensor>&,
-                                 std::optional<double>, int64_t) {
+                                 std::optional<double>, int64_t, double temperature) {
+  check_temperature("linear_logsumexp", temperature);
   return rows_meta(x);
 }
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                                        const std::optional<at::Tensor>&, std::optional<double>, int64_t,
-                                                       bool entropy, int64_t) {
+                                                       bool entropy, int64_t, double temperature) {
+  check_temperature("token_logprobs", temperature);
   return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
 }
 
@@ -219,13 +257,17 @@ Tensors3 head_statistics_backward_meta(const at::Tensor& x, const at::Tensor& we
 }
 
 at::Tensor vp_linear_logsumexp_meta(const at::Tensor& x, const at::Tensor&, c10::string_view,
-                                    const std::optional<at::Tensor>&, std::optional<double>, int64_t) {
+                                    const std::optional<at::Tensor>&, std::optional<double>, int64_t,
+                                    double temperature) {
+  check_temperature("vocab_parallel_linear_logsumexp", temperature);
   return rows_meta(x);
 }
 
 std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                                           c10::string_view, const std::optional<at::Tensor>&,
-                                                          std::optional<double>, int64_t, bool entropy, int64_t) {
+                                                          std::optional<double>, int64_t, bool entropy, int64_t,
+                                                          double temperature) {
+  check_temperature("vocab_parallel_token_logprobs", temperature);
   return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
 }
 
@@ -252,14 +294,16 @@ Tensors3 vp_linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tens
 at::Tensor vp_linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                              c10::string_view, const std::optional<at::Tensor>&, int64_t,
                                              c10::string_view reduction, double, std::optional<double>, double, int64_t,
-                                             bool) {
+                                             bool, double temperature) {
+  check_temperature("vocab_parallel_linear_cross_entropy", temperature);
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
 }
 
 at::Tensor linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                           const std::optional<at::Tensor>&, int64_t, c10::string_view reduction, double,
-                                          std::optional<double>, double, int64_t, bool) {
+                                          std::optional<double>, double, int64_t, bool, double temperature) {
+  check_temperature("linear_cross_entropy", temperature);
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
 }
@@ -356,7 +400,7 @@ struct LinearLogsumexp : torch::autograd::Function<LinearLogsumexp> {
     static const auto op = find<decltype(linear_logsumexp)>("trellis::linear_logsumexp");
     at::AutoDispatchBelowADInplaceOrView below;
     save_head(ctx, x, weight, at::Tensor(), bias, softcap, -100, chunk_bytes);
-    return op.call(x, weight, bias, softcap, chunk_bytes);
+    return op.call(x, weight, bias, softcap, chunk_bytes, 1.0);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad) {
@@ -374,7 +418,7 @@ struct TokenLogprobs : torch::autograd::Function<TokenLogprobs> {
     at::AutoDispatchBelowADInplaceOrView below;
     save_head(ctx, x, weight, targets, bias, softcap, ignore_index, chunk_bytes);
     ctx->saved_data["entropy"] = entropy;
-    auto [logprobs, row_entropy] = op.call(x, weight, targets, bias, softcap, ignore_index, entropy, chunk_bytes);
+    auto [logprobs, row_entropy] = op.call(x, weight, targets, bias, softcap, ignore_index, entropy, chunk_bytes, 1.0);
     if (!entropy) ctx->mark_non_differentiable({row_entropy});  // the empty stand-in for none
     return {logprobs, row_entropy};
   }
@@ -446,13 +490,14 @@ at::Tensor vp_linear_cross_entropy_autograd(const at::Tensor& x, const at::Tenso
                                             c10::string_view group_name, const std::optional<at::Tensor>& bias,
                                             int64_t ignore_index, c10::string_view reduction, double label_smoothing,
                                             std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                                            bool recompute_logits) {
+                                            bool recompute_logits, double temperature) {
+  const Tempered t = temper("vocab_parallel_linear_cross_entropy", x, bias, softcap, temperature);
   // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
   const bool grad = c10::GradMode::is_enabled();
-  const Mask want = {grad && x.requires_grad(), grad && weight.requires_grad(),
-                     grad && bias && bias->defined() && bias->requires_grad()};
-  return VocabParallelCrossEntropy::apply(x, weight, targets, group_name, bias, ignore_index, reduction,
-                                          label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits, want);
+  const Mask want = {grad && t.x.requires_grad(), grad && weight.requires_grad(),
+                     grad && t.bias && t.bias->defined() && t.bias->requires_grad()};
+  return VocabParallelCrossEntropy::apply(t.x, weight, targets, group_name, t.bias, ignore_index, reduction,
+                                          label_smoothing, t.softcap, z_loss, chunk_bytes, recompute_logits, want);
 }
 
 // The vocabulary-parallel log-probabilities and log-sum-exps have no backward yet: an input that asks for a gradient
@@ -468,33 +513,36 @@ void refuse_gradients(const char* op, std::initializer_list<const at::Tensor*> i
 
 at::Tensor vp_linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
                                         const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                                        int64_t chunk_bytes) {
+                                        int64_t chunk_bytes, double temperature) {
   refuse_gradients("vocab_parallel_linear_logsumexp", {&x, &weight, bias ? &*bias : nullptr});
   at::AutoDispatchBelowADInplaceOrView below;
-  return vp_linear_logsumexp(x, weight, group_name, bias, softcap, chunk_bytes);
+  return vp_linear_logsumexp(x, weight, group_name, bias, softcap, chunk_bytes, temperature);
 }
 
 std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_autograd(const at::Tensor& x, const at::Tensor& weight,
                                                               const at::Tensor& targets, c10::string_view group_name,
                                                               const std::optional<at::Tensor>& bias,
                                                               std::optional<double> softcap, int64_t ignore_index,
-                                                              bool entropy, int64_t chunk_bytes) {
+                                                              bool entropy, int64_t chunk_bytes, double temperature) {
   refuse_gradients("vocab_parallel_token_logprobs", {&x, &weight, bias ? &*bias : nullptr});
   at::AutoDispatchBelowADInplaceOrView below;
-  return vp_token_logprobs(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes);
+  return vp_token_logprobs(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes,
+                           temperature);
 }
 
 at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                     std::optional<double> softcap, int64_t chunk_bytes) {
-  return LinearLogsumexp::apply(x, weight, bias, softcap, chunk_bytes);
+                                     std::optional<double> softcap, int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("linear_logsumexp", x, bias, softcap, temperature);
+  return LinearLogsumexp::apply(t.x, weight, t.bias, t.softcap, chunk_bytes);
 }
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs_autograd(const at::Tensor& x, const at::Tensor& weight,
                                                            const at::Tensor& targets,
                                                            const std::optional<at::Tensor>& bias,
                                                            std::optional<double> softcap, int64_t ignore_index,
-                                                           bool entropy, int64_t chunk_bytes) {
-  auto out = TokenLogprobs::apply(x, weight, targets, bias, softcap, ignore_index, entropy, chunk_bytes);
+                                                           bool entropy, int64_t chunk_bytes, double temperature) {
+  const Tempered t = temper("token_logprobs", x, bias, softcap, temperature);
+  auto out = TokenLogprobs::apply(t.x, weight, targets, t.bias, t.softcap, ignore_index, entropy, chunk_bytes);
   return {out[0], out[1]};
 }
 
@@ -502,24 +550,27 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& 
                                          const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                          c10::string_view reduction, double label_smoothing,
                                          std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                                         bool recompute_logits) {
+                                         bool recompute_logits, double temperature) {
+  const Tempered t = temper("linear_cross_entropy", x, bias, softcap, temperature);
   // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
   const bool grad = c10::GradMode::is_enabled();
-  const Mask want = {grad && x.requires_grad(), grad && weight.requires_grad(),
-                     grad && bias && bias->defined() && bias->requires_grad()};
-  return LinearCrossEntropy::apply(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
-                                   chunk_bytes, recompute_logits, want);
+  const Mask want = {grad && t.x.requires_grad(), grad && weight.requires_grad(),
+                     grad && t.bias && t.bias->defined() && t.bias->requires_grad()};
+  return LinearCrossEntropy::apply(t.x, weight, targets, t.bias, ignore_index, reduction, label_smoothing, t.softcap,
+                                   z_loss, chunk_bytes, recompute_logits, want);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(trellis, m) {
-  m.def("linear_logsumexp(Tensor x, Tensor weight, Tensor? bias=None, float? softcap=None, int chunk_bytes=0) -> Tensor");
+  // temperature τ > 0: every result is that of the logits softcap(x·Wᵀ + b) / τ (the sampling temperature).
+  m.def("linear_logsumexp(Tensor x, Tensor weight, Tensor? bias=None, float? softcap=None, int chunk_bytes=0, "
+        "float temperature=1.0) -> Tensor");
   m.def("token_logprobs(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, float? softcap=None, "
-        "int ignore_index=-100, bool entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)");
+        "int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) -> (Tensor, Tensor)");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
         "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
-        "bool recompute_logits=False) -> Tensor");
+        "bool recompute_logits=False, float temperature=1.0) -> Tensor");
   // linear_cross_entropy's halves. The forward returns (loss, lse, dx, dweight, dbias): the gradients when it forms
   // them (a mean or sum reduction with gradients wanted), else lse for the backward; empty tensors stand for none.
   m.def("_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, Tensor? bias, int ignore_index, "
@@ -533,12 +584,14 @@ TORCH_LIBRARY(trellis, m) {
   // Vocabulary parallelism: weight and bias are this rank's contiguous slice of the vocabulary (ranks in order),
   // targets are ids of the whole vocabulary, group_name names the process group (torch.distributed's group_name).
   m.def("vocab_parallel_linear_logsumexp(Tensor x, Tensor weight, str group_name, Tensor? bias=None, "
-        "float? softcap=None, int chunk_bytes=0) -> Tensor");
+        "float? softcap=None, int chunk_bytes=0, float temperature=1.0) -> Tensor");
   m.def("vocab_parallel_token_logprobs(Tensor x, Tensor weight, Tensor targets, str group_name, Tensor? bias=None, "
-        "float? softcap=None, int ignore_index=-100, bool entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)");
+        "float? softcap=None, int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) "
+        "-> (Tensor, Tensor)");
   m.def("vocab_parallel_linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, str group_name, "
         "Tensor? bias=None, int ignore_index=-100, str reduction='mean', float label_smoothing=0.0, "
-        "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False) -> Tensor");
+        "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False, "
+        "float temperature=1.0) -> Tensor");
   // Returns (loss, lse, dx, dweight, dbias) as _linear_cross_entropy_forward does (the gradients formed with a reduced
   // loss, unless recompute_logits, which keeps lse for the backward).
   m.def("_vocab_parallel_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, str group_name, "

@@ -43,7 +43,7 @@ def max_matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: Optional[float] = None, z_loss: float = 0.0, chunk_bytes: int = 0,
-                         recompute_logits: bool = False) -> Tensor:
+                         recompute_logits: bool = False, temperature: float = 1.0) -> Tensor:
     """Cross-entropy of the logits ``x @ weight.T + bias`` against ``targets``, without materialising the logits.
 
     Equal to ``F.cross_entropy(x @ weight.T + bias, targets, ignore_index=..., reduction=...,
@@ -63,31 +63,37 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, bias: Optio
         chunk_bytes: Size of one slab of float32 logits; 0 for the default.
         recompute_logits: Form the logits a second time in the backward instead of keeping a slab (O(N) extra
             memory, more time).
+        temperature: Sampling temperature ``τ > 0``: the loss is that of the logits divided by ``τ`` (after the
+            soft-cap); gradients flow through the division.
 
     Returns:
         The loss: a scalar, or size ``(*)`` for ``reduction='none'``; differentiable with respect to ``x``,
         ``weight`` and ``bias``.
     """
     return torch.ops.trellis.linear_cross_entropy(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
-                                                  softcap, z_loss, chunk_bytes, recompute_logits)
+                                                  softcap, z_loss, chunk_bytes, recompute_logits, temperature)
 
 
 @overload
 def token_logprobs(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = ..., *,
                    softcap: Optional[float] = ..., ignore_index: int = ..., entropy: Literal[False] = ...,
-                   chunk_bytes: int = ...) -> Tensor: ...
+                   chunk_bytes: int = ..., temperature: float = ...) -> Tensor: ...
 
 
 @overload
 def token_logprobs(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = ..., *,
                    softcap: Optional[float] = ..., ignore_index: int = ..., entropy: Literal[True],
-                   chunk_bytes: int = ...) -> Tuple[Tensor, Tensor]: ...
+                   chunk_bytes: int = ..., temperature: float = ...) -> Tuple[Tensor, Tensor]: ...
 
 
 def token_logprobs(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = None, *,
                    softcap: Optional[float] = None, ignore_index: int = -100, entropy: bool = False,
-                   chunk_bytes: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Log-probability of each target token under ``softmax(x @ weight.T + bias)``, without materialising the logits.
+                   chunk_bytes: int = 0, temperature: float = 1.0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Log-probability of each target token under ``softmax((x @ weight.T + bias) / temperature)``, without
+    materialising the logits.
+
+    With ``temperature``, the log-probabilities (and entropies) are those of the distribution a sampler draws from at
+    that temperature, as RL frameworks need them.
 
     Args:
         x: Hidden states of size ``(*, D)``.
@@ -98,19 +104,20 @@ def token_logprobs(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Te
         ignore_index: Target value of rows to ignore.
         entropy: Also return the entropy of each row's distribution.
         chunk_bytes: Size of one slab of float32 logits; 0 for the default.
+        temperature: Sampling temperature ``τ > 0``: the logits are divided by ``τ`` (after the soft-cap).
 
     Returns:
         Log-probabilities of size ``(*)`` (float32, float64 for float64 inputs), and with ``entropy=True`` the
         entropies of the same size, as a tuple. Both are differentiable with respect to ``x``, ``weight`` and ``bias``.
     """
     logprobs, row_entropy = torch.ops.trellis.token_logprobs(x, weight, targets, bias, softcap, ignore_index, entropy,
-                                                             chunk_bytes)
+                                                             chunk_bytes, temperature)
     return (logprobs, row_entropy) if entropy else logprobs
 
 
 def linear_logsumexp(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, softcap: Optional[float] = None,
-                     chunk_bytes: int = 0) -> Tensor:
-    """``logsumexp(x @ weight.T + bias, dim=-1)`` without materialising the logits.
+                     chunk_bytes: int = 0, temperature: float = 1.0) -> Tensor:
+    """``logsumexp((x @ weight.T + bias) / temperature, dim=-1)`` without materialising the logits.
 
     Args:
         x: Hidden states of size ``(*, D)``.
@@ -118,9 +125,10 @@ def linear_logsumexp(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *
         bias: Optional bias of size ``(V,)``.
         softcap: When given, logits are ``softcap * tanh(logits / softcap)``.
         chunk_bytes: Size of one slab of float32 logits; 0 for the default.
+        temperature: Sampling temperature ``τ > 0``: the logits are divided by ``τ`` (after the soft-cap).
 
     Returns:
         Tensor of size ``(*)`` (float32, float64 for float64 inputs), differentiable with respect to ``x``, ``weight``
         and ``bias``.
     """
-    return torch.ops.trellis.linear_logsumexp(x, weight, bias, softcap, chunk_bytes)
+    return torch.ops.trellis.linear_logsumexp(x, weight, bias, softcap, chunk_bytes, temperature)

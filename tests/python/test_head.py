@@ -69,3 +69,46 @@ def test_linear_logsumexp(device):
     torch.testing.assert_close(got, expected)
     for g, e in zip(torch.autograd.grad(got.sum(), [x, w, b]), torch.autograd.grad(expected.sum(), [x, w, b])):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.8])
+def test_temperature(device, temperature):
+    """Every function's results are those of the logits divided by the temperature (after the soft-cap), and so are
+    the gradients for x, weight and bias."""
+    x, w, b, targets = head(device, True)
+    z = logits(x, w, b, softcap=4.0) / temperature
+    valid = targets != -1
+    log_p = z.log_softmax(1)
+    expected = {
+        "loss": F.cross_entropy(z, targets, ignore_index=-1, reduction="none", label_smoothing=0.1),
+        "logprobs": torch.where(valid, log_p.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0),
+        "entropy": -(log_p.exp() * log_p).sum(1),
+        "lse": torch.logsumexp(z, 1),
+    }
+    logprobs, entropy = trellis.token_logprobs(x, w, targets, b, softcap=4.0, ignore_index=-1, entropy=True,
+                                               temperature=temperature)
+    got = {
+        "loss": trellis.linear_cross_entropy(x, w, targets, b, ignore_index=-1, reduction="none", label_smoothing=0.1,
+                                             softcap=4.0, temperature=temperature),
+        "logprobs": logprobs,
+        "entropy": entropy,
+        "lse": trellis.linear_logsumexp(x, w, b, softcap=4.0, temperature=temperature),
+    }
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10, msg=name)
+        for g, e in zip(torch.autograd.grad(got[name].sum(), [x, w, b], retain_graph=True),
+                        torch.autograd.grad(expected[name].sum(), [x, w, b], retain_graph=True)):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10, msg=f"gradient of {name}")
+
+
+def test_temperature_one_is_the_default(device):
+    x, w, b, targets = head(device, True)
+    assert torch.equal(trellis.token_logprobs(x, w, targets, b, ignore_index=-1, temperature=1.0),
+                       trellis.token_logprobs(x, w, targets, b, ignore_index=-1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("nan"), float("inf")])
+def test_temperature_must_be_positive_and_finite(temperature):
+    x, w, b, targets = head("cpu", False)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy: temperature must be a positive finite number"):
+        trellis.linear_cross_entropy(x, w, targets, temperature=temperature)
