@@ -124,19 +124,29 @@ class _Batches:
     """Sequences concatenated in X as padded batches on the device, and the way back to X's rows.
 
     Sequences are sorted by length (longest first) and cut into batches of at most ``batch_tokens`` padded positions,
-    so that sequences of similar length share a batch.
+    so that sequences of similar length share a batch. With ``min_fill`` > 0 a batch of at least ``min_sequences``
+    also ends before a sequence shorter than ``min_fill`` times its longest: the CPU computes padding it need not,
+    while a GPU runs one large batch in about the time of a small one.
     """
 
-    def __init__(self, observations: Tensor, lengths: np.ndarray, batch_tokens: int) -> None:
+    def __init__(self, observations: Tensor, lengths: np.ndarray, batch_tokens: int, min_fill: float = 0.0,
+                 min_sequences: int = 1) -> None:
         device = observations.device
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         order = np.argsort(-lengths, kind="stable")
+        sorted_lengths = lengths[order]
         self.batches: List[Tuple[Tensor, Tensor, Tensor, Tensor]] = []  # observations, lengths, mask, rows
         first = 0
         while first < len(order):
-            longest = int(lengths[order[first]])
-            chosen = order[first:first + max(1, batch_tokens // longest)]
-            first += len(chosen)
+            longest = int(sorted_lengths[first])
+            end = min(len(order), first + max(1, batch_tokens // longest))
+            if min_fill > 0:
+                # The first sequence (from min_sequences on) shorter than min_fill * longest starts the next batch.
+                short = first + min_sequences + int(np.searchsorted(-sorted_lengths[first + min_sequences:end],
+                                                                     -min_fill * longest, side="right"))
+                end = min(end, max(short, first + 1))
+            chosen = order[first:end]
+            first = end
             batch_lengths = torch.as_tensor(lengths[chosen], device=device)
             steps = torch.arange(longest, device=device)
             mask = steps[None, :] < batch_lengths[:, None]
@@ -226,7 +236,9 @@ class _BaseHMM:
 
     def _batches(self, X: np.ndarray, lengths: Optional[ArrayLike]) -> _Batches:
         lengths = self._check_lengths(X, lengths)
-        return _Batches(self._observations_tensor(X), lengths, self._batch_tokens())
+        on_cpu = self._torch_device().type == "cpu"
+        return _Batches(self._observations_tensor(X), lengths, self._batch_tokens(), min_fill=0.75 if on_cpu else 0.0,
+                        min_sequences=4 * torch.get_num_threads())
 
     @staticmethod
     def _check_lengths(X: np.ndarray, lengths: Optional[ArrayLike]) -> np.ndarray:
