@@ -134,7 +134,7 @@ def main():
     meta = {
         "benchmark": "hmm_estimator", "states": args.states, "tokens": args.tokens, "symbols": args.symbols,
         "features": args.features, "quick": args.quick, "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": platform.processor(),
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu_name(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "hmmlearn": hmmlearn_version, "commit": args.commit or git_commit(),
     }
@@ -205,6 +205,14 @@ def print_table(meta, rows):
         print(f"{r['kind']:<12}{r['implementation']:<10}{r['device']:<7}{r['dtype']:<8}{r['score_s']:>9.3f}"
               f"{r['predict_s']:>10.3f}{r['total_s']:>9.3f}{r['tokens_per_s'] / 1e6:>8.2f}{speedup:>12}{diff:>12}"
               f"{equal:>11}" + (f"   (measured on {r['measured_tokens']} tokens, scaled)" if r["scaled"] else ""))
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
 
 
 def git_commit():

@@ -354,6 +354,15 @@ class _BaseHMM:
         """The state posteriors of each sample, ``(n_samples, n_components)`` (see :meth:`score_samples`)."""
         return self.score_samples(X, lengths)[1]
 
+    def get_stationary_distribution(self) -> np.ndarray:
+        """The stationary distribution of the states: the left eigenvector of ``transmat_`` of eigenvalue 1."""
+        if not hasattr(self, "transmat_"):
+            raise NotFittedError(f"This {type(self).__name__} instance is not fitted yet. Call 'fit' with "
+                                 f"appropriate arguments before using this estimator.")
+        eigvals, eigvecs = np.linalg.eig(np.asarray(self.transmat_).T)
+        eigvec = np.real_if_close(eigvecs[:, np.argmax(eigvals)])
+        return eigvec / eigvec.sum()
+
     # ---- information criteria ----
 
     def aic(self, X: ArrayLike, lengths: Optional[ArrayLike] = None) -> float:
@@ -501,6 +510,8 @@ class _BaseHMM:
 
     def _check(self) -> None:
         """Validate the parameters (hmmlearn's checks and messages)."""
+        if self.implementation not in ("log", "scaling"):
+            raise ValueError(f"implementation must be 'log' or 'scaling', got {self.implementation!r}")
         self.startprob_ = np.asarray(self.startprob_)
         if len(self.startprob_) != self.n_components:
             raise ValueError("startprob_ must have length n_components")

@@ -233,6 +233,12 @@ def test_sample_statistics(parameters):
         np.testing.assert_allclose(X[Z == k].var(0), g._covars_[k], rtol=0.15)
 
 
+def test_stationary_distribution(parameters):
+    reference, model, _ = pair("categorical", parameters)
+    np.testing.assert_allclose(model.get_stationary_distribution(), reference.get_stationary_distribution(),
+                               rtol=1e-10)
+
+
 def test_covars_shapes(parameters):
     reference, model, X = pair("gaussian", parameters)
     reference.score(X)  # hmmlearn's covars_ needs n_features, set there
