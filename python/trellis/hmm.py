@@ -803,14 +803,16 @@ class GaussianHMM(_BaseHMM):
         return {"means": as_tensor(self.means_), "variances": as_tensor(self._covars_)}
 
     def _emission_scores(self, observations: Tensor, model: Dict[str, Tensor]) -> Tensor:
-        # log N(x; μ, diag σ²) per state, as hmmlearn's (variances floored at the smallest positive double), with
-        # Σ(x−μ)²/σ² expanded into products with the data so that no [B,T,K,F] tensor is formed.
+        # log N(x; μ, diag σ²) per state, as hmmlearn's (variances floored at the smallest positive double). Σ(x−μ)²/σ²
+        # is summed a feature at a time: no [B,T,K,F] tensor, and no x² − 2xμ + μ² expansion, whose cancellation
+        # loses the digits of data far from 0 in float32.
         means, variances = model["means"], model["variances"].clamp_min(np.finfo(float).tiny)
         precisions = variances.reciprocal()
-        constant = (means.shape[1] * math.log(2 * math.pi) + variances.log().sum(-1)
-                    + (means * means * precisions).sum(-1))
-        quadratic = (observations * observations) @ precisions.t() - 2 * observations @ (means * precisions).t()
-        return -0.5 * (constant + quadratic)
+        quadratic = torch.zeros(observations.shape[:-1] + (means.shape[0],), dtype=observations.dtype,
+                                device=observations.device)
+        for f in range(means.shape[1]):
+            quadratic += (observations[..., f, None] - means[:, f]).square_() * precisions[:, f]
+        return -0.5 * (quadratic + (means.shape[1] * math.log(2 * math.pi) + variances.log().sum(-1)))
 
     def _initial_emission_statistics(self, device: torch.device) -> Dict[str, Tensor]:
         K, F = self.n_components, self.n_features
@@ -820,9 +822,12 @@ class GaussianHMM(_BaseHMM):
 
     def _accumulate_emission_statistics(self, total: Dict[str, Tensor], observations: Tensor,
                                         posteriors: Tensor) -> None:
-        total["post"] += posteriors.sum(0).to(torch.float64)
-        total["obs"] += (posteriors.t() @ observations).to(torch.float64)
-        total["obs**2"] += (posteriors.t() @ (observations * observations)).to(torch.float64)
+        # In float64 whatever the computation's type: the M-step subtracts 2μΣγx from Σγx², which cancel to the
+        # variance's size for data far from 0.
+        posteriors, observations = posteriors.to(torch.float64), observations.to(torch.float64)
+        total["post"] += posteriors.sum(0)
+        total["obs"] += posteriors.t() @ observations
+        total["obs**2"] += posteriors.t() @ (observations * observations)
 
     def _do_mstep(self, stats: Dict[str, np.ndarray]) -> None:
         super()._do_mstep(stats)
@@ -859,7 +864,7 @@ def _kmeans(X: Tensor, k: int, random_state: np.random.RandomState, max_iter: in
                                                                  device=X.device))), n - 1)
         centres = torch.cat([centres, X[[pick]]])
         distances = torch.minimum(distances, ((X - X[pick]) ** 2).sum(1))
-    threshold = tol * float(X.var(0, unbiased=False).mean())
+    threshold = tol * float(X.var(0, correction=0).mean())
     squared_norms = (X * X).sum(1, keepdim=True)
     for _ in range(max_iter):
         nearest = (squared_norms - 2 * X @ centres.t() + (centres * centres).sum(1)).argmin(1)

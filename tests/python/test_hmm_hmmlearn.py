@@ -44,7 +44,7 @@ def categorical(module, p, **kwargs):
 
 
 def gaussian(module, p, **kwargs):
-    model = module.GaussianHMM(n_components=K, init_params="", **kwargs)
+    model = module.GaussianHMM(n_components=len(p["startprob_"]), init_params="", **kwargs)
     model.startprob_, model.transmat_, model.means_ = (p[k].copy() for k in ("startprob_", "transmat_", "means_"))
     model.covars_ = p["covars_"].copy()
     return model
@@ -352,6 +352,19 @@ def test_not_fitted(parameters):
         trellis_hmm.CategoricalHMM(K).score(parameters["symbols"])
     with pytest.raises(ValueError):  # as scikit-learn's, a ValueError and an AttributeError
         trellis_hmm.GaussianHMM(K).predict(parameters["features"])
+
+
+def test_float32_data_far_from_zero(device):
+    # Features near 1000 with variances near 0.3: float32 scores and float64 statistics keep hmmlearn's EM.
+    rs = np.random.RandomState(5)
+    p = {"startprob_": np.full(3, 1 / 3), "transmat_": rs.dirichlet(np.ones(3), size=3),
+         "means_": 1000 + rs.randn(3, 2), "covars_": np.full((3, 2), 0.3)}
+    X = 1000 + rs.randn(300, 2) * 0.5
+    reference = gaussian(hmmlearn_hmm, p, n_iter=3, tol=0).fit(X)
+    model = gaussian(trellis_hmm, p, n_iter=3, tol=0, device=device, dtype=torch.float32).fit(X)
+    np.testing.assert_allclose(model.means_, reference.means_, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(model._covars_, reference._covars_, rtol=1e-3)
+    np.testing.assert_allclose(list(model.monitor_.history), list(reference.monitor_.history), rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
