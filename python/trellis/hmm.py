@@ -22,9 +22,9 @@ around the current means (hmmlearn 0.3.3 leaves the posterior weights out of tha
 :func:`load` and :func:`save` read and write the HDF5 model files of the ``trellis hmm`` command line
 (docs/hmm-format.md) through the library's own reader and writer.
 """
+import inspect
 import logging
 import math
-import string
 import sys
 from collections import deque
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -161,8 +161,6 @@ class _Batches:
 class _BaseHMM:
     """What the categorical and Gaussian estimators share: hmmlearn's ``BaseHMM`` on Trellis' operators."""
 
-    _emission_codes = ""  # the letters of `params` that name emission parameters
-
     def __init__(self, n_components: int, startprob_prior: Union[float, np.ndarray],
                  transmat_prior: Union[float, np.ndarray], algorithm: str, random_state: RandomStateLike,
                  n_iter: int, tol: float, verbose: bool, params: str, init_params: str, implementation: str,
@@ -187,7 +185,6 @@ class _BaseHMM:
 
     @classmethod
     def _param_names(cls) -> List[str]:
-        import inspect
         return [p.name for p in inspect.signature(cls.__init__).parameters.values()
                 if p.name != "self" and p.kind != p.VAR_KEYWORD]
 
@@ -206,7 +203,6 @@ class _BaseHMM:
         return self
 
     def __repr__(self) -> str:
-        import inspect
         defaults = {p.name: p.default for p in inspect.signature(type(self).__init__).parameters.values()}
         changed = [f"{k}={v!r}" for k, v in self.get_params().items()
                    if not (isinstance(v, (str, int, float, type(None))) and v == defaults.get(k))]
@@ -603,8 +599,6 @@ class CategoricalHMM(_BaseHMM):
     Observations ``X`` are ``(n_samples, 1)`` integer symbol ids in ``[0, n_features)``.
     """
 
-    _emission_codes = "e"
-
     def __init__(self, n_components: int = 1, startprob_prior: Union[float, np.ndarray] = 1.0,
                  transmat_prior: Union[float, np.ndarray] = 1.0, *,
                  emissionprob_prior: Union[float, np.ndarray] = 1.0, n_features: Optional[int] = None,
@@ -714,8 +708,6 @@ class GaussianHMM(_BaseHMM):
 
     Observations ``X`` are ``(n_samples, n_features)``.
     """
-
-    _emission_codes = "mc"
 
     def __init__(self, n_components: int = 1, covariance_type: str = "diag", min_covar: float = 1e-3,
                  startprob_prior: Union[float, np.ndarray] = 1.0, transmat_prior: Union[float, np.ndarray] = 1.0,
