@@ -7,12 +7,15 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
+#include <sstream>
 
 #include "cli_util.h"
 #include "crf_neural.h"
 #include "commands.h"
 #include "trellis/atomic_file.h"
 #include "trellis/chunk_eval.h"
+#include "trellis/distributed.h"
 #include "trellis/conll.h"
 #include "trellis/crf_train.h"
 #include "trellis/error.h"
@@ -102,52 +105,80 @@ int train(const std::vector<std::string>& args) {
 
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
   o.batch_size = static_cast<std::size_t>(batch_size);
-  check_writable_location(model_path);  // before training, not after
-  auto extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
-  const ConllCorpus train_corpus = read_conll(train_path);
-  const ColumnLayout layout =
-      ColumnLayout::resolve(train_corpus.num_columns, label_column,
-                            input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"),
-                            train_path);
-  const auto labelled = [&](const ConllCorpus& c) {
-    bool has_labels = false;
-    ConllCorpus projected = layout.project(c, &has_labels);
-    if (!has_labels) throw Error("'" + c.source + "' has no label column (the model's columns: " + layout.describe() + ")");
-    return split_labels(projected, -1);
-  };
-  const LabeledSentences tr = labelled(train_corpus);
-  std::optional<LabeledSentences> dv;
-  if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
-  std::cerr << "columns: " << layout.describe();
+  // Under torchrun every rank reads the data; one that cannot stops every rank with its message (docs/distributed.md).
+  const DistributedContext dist = DistributedContext::from_environment(o.device);
+  o.distributed = &dist;
+  std::unique_ptr<FeatureExtractor> extractor;
+  std::optional<ColumnLayout> resolved;
+  std::optional<LabeledSentences> training, dv;
+  dist.check_all(failure_of([&] {
+    if (dist.rank() == 0) check_writable_location(model_path);  // before training, not after
+    extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
+    const ConllCorpus train_corpus = read_conll(train_path);
+    resolved = ColumnLayout::resolve(
+        train_corpus.num_columns, label_column,
+        input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"), train_path);
+    const auto labelled = [&](const ConllCorpus& c) {
+      bool has_labels = false;
+      ConllCorpus projected = resolved->project(c, &has_labels);
+      if (!has_labels)
+        throw Error("'" + c.source + "' has no label column (the model's columns: " + resolved->describe() + ")");
+      return split_labels(projected, -1);
+    };
+    training = labelled(train_corpus);
+    if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
+  }));
+  const ColumnLayout& layout = *resolved;
+  const LabeledSentences& tr = *training;
+  if (dist.distributed()) {
+    std::ostringstream line;  // written at once: the ranks share the terminal
+    line << dist.describe() << " (" << dist.backend() << "): ";
+    if (o.algorithm == "lbfgs") {
+      const TrainingShare share = training_share(tr, &dist);
+      line << "sentences "
+           << (share.count ? std::to_string(share.first) + "-" + std::to_string(share.first + share.count - 1) : "none")
+           << " (" << share.count << " of " << tr.inputs.size() << "), " << share.tokens << " of " << tr.num_tokens()
+           << " tokens (" << fixed(100.0 * share.tokens / std::max<std::size_t>(tr.num_tokens(), 1), 1) << "%)\n";
+    } else {
+      line << "part " << dist.rank() + 1 << " of each minibatch of " << o.batch_size << " sentences (about 1/"
+           << dist.world_size() << " of " << tr.num_tokens() << " tokens)\n";
+    }
+    std::cerr << line.str();
+  }
+  std::ostream no_output(nullptr);
+  std::ostream& report = dist.rank() == 0 ? std::cerr : no_output;  // every rank holds the same numbers
+  report << "columns: " << layout.describe();
   if (!layout.ignored().empty() && input_columns.empty())
-    std::cerr << " (columns after the label are not inputs unless --input-columns names them)";
-  std::cerr << "\ntrain: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
-  if (dv) std::cerr << "; dev: " << dv->inputs.size() << " sentences, " << dv->num_tokens() << " tokens";
-  std::cerr << "\n";
+    report << " (columns after the label are not inputs unless --input-columns names them)";
+  report << "\ntrain: " << tr.inputs.size() << " sentences, " << tr.num_tokens() << " tokens";
+  if (dv) report << "; dev: " << dv->inputs.size() << " sentences, " << dv->num_tokens() << " tokens";
+  report << "\n";
   CrfTrainSummary sum;
   CrfTagger model = train_crf(
       tr, dv ? &*dv : nullptr, std::move(extractor), o,
-      [](const CrfIteration& it) {
-        std::cerr << "iter " << it.iteration << "  objective " << fixed(it.objective, 3) << "  |g| "
-                  << fixed(it.gradient_norm, 3);
-        if (it.dev_accuracy) std::cerr << "  dev acc " << fixed(*it.dev_accuracy, 2) << "%";
-        if (it.dev_f1) std::cerr << "  dev F1 " << fixed(*it.dev_f1, 2);
-        std::cerr << "  " << fixed(it.seconds, 2) << " s\n";
+      [&](const CrfIteration& it) {
+        report << "iter " << it.iteration << "  objective " << fixed(it.objective, 3) << "  |g| "
+               << fixed(it.gradient_norm, 3);
+        if (it.dev_accuracy) report << "  dev acc " << fixed(*it.dev_accuracy, 2) << "%";
+        if (it.dev_f1) report << "  dev F1 " << fixed(*it.dev_f1, 2);
+        report << "  " << fixed(it.seconds, 2) << " s\n";
       },
       &sum);
   model.set_layout(layout);
-  model.save(model_path);
-  std::cerr << "done: " << sum.iterations << " iterations"
-            << (sum.converged ? " (converged)" : " (did not converge: stopped at --max-iter " + std::to_string(o.max_iterations) + ")")
-            << ", "
-            << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
-            << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s (set-up "
-            << fixed(sum.setup_seconds, 2) << " s)";
+  dist.check_all(failure_of([&] {
+    if (dist.rank() == 0) model.save(model_path);
+  }));
+  report << "done: " << sum.iterations << " iterations"
+         << (sum.converged ? " (converged)" : " (did not converge: stopped at --max-iter " + std::to_string(o.max_iterations) + ")")
+         << ", "
+         << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
+         << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s (set-up "
+         << fixed(sum.setup_seconds, 2) << " s)";
   if (sum.best_dev_accuracy) {
-    std::cerr << "; best dev (iteration " << sum.best_iteration << "): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
-    if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);
+    report << "; best dev (iteration " << sum.best_iteration << "): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
+    if (sum.best_dev_f1) report << " F1 " << fixed(*sum.best_dev_f1, 2);
   }
-  std::cerr << "\nmodel written to " << model_path << "\n";
+  report << "\nmodel written to " << model_path << "\n";
   return 0;
 }
 

@@ -5,7 +5,8 @@
 # others fail at the timeout instead of hanging.
 # Usage: dist_hmm_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with torch and h5py) DATA_DIR (data/ud-en-ewt-sample)
 set -uo pipefail
-source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cli_harness.sh" || exit 1
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/cli_harness.sh" || exit 1
 trellis=$1
 work=$2
 py=$3
@@ -13,41 +14,7 @@ data=$4
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
 "$py" -c 'import h5py, numpy, torch.distributed.run' 2>/dev/null || { echo "SKIP: $py lacks torch or h5py"; exit 77; }
 export TRELLIS_DIST_TIMEOUT=30
-# Each rank runs through this wrapper: its stderr goes to err.RANK.txt, its stdout to out.RANK.txt, and with
-# MISSING_ON_RANK=r, rank r gets missing.h5 in place of every argument naming dev.h5.
-cat >rank.sh <<'EOF'
-#!/usr/bin/env bash
-args=()
-for a in "$@"; do
-  if [ "${MISSING_ON_RANK:-}" = "$RANK" ] && [ "$a" = dev.h5 ]; then a=missing.h5; fi
-  args+=("$a")
-done
-exec "${args[@]}" >"out.$RANK.txt" 2>"err.$RANK.txt"
-EOF
-free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-# torchrun WORLD_SIZE trellis-arguments...: under torchrun (its agent serves the store; starting it takes seconds).
-torchrun() {
-  local world=$1
-  shift
-  rm -f err.*.txt out.*.txt
-  "$py" -m torch.distributed.run --standalone --nproc-per-node="$world" --no-python bash rank.sh "$trellis" "$@" \
-    >torchrun.out 2>torchrun.err
-}
-# run WORLD_SIZE trellis-arguments...: the processes started here with the environment torchrun gives its workers
-# (rank 0 serves the store); fails unless every rank succeeds.
-run() {
-  local world=$1 port rc=0 r
-  shift
-  rm -f err.*.txt out.*.txt
-  port=$(free_port)
-  local pids=()
-  for ((r = 0; r < world; r++)); do
-    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port bash rank.sh "$trellis" "$@" &
-    pids+=($!)
-  done
-  for r in "${pids[@]}"; do wait "$r" || rc=1; done
-  return $rc
-}
+source "$here/dist_harness.sh" || exit 1
 # compare A B: the same datasets; float64 results within 1e-10 relative, integers (paths, offsets) identical.
 cat >compare.py <<'EOF'
 import sys, h5py, numpy as np
@@ -110,14 +77,14 @@ run 3 hmm infer -m gauss.h5 -d two.h5 -o two_3.h5 && same two_ref.h5 two_3.h5 &&
 
 # A dataset missing on rank 1: every rank exits with rank 1's message, quickly, and no output appears.
 start=$SECONDS
-MISSING_ON_RANK=1 torchrun 3 hmm infer -m sup.h5 -d dev.h5 -o lost.h5 && fail "missing dataset on rank 1: exit code 0"
+MISSING_ON_RANK=1 MISSING_ARG=dev.h5 torchrun 3 hmm infer -m sup.h5 -d dev.h5 -o lost.h5 && fail "missing dataset on rank 1: exit code 0"
 ((SECONDS - start < 20)) && ok || fail "missing dataset on rank 1: took $((SECONDS - start)) s"
 for r in 0 1 2; do
-  grep -q "rank 1 of 3: .*missing.h5" "err.$r.txt" && ok || fail "missing dataset: rank $r's error: $(cat "err.$r.txt")"
+  grep -q "rank 1 of 3: .*missing_dev.h5" "err.$r.txt" && ok || fail "missing dataset: rank $r's error: $(cat "err.$r.txt")"
 done
 [ ! -e lost.h5 ] && ! ls lost.h5.tmp.* >/dev/null 2>&1 && ok || fail "missing dataset: an output was left"
-MISSING_ON_RANK=2 run 3 hmm fit -d dev.h5 -o lost.h5 --states 4 --max-iterations 2 && fail "fit, dataset missing: exit code 0"
-grep -q "rank 2 of 3: .*missing.h5" err.0.txt && [ ! -e lost.h5 ] && ok || fail "fit, dataset missing on rank 2: $(cat err.0.txt)"
+MISSING_ON_RANK=2 MISSING_ARG=dev.h5 run 3 hmm fit -d dev.h5 -o lost.h5 --states 4 --max-iterations 2 && fail "fit, dataset missing: exit code 0"
+grep -q "rank 2 of 3: .*missing_dev.h5" err.0.txt && [ ! -e lost.h5 ] && ok || fail "fit, dataset missing on rank 2: $(cat err.0.txt)"
 
 # Launched without torchrun's agent (rank 0 serves the store), a rank that never starts: the others stop at the
 # timeout with a message naming it, instead of waiting for ever.

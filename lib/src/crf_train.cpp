@@ -195,24 +195,53 @@ std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSenten
   return batches;
 }
 
-// Batches sorted by length, so padding stays small (full-batch objective, dev scoring).
+// Batches sorted by length, so padding stays small (full-batch objective, dev scoring): the sentences
+// [first, first + count), or all of them.
 std::vector<EncodedBatch> length_sorted_batches(const CrfTagger& m, const LabeledSentences& data,
-                                                const IndexedTrainingSet* indexed, const at::Device& device) {
-  std::vector<std::size_t> order(data.inputs.size());
-  std::iota(order.begin(), order.end(), 0);
+                                                const IndexedTrainingSet* indexed, const at::Device& device,
+                                                std::size_t first = 0,
+                                                std::size_t count = std::numeric_limits<std::size_t>::max()) {
+  std::vector<std::size_t> order(std::min(count, data.inputs.size() - first));
+  std::iota(order.begin(), order.end(), first);
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
   return encode_batches(m, data, indexed, device, order, std::numeric_limits<std::size_t>::max(), kTokensPerBatch);
 }
 
-// Minibatches of a seeded random partition (fixed for the run; their order is shuffled every epoch).
-std::vector<EncodedBatch> random_minibatches(const CrfTagger& m, const LabeledSentences& data,
-                                             const IndexedTrainingSet& indexed, const at::Device& device,
-                                             std::size_t batch_size, std::mt19937_64& rng) {
+// A minibatch: this rank's part of its sentences (none when the minibatch has fewer sentences than there are ranks),
+// and the whole minibatch's tokens (its share of the L2 term).
+struct Minibatch {
+  std::optional<EncodedBatch> part;
+  int64_t tokens = 0;
+};
+
+// Minibatches of a seeded random partition (fixed for the run; their order is shuffled every epoch). Every rank draws
+// the same partition and keeps its part of each minibatch (consecutive sentences, balanced by tokens).
+std::vector<Minibatch> random_minibatches(const CrfTagger& m, const LabeledSentences& data,
+                                          const IndexedTrainingSet& indexed, const at::Device& device,
+                                          std::size_t batch_size, std::mt19937_64& rng,
+                                          const DistributedContext* group) {
   std::vector<std::size_t> order(data.inputs.size());
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  return encode_batches(m, data, &indexed, device, order, batch_size, std::numeric_limits<int64_t>::max());
+  const int rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  std::vector<Minibatch> out;
+  for (std::size_t first = 0; first < order.size(); first += batch_size) {
+    const std::vector<std::size_t> sentences(order.begin() + first,
+                                             order.begin() + std::min(order.size(), first + batch_size));
+    std::vector<int64_t> lengths;
+    for (std::size_t s : sentences) lengths.push_back(static_cast<int64_t>(data.inputs[s].size()));
+    const std::vector<int64_t> bounds = balanced_shares(lengths, world);
+    const std::vector<std::size_t> part(sentences.begin() + bounds[rank], sentences.begin() + bounds[rank + 1]);
+    Minibatch b;
+    b.tokens = std::accumulate(lengths.begin(), lengths.end(), int64_t(0));
+    if (!part.empty())
+      b.part = std::move(encode_batches(m, data, &indexed, device, part, part.size(),
+                                        std::numeric_limits<int64_t>::max())
+                             .front());
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(const std::string& name,
@@ -291,6 +320,16 @@ void check_options(const CrfTrainOptions& o) {
 
 }  // namespace
 
+TrainingShare training_share(const LabeledSentences& train, const DistributedContext* distributed) {
+  std::vector<int64_t> lengths;
+  for (const auto& s : train.inputs) lengths.push_back(static_cast<int64_t>(s.size()));
+  const int rank = distributed ? distributed->rank() : 0, world = distributed ? distributed->world_size() : 1;
+  const std::vector<int64_t> bounds = balanced_shares(lengths, world);
+  TrainingShare share{static_cast<std::size_t>(bounds[rank]), static_cast<std::size_t>(bounds[rank + 1] - bounds[rank]), 0};
+  for (std::size_t s = share.first; s < share.first + share.count; ++s) share.tokens += train.inputs[s].size();
+  return share;
+}
+
 void check_known_labels(const CrfTagger& m, const LabeledSentences& data) {
   for (std::size_t s = 0; s < data.labels.size(); ++s)
     for (std::size_t t = 0; t < data.labels[s].size(); ++t)
@@ -353,9 +392,14 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   device_ready.get();
   model.to(device);
   const bool full_batch = o.algorithm == "lbfgs";
+  const DistributedContext* group = o.distributed && o.distributed->distributed() ? o.distributed : nullptr;
   std::mt19937_64 rng(o.seed);
-  const std::vector<EncodedBatch> batches = full_batch ? length_sorted_batches(model, train, &indexed, device)
-                                                 : random_minibatches(model, train, indexed, device, o.batch_size, rng);
+  const TrainingShare share = training_share(train, group);
+  const std::vector<EncodedBatch> batches =
+      full_batch ? length_sorted_batches(model, train, &indexed, device, share.first, share.count)
+                 : std::vector<EncodedBatch>{};
+  const std::vector<Minibatch> minibatches =
+      full_batch ? std::vector<Minibatch>{} : random_minibatches(model, train, indexed, device, o.batch_size, rng, group);
   indexed = {};  // the batches hold the ids now
   const std::vector<EncodedBatch> dev_batches =
       dev ? length_sorted_batches(model, *dev, nullptr, device) : std::vector<EncodedBatch>{};
@@ -378,18 +422,42 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   };
   const std::unique_ptr<torch::optim::Optimizer> minibatch_opt =
       full_batch ? nullptr : make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
+  // With a process group: sums this rank's gradients and `value` over the ranks (a rank without sentences adds
+  // zeros). `local` computes them; its failure on any rank stops every rank with its message.
+  auto summed_over_ranks = [&](const std::function<void()>& local, at::Tensor& value) {
+    if (!group) {
+      local();
+      return;
+    }
+    const std::optional<std::string> failure = failure_of(local);
+    std::vector<at::Tensor> tensors;
+    for (auto& p : params) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      tensors.push_back(p.grad());
+    }
+    if (!value.defined()) value = at::zeros({}, params[0].options().requires_grad(false));
+    tensors.push_back(value);
+    group->all_reduce_sum(tensors, failure);
+  };
   // One pass over the data in shuffled minibatches; returns the summed objective.
   auto epoch = [&]() -> at::Tensor {
-    std::vector<std::size_t> order(batches.size());
+    std::vector<std::size_t> order(minibatches.size());
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
     at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
     for (std::size_t i : order) {
-      const EncodedBatch& b = batches[i];
+      const Minibatch& b = minibatches[i];
       minibatch_opt->zero_grad();
-      const at::Tensor nll = -log_likelihood(trusted_potentials(model, b), b.tags).sum();
-      nll.backward();
-      total += nll.detach() + add_l2(static_cast<double>(b.positions.numel()) / total_tokens);  // no sync
+      at::Tensor nll;
+      summed_over_ranks(
+          [&] {
+            if (!b.part) return;
+            nll = -log_likelihood(trusted_potentials(model, *b.part), b.part->tags).sum();
+            nll.backward();
+            nll = nll.detach();
+          },
+          nll);
+      total += nll + add_l2(static_cast<double>(b.tokens) / total_tokens);  // no sync
       minibatch_opt->step();
     }
     return total;
@@ -406,11 +474,15 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   auto full_objective = [&]() -> at::Tensor {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
     at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
-    for (const EncodedBatch& b : batches) {
-      const at::Tensor nll = -log_likelihood(trusted_potentials(model, b), b.tags).sum();
-      nll.backward();
-      total += nll.detach();
-    }
+    summed_over_ranks(
+        [&] {
+          for (const EncodedBatch& b : batches) {
+            const at::Tensor nll = -log_likelihood(trusted_potentials(model, b), b.tags).sum();
+            nll.backward();
+            total += nll.detach();
+          }
+        },
+        total);
     return total + add_l2(1.0);
   };
   // LibTorch's L-BFGS re-evaluates the objective at the start of every step(), at the point where the previous line

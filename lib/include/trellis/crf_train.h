@@ -8,6 +8,7 @@
 
 #include "trellis/conll.h"
 #include "trellis/crf_tagger.h"
+#include "trellis/distributed.h"
 
 namespace trellis {
 
@@ -42,7 +43,19 @@ struct CrfTrainOptions {
   int threads = 0;            // CPU threads; 0 keeps LibTorch's default
   int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
   uint64_t seed = 0;         // minibatch partition and epoch order
+  // Data parallelism (docs/distributed.md): with a process group every rank reads the whole training set and builds
+  // the same feature dictionary; lbfgs sums the objective and gradient of each rank's share (training_share) over
+  // the ranks at every evaluation, the minibatch algorithms split every minibatch over the ranks and sum its
+  // gradient. Every rank then takes the same steps and returns the same model. Null: one process.
+  const DistributedContext* distributed = nullptr;
 };
+
+// The training sentences [first, first + count) whose objective this rank computes in full-batch training: as near
+// 1/world of the tokens as whole sentences allow (all of them for one process).
+struct TrainingShare {
+  std::size_t first = 0, count = 0, tokens = 0;
+};
+TrainingShare training_share(const LabeledSentences& train, const DistributedContext* distributed);
 
 struct CrfIteration {
   int iteration;
