@@ -102,8 +102,9 @@ int train(const std::vector<std::string>& args) {
       ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout),
        "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")
       ("embedding-dim", po::value(&o.word_dim)->default_value(0), "word embedding size (0: 100, or the --embeddings file's)")
-      ("char-dim", po::value(&o.char_dim)->default_value(o.char_dim), "character embedding size (0: no character CNN)")
-      ("char-filters", po::value(&o.char_filters)->default_value(o.char_filters), "character CNN filters")
+      ("char-dim", po::value(&o.char_dim)->default_value(o.char_dim), "character embedding size (0: no character representation)")
+      ("char-filters", po::value(&o.char_filters)->default_value(o.char_filters), "character CNN filters, or BiLSTM units per direction")
+      ("char-encoder", po::value(&o.char_encoder)->default_value(o.char_encoder), "cnn or bilstm: the characters' representation")
       ("feature-dim", po::value(&o.feature_dim)->default_value(o.feature_dim), "embedding size of the word shape and of each extra input column")
       ("hidden", po::value(&o.hidden)->default_value(o.hidden), "BiLSTM units per direction (convolution channels: twice this)")
       ("layers", po::value(&o.layers)->default_value(o.layers), "BiLSTM layers, or dilated convolution blocks")

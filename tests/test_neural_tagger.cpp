@@ -233,6 +233,8 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
   EXPECT_NE(message([](auto& o) { o.epochs = 0; }).find("--epochs must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.learning_rate = -1; }).find("--lr must be a finite number > 0, not -1"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.lr_decay = 0; }).find("--lr-decay must be in (0, 1], not 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.char_encoder = "gru"; }).find("--char-encoder must be cnn or bilstm, not 'gru'"),
+            std::string::npos);
   EXPECT_NE(message([](auto& o) { o.hidden = 0; }).find("--hidden must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.layers = 0; }).find("--layers must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"), std::string::npos);
@@ -249,10 +251,11 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
             std::string::npos);
 }
 
-TEST(NeuralTagger, CnnEncoderWithHybridFeaturesTrainsAndRoundTrips) {
+TEST(NeuralTagger, CnnEncoderCharacterBiLstmAndHybridFeaturesTrainAndRoundTrip) {
   const LabeledSentences train = toy_corpus(100, 1, "train"), dev = toy_corpus(30, 2, "dev");
   NeuralTaggerOptions o = small_options();
   o.encoder = "cnn";
+  o.char_encoder = "bilstm";
   o.layers = 2;
   o.epochs = 4;
   NeuralTrainSummary sum;
@@ -264,6 +267,7 @@ TEST(NeuralTagger, CnnEncoderWithHybridFeaturesTrainsAndRoundTrips) {
   m.save(path);
   const NeuralTagger back = NeuralTagger::load(path);
   EXPECT_TRUE(back.hybrid());
+  EXPECT_NE(back.describe().find("-> BiLSTM 2 x 8"), std::string::npos) << back.describe();
   const auto a = m.tag(pointers(dev), true), b = back.tag(pointers(dev), true);
   for (std::size_t s = 0; s < a.size(); ++s) EXPECT_EQ(a[s].marginals, b[s].marginals);
   std::remove(path.c_str());

@@ -11,7 +11,6 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/rnn.h>
-#include <torch/nn/utils/clip_grad.h>
 #include <torch/nn/utils/rnn.h>
 #include <torch/optim/adam.h>
 #include <ATen/Context.h>
@@ -125,6 +124,7 @@ class Vocabulary {
 
 struct Architecture {
   std::string encoder;
+  std::string char_encoder;  // "cnn" or "bilstm"
   int64_t words = 0, word_dim = 0, chars = 0, char_dim = 0, char_filters = 0, shapes = 0, feature_dim = 0;
   std::vector<int64_t> extra;  // vocabulary size of each extra input column
   int64_t hidden = 0, layers = 0, labels = 0, features = 0;  // features: hybrid sparse features (0: none)
@@ -138,6 +138,7 @@ struct Batch {
   at::Tensor words, shapes;         // [B,T] int64
   std::vector<at::Tensor> extra;    // [B,T] int64 each
   at::Tensor chars, char_lengths;   // [N,L], [N] int64
+  at::Tensor char_lengths_cpu;      // the same on the CPU (the character BiLSTM packs by it)
   at::Tensor positions;             // [N] int64: b*T + t
   at::Tensor mask;                  // [B,T] bool
   at::Tensor lengths;               // [B] int64, on the CPU (packing reads it there)
@@ -208,9 +209,15 @@ class NetworkImpl : public torch::nn::Module {
       char_embedding = register_module(
           "char_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.chars, a.char_dim).padding_idx(kPad)));
       uniform_rows(char_embedding);
-      char_conv = register_module("char_conv",
-                                  torch::nn::Conv1d(torch::nn::Conv1dOptions(a.char_dim, a.char_filters, 3).padding(1)));
-      input += a.char_filters;
+      if (a.char_encoder == "bilstm") {
+        char_lstm = register_module(
+            "char_lstm", torch::nn::LSTM(torch::nn::LSTMOptions(a.char_dim, a.char_filters).bidirectional(true).batch_first(true)));
+        input += 2 * a.char_filters;
+      } else {
+        char_conv = register_module("char_conv",
+                                    torch::nn::Conv1d(torch::nn::Conv1dOptions(a.char_dim, a.char_filters, 3).padding(1)));
+        input += a.char_filters;
+      }
     }
     int64_t encoded = 2 * a.hidden;
     if (a.encoder == "bilstm") {
@@ -248,10 +255,21 @@ class NetworkImpl : public torch::nn::Module {
       if (arch.char_dim > 0) {
         // Max over each word's own characters only: padding would make a token's representation depend on the
         // longest word of its batch.
-        at::Tensor c = char_conv(dropout(char_embedding(b.chars)).transpose(1, 2));  // [N,F,L]
-        const at::Tensor past_end =
-            at::arange(c.size(2), b.char_lengths.options()).unsqueeze(0).ge(b.char_lengths.unsqueeze(1));
-        c = c.masked_fill(past_end.unsqueeze(1), -std::numeric_limits<float>::infinity()).amax(2);  // [N,F]
+        at::Tensor c;
+        if (char_lstm) {
+          // The last states of both directions over each word's own characters.
+          const NoAutocast fp32;
+          namespace rnn = torch::nn::utils::rnn;
+          const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
+                                                        /*batch_first=*/true, /*enforce_sorted=*/false);
+          const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
+          c = at::cat({last[0], last[1]}, 1);  // [N,2H]
+        } else {
+          c = char_conv(dropout(char_embedding(b.chars)).transpose(1, 2));  // [N,F,L]
+          const at::Tensor past_end =
+              at::arange(c.size(2), b.char_lengths.options()).unsqueeze(0).ge(b.char_lengths.unsqueeze(1));
+          c = c.masked_fill(past_end.unsqueeze(1), -std::numeric_limits<float>::infinity()).amax(2);  // [N,F]
+        }
         parts.push_back(at::zeros({b.B * b.T, c.size(1)}, c.options()).index_copy(0, b.positions, c).view({b.B, b.T, -1}));
       }
       for (auto& p : parts) p = p.to(at::kFloat);
@@ -287,7 +305,7 @@ class NetworkImpl : public torch::nn::Module {
   torch::nn::Embedding word_embedding{nullptr}, shape_embedding{nullptr}, char_embedding{nullptr};
   torch::nn::ModuleList extra_embeddings{nullptr}, convolutions{nullptr};
   torch::nn::Conv1d char_conv{nullptr};
-  torch::nn::LSTM lstm{nullptr};
+  torch::nn::LSTM lstm{nullptr}, char_lstm{nullptr};
   torch::nn::Linear output{nullptr};
   at::Tensor hybrid_weights;
   trellis::nn::CRF crf{nullptr};
@@ -416,6 +434,7 @@ struct NeuralTagger::Impl {
     a.chars = chars.size();
     a.char_dim = options.char_dim;
     a.char_filters = options.char_filters;
+    a.char_encoder = options.char_encoder;
     a.shapes = shapes.size();
     a.feature_dim = options.feature_dim;
     for (const auto& v : extra) a.extra.push_back(v.size());
@@ -559,7 +578,8 @@ struct NeuralTagger::Impl {
     b.shapes = on_device(sh, {b.B, b.T});
     for (const auto& e : ex) b.extra.push_back(on_device(e, {b.B, b.T}));
     b.chars = on_device(ch, {b.N, L});
-    b.char_lengths = on_device(chl, {b.N});
+    b.char_lengths_cpu = at::tensor(chl, at::kLong);
+    b.char_lengths = b.char_lengths_cpu.to(device);
     b.positions = on_device(pos, {b.N});
     b.mask = at::tensor(at::ArrayRef<uint8_t>(mask), at::kByte).view({b.B, b.T}).to(device, at::kBool);
     b.lengths = at::tensor(len, at::kLong);
@@ -673,7 +693,8 @@ struct NeuralTagger::Impl {
   std::string hyperparameters() const {
     std::ostringstream s;
     s << "encoder=" << options.encoder << "\nword_dim=" << options.word_dim << "\nchar_dim=" << options.char_dim
-      << "\nchar_filters=" << options.char_filters << "\nfeature_dim=" << options.feature_dim
+      << "\nchar_filters=" << options.char_filters << "\nchar_encoder=" << options.char_encoder
+      << "\nfeature_dim=" << options.feature_dim
       << "\nhidden=" << options.hidden << "\nlayers=" << options.layers << "\ndropout=" << show(options.dropout)
       << "\nscheme=" << scheme << "\n";
     return s.str();
@@ -708,6 +729,8 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.word_dim, 0, "--embedding-dim");
   at_least(o.char_dim, 0, "--char-dim");
   if (o.char_dim > 0) at_least(o.char_filters, 1, "--char-filters");
+  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm")
+    throw Error("--char-encoder must be cnn or bilstm, not '" + o.char_encoder + "'");
   at_least(o.feature_dim, 1, "--feature-dim");
   at_least(o.hidden, 1, "--hidden");
   at_least(o.layers, 1, "--layers");
@@ -729,6 +752,17 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.min_feature_count, 1, "--min-freq");
   if (o.precision != "auto" && o.precision != "bf16" && o.precision != "fp32")
     throw Error("--precision must be auto, bf16 or fp32, not '" + o.precision + "'");
+}
+
+// Scales the gradients so that their joint norm is at most max_norm, as torch::nn::utils::clip_grad_norm_ does, but
+// without reading the norm back to the host (which would wait for the device every step).
+void clip_gradient_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return;
+  const at::Tensor total = at::stack(at::_foreach_norm(grads, 2)).norm();
+  at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
 }
 
 // word2vec/GloVe text vectors: an optional "COUNT DIM" line, then "word v1 ... vD" per line. Words are lowercased as
@@ -803,7 +837,9 @@ std::string NeuralTagger::describe() const {
     << ", dropout " << o.dropout << ")\n";
   s << "inputs: words " << m.words.size() << " x " << o.word_dim << ", shapes " << m.shapes.size() << " x "
     << o.feature_dim;
-  if (o.char_dim > 0) s << ", characters " << m.chars.size() << " x " << o.char_dim << " -> CNN " << o.char_filters;
+  if (o.char_dim > 0)
+    s << ", characters " << m.chars.size() << " x " << o.char_dim
+      << (o.char_encoder == "bilstm" ? " -> BiLSTM 2 x " : " -> CNN ") << o.char_filters;
   for (std::size_t c = 0; c < m.extra.size(); ++c)
     s << ", input column " << c + 1 << " " << m.extra[c].size() << " x " << o.feature_dim;
   s << "\n";
@@ -916,6 +952,8 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
   o.word_dim = integer("word_dim", 1, kMaxDim);
   o.char_dim = integer("char_dim", 0, kMaxDim);
   o.char_filters = integer("char_filters", o.char_dim > 0 ? 1 : 0, kMaxDim);
+  o.char_encoder = text("char_encoder");
+  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm") r.corrupt("character encoder '" + o.char_encoder + "'");
   o.feature_dim = integer("feature_dim", 1, kMaxDim);
   o.hidden = integer("hidden", 1, kMaxDim);
   o.layers = integer("layers", 1, 16);
@@ -1122,7 +1160,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
       adam.zero_grad();
       const at::Tensor nll = -m->net->crf->forward(m->net->emissions(b, m->bf16), b.tags, b.mask, "sum");
       (nll / static_cast<double>(b.B)).backward();
-      if (o.clip > 0) torch::nn::utils::clip_grad_norm_(m->net->parameters(), o.clip);
+      if (o.clip > 0) clip_gradient_norm(m->net->parameters(), o.clip);
       adam.step();
       total += nll.detach();
     }

@@ -25,7 +25,8 @@ struct NeuralTaggerOptions {
   std::string encoder = "bilstm";  // "bilstm" or "cnn" (a stack of dilated convolutions)
   int64_t word_dim = 0;            // word embedding size; 0: the pretrained vectors' size, or 100 without them
   int64_t char_dim = 30;           // character embedding size (0: no character representation)
-  int64_t char_filters = 50;       // char CNN output size
+  int64_t char_filters = 50;       // char CNN filters, or char BiLSTM units per direction
+  std::string char_encoder = "cnn";  // "cnn" (max over a convolution) or "bilstm" (last states of both directions)
   int64_t feature_dim = 20;        // embedding size of the word shape and of each extra input column
   int64_t hidden = 200;            // BiLSTM units per direction; convolution channels are twice this
   int64_t layers = 2;              // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
