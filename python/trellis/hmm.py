@@ -10,10 +10,10 @@ for hmmlearn runs with ``from trellis.hmm import CategoricalHMM, GaussianHMM`` i
     log_prob = model.score(X, lengths)
     states = model.predict(X, lengths)
 
-The sequences are computed together, as padded batches, by the operators ``torch.ops.trellis.hmm_log_likelihood``,
-``hmm_posteriors`` and ``hmm_viterbi``; the E-step takes the expected counts as the gradient of the log-likelihood
-(``crf_log_partition``) with respect to the log start and transition probabilities and the emission scores. The
-M-step, the priors, the random initialisation of ``startprob_``, ``transmat_`` and ``emissionprob_`` and
+The sequences are computed together, as padded batches of emission scores log P(x_t | state), by the chain
+operators: ``torch.ops.trellis.crf_log_partition`` (the log-likelihood), ``crf_marginals`` (posteriors) and
+``crf_viterbi``; the E-step takes the expected counts as the gradient of the log-likelihood with respect to the log
+start and transition probabilities and the emission scores. The M-step, the priors, the random initialisation of ``startprob_``, ``transmat_`` and ``emissionprob_`` and
 :meth:`~CategoricalHMM.sample` are hmmlearn's, with its random number streams: from the same parameters (or the same
 ``random_state``) fitting gives hmmlearn's model. Differences: ``means_`` are initialised by a k-means of Trellis' own
 (not scikit-learn's); ``covariance_type`` is ``"diag"`` only; ``params`` without ``"m"`` still updates ``covars_``
@@ -283,10 +283,13 @@ class _BaseHMM:
             posteriors = torch.empty((len(X), self.n_components), dtype=self._compute_dtype(),
                                      device=self._torch_device())
         for observations, batch_lengths, mask, rows in batches:
-            log_prob += torch.ops.trellis.hmm_log_likelihood(observations, lengths=batch_lengths, **model).sum()
+            scores = self._emission_scores(observations, model)
+            log_prob += torch.ops.trellis.crf_log_partition(scores, model["log_transitions"], model["log_start"], None,
+                                                            None, batch_lengths).sum()
             if compute_posteriors:
-                posteriors[rows] = torch.ops.trellis.hmm_posteriors(observations, lengths=batch_lengths,
-                                                                    **model)[mask]
+                nodes, _ = torch.ops.trellis.crf_marginals(scores, model["log_transitions"], model["log_start"], None,
+                                                           None, batch_lengths)
+                posteriors[rows] = nodes[mask]
         posteriors_np = posteriors.double().cpu().numpy() if compute_posteriors \
             else np.empty((0, self.n_components))
         return float(log_prob), posteriors_np
@@ -337,8 +340,10 @@ class _BaseHMM:
         log_prob = torch.zeros((), dtype=torch.float64, device=device)
         states = torch.empty(len(X), dtype=torch.int64, device=device)
         for observations, batch_lengths, mask, rows in batches:
-            paths, scores = torch.ops.trellis.hmm_viterbi(observations, lengths=batch_lengths, **model)
-            log_prob += scores.sum()
+            scores = self._emission_scores(observations, model)
+            paths, path_scores = torch.ops.trellis.crf_viterbi(scores, model["log_transitions"], model["log_start"],
+                                                               None, None, batch_lengths)
+            log_prob += path_scores.sum()
             states[rows] = paths[mask]
         return float(log_prob), states.cpu().numpy()
 
@@ -552,6 +557,8 @@ class _BaseHMM:
         raise NotImplementedError
 
     def _emission_scores(self, observations: Tensor, model: Dict[str, Tensor]) -> Tensor:
+        """log P(x_t | state) of a padded batch, [B,T,K]. The chain operators never read padding, which repeats X's
+        first row (possibly a symbol some state cannot emit: -inf)."""
         raise NotImplementedError
 
     def _initial_emission_statistics(self, device: torch.device) -> Dict[str, Tensor]:
@@ -800,11 +807,11 @@ class GaussianHMM(_BaseHMM):
         # loses the digits of data far from 0 in float32.
         means, variances = model["means"], model["variances"].clamp_min(np.finfo(float).tiny)
         precisions = variances.reciprocal()
-        quadratic = torch.zeros(observations.shape[:-1] + (means.shape[0],), dtype=observations.dtype,
-                                device=observations.device)
+        scores = torch.zeros(observations.shape[:-1] + (means.shape[0],), dtype=observations.dtype,
+                             device=observations.device)
         for f in range(means.shape[1]):
-            quadratic += (observations[..., f, None] - means[:, f]).square_() * precisions[:, f]
-        return -0.5 * (quadratic + (means.shape[1] * math.log(2 * math.pi) + variances.log().sum(-1)))
+            scores.add_((observations[..., f, None] - means[:, f]).square_().mul_(precisions[:, f]))
+        return scores.add_(means.shape[1] * math.log(2 * math.pi) + variances.log().sum(-1)).mul_(-0.5)
 
     def _initial_emission_statistics(self, device: torch.device) -> Dict[str, Tensor]:
         K, F = self.n_components, self.n_features

@@ -131,18 +131,25 @@ def test_em_updates_only_params(kind, params, parameters):
 
 
 def test_zero_probabilities_stay_zero(parameters):
-    # A left-right model: the forbidden transitions and start states stay impossible, as in hmmlearn.
+    # A left-right model: the forbidden transitions and start states stay impossible, as in hmmlearn. State 0 never
+    # emits the first symbol of X (which batches repeat in their padding).
     reference, model, X = pair("categorical", parameters, n_iter=5, tol=0)
     transmat = np.triu(parameters["transmat_"])
     transmat /= transmat.sum(1, keepdims=True)
     startprob = np.array([0.5, 0.5, 0.0, 0.0])
+    emissionprob = parameters["emissionprob_"].copy()
+    emissionprob[0, X[0, 0]] = 0
+    emissionprob /= emissionprob.sum(1, keepdims=True)
     for m in (reference, model):
-        m.transmat_, m.startprob_ = transmat.copy(), startprob.copy()
+        m.transmat_, m.startprob_, m.emissionprob_ = transmat.copy(), startprob.copy(), emissionprob.copy()
     assert model.score(X, LENGTHS) == pytest.approx(reference.score(X, LENGTHS), rel=1e-12)
     reference.fit(X, LENGTHS)
     model.fit(X, LENGTHS)
     assert_same_parameters(reference, model, "categorical")
     assert (model.transmat_[np.tril_indices(K, -1)] == 0).all() and (model.startprob_[2:] == 0).all()
+    assert model.emissionprob_[0, X[0, 0]] == 0
+    np.testing.assert_array_equal(model.predict(X, LENGTHS), reference.predict(X, LENGTHS))
+    np.testing.assert_allclose(model.predict_proba(X, LENGTHS), reference.predict_proba(X, LENGTHS), atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -360,6 +367,9 @@ def test_float32_data_far_from_zero(device):
     p = {"startprob_": np.full(3, 1 / 3), "transmat_": rs.dirichlet(np.ones(3), size=3),
          "means_": 1000 + rs.randn(3, 2), "covars_": np.full((3, 2), 0.3)}
     X = 1000 + rs.randn(300, 2) * 0.5
+    start = gaussian(trellis_hmm, p, device=device, dtype=torch.float32)
+    assert start.score(X) == pytest.approx(gaussian(hmmlearn_hmm, p).score(X), rel=2e-5)
+    np.testing.assert_allclose(start.predict_proba(X), gaussian(hmmlearn_hmm, p).predict_proba(X), atol=1e-3)
     reference = gaussian(hmmlearn_hmm, p, n_iter=3, tol=0).fit(X)
     model = gaussian(trellis_hmm, p, n_iter=3, tol=0, device=device, dtype=torch.float32).fit(X)
     np.testing.assert_allclose(model.means_, reference.means_, rtol=0, atol=1e-3)
