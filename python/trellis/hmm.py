@@ -13,8 +13,8 @@ for hmmlearn runs with ``from trellis.hmm import CategoricalHMM, GaussianHMM`` i
 The sequences are computed together, as padded batches of emission scores log P(x_t | state), by the chain
 operators: ``torch.ops.trellis.crf_log_partition`` (the log-likelihood), ``crf_marginals`` (posteriors) and
 ``crf_viterbi``; the E-step takes the expected counts as the gradient of the log-likelihood with respect to the log
-start and transition probabilities and the emission scores. The M-step, the priors, the random initialisation of ``startprob_``, ``transmat_`` and ``emissionprob_`` and
-:meth:`~CategoricalHMM.sample` are hmmlearn's, with its random number streams: from the same parameters (or the same
+start and transition probabilities and the emission scores. The M-step, the priors, the random initialisation of
+``startprob_``, ``transmat_`` and ``emissionprob_`` and :meth:`~CategoricalHMM.sample` are hmmlearn's, with its random number streams: from the same parameters (or the same
 ``random_state``) fitting gives hmmlearn's model. Differences: ``means_`` are initialised by a k-means of Trellis' own
 (not scikit-learn's); ``covariance_type`` is ``"diag"`` only; ``params`` without ``"m"`` still updates ``covars_``
 around the current means (hmmlearn 0.3.3 leaves the posterior weights out of that update).
@@ -27,7 +27,7 @@ import logging
 import math
 import sys
 from collections import deque
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -553,7 +553,7 @@ class _BaseHMM:
     def _observations_tensor(self, X: np.ndarray) -> Tensor:
         raise NotImplementedError
 
-    def _emission_parameters(self, as_tensor) -> Dict[str, Tensor]:
+    def _emission_parameters(self, as_tensor: Callable[[Any], Tensor]) -> Dict[str, Tensor]:
         raise NotImplementedError
 
     def _emission_scores(self, observations: Tensor, model: Dict[str, Tensor]) -> Tensor:
@@ -663,7 +663,7 @@ class CategoricalHMM(_BaseHMM):
     def _observations_tensor(self, X: np.ndarray) -> Tensor:
         return torch.as_tensor(X[:, 0].astype(np.int64, copy=False), device=self._torch_device())
 
-    def _emission_parameters(self, as_tensor) -> Dict[str, Tensor]:
+    def _emission_parameters(self, as_tensor: Callable[[Any], Tensor]) -> Dict[str, Tensor]:
         return {"log_emissions": as_tensor(self.emissionprob_).log()}
 
     def _emission_scores(self, observations: Tensor, model: Dict[str, Tensor]) -> Tensor:
@@ -798,7 +798,7 @@ class GaussianHMM(_BaseHMM):
     def _observations_tensor(self, X: np.ndarray) -> Tensor:
         return torch.as_tensor(X, device=self._torch_device()).to(self._compute_dtype())
 
-    def _emission_parameters(self, as_tensor) -> Dict[str, Tensor]:
+    def _emission_parameters(self, as_tensor: Callable[[Any], Tensor]) -> Dict[str, Tensor]:
         return {"means": as_tensor(self.means_), "variances": as_tensor(self._covars_)}
 
     def _emission_scores(self, observations: Tensor, model: Dict[str, Tensor]) -> Tensor:

@@ -130,6 +130,18 @@ def test_em_updates_only_params(kind, params, parameters):
         np.testing.assert_array_equal(model.startprob_, parameters["startprob_"])
 
 
+def test_covars_without_means(parameters):
+    # params="c" (no "m"): covars_ around the fixed means, (covars_prior + Σγ(x−μ)²) / Σγ. hmmlearn 0.3.3 drops the
+    # posterior weights from this update when means are not fitted; Trellis keeps them.
+    model = gaussian(trellis_hmm, parameters, params="c", n_iter=1, covars_prior=0.05)
+    X = parameters["features"]
+    _, posteriors = model.score_samples(X, LENGTHS)
+    model.fit(X, LENGTHS)
+    squares = ((X[:, None, :] - parameters["means_"][None]) ** 2 * posteriors[:, :, None]).sum(0)
+    np.testing.assert_allclose(model._covars_, (0.05 + squares) / posteriors.sum(0)[:, None], rtol=1e-10)
+    np.testing.assert_array_equal(model.means_, parameters["means_"])
+
+
 def test_zero_probabilities_stay_zero(parameters):
     # A left-right model: the forbidden transitions and start states stay impossible, as in hmmlearn. State 0 never
     # emits the first symbol of X (which batches repeat in their padding).
