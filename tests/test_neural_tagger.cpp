@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <random>
@@ -309,14 +310,17 @@ TEST(NeuralTagger, CudaAgreesWithTheCpu) {
   gpu_bf16.to(at::Device("cuda"), "bf16");
   const LabeledSentences test = toy_corpus(200, 4, "test");
   const auto a = cpu.tag(pointers(test), true), b = gpu.tag(pointers(test), true), c = gpu_bf16.tag(pointers(test));
-  std::size_t tokens = 0, same_bf16 = 0;
-  for (std::size_t s = 0; s < a.size(); ++s) {
-    EXPECT_EQ(a[s].labels, b[s].labels);
+  // cuDNN may run float32 convolutions and RNNs in TF32: near-ties may decode differently, marginals differ slightly.
+  std::size_t tokens = 0, same = 0, same_bf16 = 0;
+  double largest = 0;
+  for (std::size_t s = 0; s < a.size(); ++s)
     for (std::size_t t = 0; t < a[s].labels.size(); ++t) {
-      EXPECT_NEAR(a[s].marginals[t], b[s].marginals[t], 1e-3);
+      largest = std::max(largest, std::abs(a[s].marginals[t] - b[s].marginals[t]));
+      same += a[s].labels[t] == b[s].labels[t];
       same_bf16 += a[s].labels[t] == c[s].labels[t], ++tokens;
     }
-  }
+  EXPECT_LT(largest, 1e-2);
+  EXPECT_GE(same, tokens * 995 / 1000);
   EXPECT_GE(same_bf16, tokens * 98 / 100);
   // And training on CUDA learns as on the CPU.
   NeuralTaggerOptions o = small_options();
