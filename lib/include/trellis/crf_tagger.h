@@ -32,7 +32,7 @@ struct ColumnLayout {
                               const std::string& source);
   // Input columns 0..n-1, then the label: the layout of every model written before layouts were stored.
   static ColumnLayout inputs_then_label(std::size_t inputs);
-  std::vector<std::size_t> ignored() const;
+  std::vector<std::size_t> ignored() const;  // the columns that are neither an input nor the label
   std::string describe() const;  // e.g. "3 columns: inputs 0, label 1, ignored 2"
 
   // The corpus with each row reduced to the input columns, followed by the label when the file has it. The file
@@ -41,31 +41,38 @@ struct ColumnLayout {
   ConllCorpus project(const ConllCorpus& corpus, bool* has_labels = nullptr) const;
 };
 
+// One sentence as tagged by CrfTagger::tag (or one of CrfTagger::tag_kbest's sequences).
 struct TaggedSentence {
   std::vector<std::string> labels;   // best label sequence
   std::vector<double> marginals;     // P(y_t = labels[t] | x) per token, when asked for
   double probability = 0;            // P(labels | x), when marginals were asked for
 };
 
+// A trained (or zero-initialised) CRF tagger: labels, feature dictionary, feature extractor and weights. Move-only.
+// tag() and tag_kbest() may run on one tagger from several threads at once; to(), set_layout() and writes to the
+// parameter tensors need it to themselves.
 class CrfTagger {
  public:
   // A model with zero weights over the given labels and features.
   CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
             std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns);
 
-  const std::vector<std::string>& labels() const { return labels_; }
-  const std::vector<std::string>& features() const;
-  const FeatureExtractor& extractor() const { return *extractor_; }
-  std::size_t input_columns() const { return input_columns_; }
+  const std::vector<std::string>& labels() const { return labels_; }  // label names, in id order
+  const std::vector<std::string>& features() const;                    // feature strings, in id order (rows of weights)
+  const FeatureExtractor& extractor() const { return *extractor_; }    // what turns tokens into feature strings
+  std::size_t input_columns() const { return input_columns_; }         // columns of a sentence given to tag()
   // The CoNLL layout of the training data (stored in the model file); inputs_then_label(input_columns()) until set.
   const ColumnLayout& layout() const { return layout_; }
   void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
   int64_t label_id(const std::string& label) const;  // -1 when unknown
 
   // Parameters, float32 on CPU unless moved with to(): weights [F,K], transitions [K,K], start [K], end [K].
-  at::Tensor weights, transitions, start, end;
-  std::vector<at::Tensor> parameters() const { return {weights, transitions, start, end}; }
-  void to(const at::Device& device);
+  at::Tensor weights;      // [F,K]: each feature's score for each label
+  at::Tensor transitions;  // [K,K]: transitions[i][j] scores label i followed by label j
+  at::Tensor start;        // [K]: score of the first label
+  at::Tensor end;          // [K]: score of the last label
+  std::vector<at::Tensor> parameters() const { return {weights, transitions, start, end}; }  // handles, shared
+  void to(const at::Device& device);  // moves the parameters (detached) to `device`: tagging then runs there
 
   // Encodes sentences (input columns only). gold, if given, holds each sentence's label strings; an unknown label is
   // an error naming the sentence and token. encode() and potentials() serve the library's trainer: EncodedBatch is
@@ -77,17 +84,18 @@ class CrfTagger {
 
   // A sentence that no label sequence can take (every path has a weight of -inf) is an Error naming it.
   std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
+  // Bytes of k-best tables tag_kbest() holds at once: it cuts its batches to stay within them.
+  static constexpr int64_t kMaxKBestBytes = int64_t{1} << 30;
   // The k most probable label sequences of each sentence, best first, each with its probability (no marginals);
   // fewer when a sentence has fewer label sequences. k >= 1; an Error when one sentence's k-best tables alone would
-  // exceed kMaxKBestBytes.
-  static constexpr int64_t kMaxKBestBytes = int64_t{1} << 30;
+  // exceed kMaxKBestBytes. The k-best search runs on the CPU.
   std::vector<std::vector<TaggedSentence>> tag_kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const;
 
   // Model file: self-describing (magic, format version, labels, feature set, dictionary, weights, checksum),
   // written to a temporary file and renamed. Loading a corrupt, truncated or foreign file is an Error naming it, and
   // so are weights that are not finite and counts the file's length cannot hold.
   void save(const std::string& path) const;
-  static CrfTagger load(const std::string& path);
+  static CrfTagger load(const std::string& path);  // a model written by save(), on the CPU
 
  private:
   std::vector<std::string> labels_;
