@@ -32,12 +32,6 @@ assert a[:head] == b[:head], "the labels, features or layout differ"
 x, y = (np.frombuffer(f[head:-8], np.float32).astype(np.float64) for f in (a, b))
 assert np.abs(x - y).max() <= tol * np.abs(x).max(), f"weights differ by {np.abs(x - y).max()} (largest {np.abs(x).max()})"
 EOF
-# same_objectives A B: the iteration lines' objectives within 1e-4 relative (float32 sums in another order).
-same_objectives() {
-  paste <(grep '^iter ' "$1" | awk '{print $4}') <(grep '^iter ' "$2" | awk '{print $4}') |
-    awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-4 * ($1 < 0 ? -$1 : $1)) bad = 1; n++ }
-         END { exit bad || n == 0 }'
-}
 parameters() { "$trellis" crf dump "$1" | sed -n 's/^parameters: //p'; }
 
 check() {  # check NAME WORLD LAUNCHER TOLERANCE train-options...

@@ -37,3 +37,10 @@ run() {
   for r in "${pids[@]}"; do wait "$r" || rc=1; done
   return $rc
 }
+# same_objectives A B: the "iter" lines of two crf train logs have objectives within 1e-4 relative (float32 sums in
+# another order).
+same_objectives() {
+  paste <(grep '^iter ' "$1" | awk '{print $4}') <(grep '^iter ' "$2" | awk '{print $4}') |
+    awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-4 * ($1 < 0 ? -$1 : $1)) bad = 1; n++ }
+         END { exit bad || n == 0 }'
+}

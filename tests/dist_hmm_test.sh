@@ -102,5 +102,31 @@ grep -q "rank 0 of 3: cannot join the process group at 127.0.0.1:$port within 3 
   fail "a rank that never joins: rank 0's message: $(cat never.0.txt)"
 [ ! -e never.h5 ] && ok || fail "a rank that never joins: an output was written"
 
+# A rank killed in the middle of EM (launched without torchrun, whose agent would stop the others itself): the others
+# stop at once with an error naming the failed collective; a rank that stops answering (SIGSTOP): at the timeout.
+for signal in KILL STOP; do
+  port=$(free_port)
+  pids=()
+  for r in 0 1 2; do
+    TRELLIS_DIST_TIMEOUT=3 RANK=$r WORLD_SIZE=3 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      "$trellis" hmm fit -d dev.h5 -o dead.h5 --states 4 --max-iterations 1000000 --tolerance 0 >/dev/null 2>"dead.$r.txt" &
+    pids+=($!)
+  done
+  ( sleep 60 && kill -KILL "${pids[@]}" ) 2>/dev/null &
+  watchdog=$!
+  sleep 3
+  kill -"$signal" "${pids[2]}"
+  start=$SECONDS
+  wait "${pids[0]}"; rc0=$?
+  wait "${pids[1]}"; rc1=$?
+  kill -KILL "${pids[2]}" 2>/dev/null; wait "${pids[2]}" 2>/dev/null
+  kill "$watchdog" 2>/dev/null
+  ((rc0 != 0 && rc1 != 0 && SECONDS - start < 20)) && ok ||
+    fail "rank 2 stopped by SIG$signal: the others exited $rc0 $rc1 after $((SECONDS - start)) s"
+  grep -q "rank 0 of 3: .* over the process group failed (another rank has probably stopped" dead.0.txt && ok ||
+    fail "rank 2 stopped by SIG$signal: rank 0's message: $(cat dead.0.txt)"
+  [ ! -e dead.h5 ] && ok || fail "rank 2 stopped by SIG$signal: a model was written"
+done
+
 echo "passed $passed, failed $failed"
 ((failed == 0))

@@ -289,6 +289,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         // Rank 0 receives the other ranks' results in dataset order. A write that fails on rank 0 still receives
         // the rest, so that no rank waits on a send rank 0 never matches.
         std::optional<std::string> write_failure;
+        const auto assembly = Clock::now();
         if (rank == 0) {
           const auto& offsets = data.offsets();
           for (int r = 1; r < world; ++r) {
@@ -315,6 +316,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             out->commit();
           else if (!write_failure)
             write_failure = failure_of([&] { out->commit(); });
+          sum.assembly_seconds = since(assembly);
         } else {
           for (const Results& k : kept) {
             group->send(k.scores, 0);

@@ -42,6 +42,7 @@ struct InferSummary {
   int64_t sequences = 0, tokens = 0;
   double log_likelihood = 0;  // total over the dataset
   double seconds = 0;
+  double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
 };
 // Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
 // Data-parallel: every rank computes its share and rank 0 alone writes the file, receiving the other ranks' results in
