@@ -301,6 +301,50 @@ TEST(NeuralTagger, PretrainedVectorsSetTheEmbeddingSizeAndJoinTheVocabulary) {
   std::remove(vectors.c_str());
 }
 
+TEST(NeuralTagger, ChunkLabelsAreDecodedWithinTheirScheme) {
+  // BIO chunks. An untrained model (a learning rate of almost nothing) has no preference: unconstrained, its 50 best
+  // sequences of 4 tokens would include I-X after O or after another type.
+  LabeledSentences train;
+  train.source = "chunks";
+  const std::vector<std::vector<std::string>> words{{"the", "big", "cat"}, {"sees"}, {"a", "dog"}, {"in"}, {"."}};
+  const std::vector<std::string> types{"NP", "VP", "NP", "PP", "O"};
+  for (int s = 0; s < 20; ++s) {
+    TokenRows rows;
+    std::vector<std::string> labels;
+    for (std::size_t c = 0; c < words.size(); ++c)
+      for (std::size_t w = 0; w < words[c].size(); ++w) {
+        rows.push_back({words[c][w]});
+        labels.push_back(types[c] == "O" ? "O" : (w == 0 ? "B-" : "I-") + types[c]);
+      }
+    train.inputs.push_back(rows);
+    train.labels.push_back(labels);
+  }
+  NeuralTaggerOptions o = small_options();
+  o.epochs = 1;
+  o.learning_rate = 1e-9;
+  std::vector<NeuralEpoch> epochs;
+  const NeuralTagger m = train_neural_tagger(train, &train, nullptr, o, [&](const NeuralEpoch& e) { epochs.push_back(e); });
+  EXPECT_NE(m.describe().find("decoding constraints: BIO"), std::string::npos) << m.describe();
+  ASSERT_TRUE(epochs.at(0).dev_f1.has_value());  // chunk labels: F1 beside accuracy
+  std::mt19937_64 rng(3);
+  std::vector<TokenRows> sentences(10);
+  for (auto& rows : sentences)
+    for (int t = 0; t < 4; ++t) rows.push_back({"w" + std::to_string(rng() % 1000)});
+  std::vector<const TokenRows*> p;
+  for (const auto& r : sentences) p.push_back(&r);
+  const auto valid = [](const std::vector<std::string>& labels) {
+    for (std::size_t t = 0; t < labels.size(); ++t)
+      if (labels[t][0] == 'I' && (t == 0 || labels[t - 1] == "O" || labels[t - 1].substr(2) != labels[t].substr(2)))
+        return false;
+    return true;
+  };
+  for (const auto& s : m.tag(p)) EXPECT_TRUE(valid(s.labels));
+  for (const auto& alternatives : m.tag_kbest(p, 50)) {
+    EXPECT_EQ(alternatives.size(), 50u);
+    for (const auto& s : alternatives) EXPECT_TRUE(valid(s.labels));
+  }
+}
+
 TEST(NeuralTagger, CudaAgreesWithTheCpu) {
   TRELLIS_REQUIRE_CUDA();
   const std::string path = temp_path("cuda.ncrf");
