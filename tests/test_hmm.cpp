@@ -216,6 +216,16 @@ TEST(GaussianHMM, VariancesTooSmallForTheComputationsTypeAreErrorsNotNaN) {
   EXPECT_THROW(posteriors(m, x), Error);
 }
 
+TEST(GaussianHMM, Float32EmissionScoresStayExactForDataFarFromZero) {
+  GaussianHMM m = GaussianHMM::random(3, 4, 5);
+  m.means = m.means + 1000.0;
+  m.variances = at::full_like(m.variances, 0.3);
+  const at::Tensor x = randn({2, 6, 4}, at::kDouble, 1.0) + 1000.0;
+  const at::Tensor exact = m.emission_scores(x, {});
+  const at::Tensor single = m.to(at::TensorOptions().dtype(at::kFloat)).emission_scores(x.to(at::kFloat), {});
+  EXPECT_LT((single.to(at::kDouble) - exact).abs().max().item<double>(), 1e-3);
+}
+
 TEST(HMMCuda, MatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
   const CategoricalHMM m = CategoricalHMM::random(5, 7, 10);

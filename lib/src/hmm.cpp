@@ -239,8 +239,13 @@ at::Tensor GaussianHMM::emission_scores(const at::Tensor& observations, const at
                 " is too small: 1/variance or mean²/variance overflows (compute in float64, or give the state a larger "
                 "variance)");
   }
-  const at::Tensor constant = num_features() * std::log(2 * M_PI) + variances.log().sum(1) + scaled_means.sum(1);
-  const at::Tensor quad = at::matmul(x * x, precision.t()) - 2 * at::matmul(x, (means * precision).t());
+  // The expanded form cancels: data and means far from 0 (x ≈ μ ≈ 1000, σ² ≈ 0.3) leave float32 with no correct digit.
+  // Both are measured from the states' average mean first, so the GEMMs see only the spread around it.
+  const at::Tensor centre = means.mean(0);
+  const at::Tensor centred_means = means - centre, xc = x - centre;
+  const at::Tensor constant =
+      num_features() * std::log(2 * M_PI) + variances.log().sum(1) + (centred_means * centred_means * precision).sum(1);
+  const at::Tensor quad = at::matmul(xc * xc, precision.t()) - 2 * at::matmul(xc, (centred_means * precision).t());
   const at::Tensor scores = -0.5 * (quad + constant);
   if (!lengths.defined()) return scores;
   return scores * valid_mask(x, lengths).unsqueeze(-1).to(scores.dtype());  // padding may hold anything finite
