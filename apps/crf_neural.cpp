@@ -95,11 +95,11 @@ int train(const std::vector<std::string>& args) {
        "(default: those before the label column)")
       ("epochs", po::value(&o.epochs)->default_value(o.epochs), "maximum epochs")
       ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch (bucketed by length)")
-      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate), "Adam learning rate")
-      ("lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay), "learning rate factor per epoch")
-      ("clip", po::value(&o.clip)->default_value(o.clip), "gradient norm clipping (0: off)")
-      ("dropout", po::value(&o.dropout)->default_value(o.dropout), "dropout on inputs, between layers and before the emissions")
-      ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout),
+      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.002"), "Adam learning rate")
+      ("lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay, "0.95"), "learning rate factor per epoch")
+      ("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")
+      ("dropout", po::value(&o.dropout)->default_value(o.dropout, "0.33"), "dropout on inputs, between layers and before the emissions")
+      ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.25"),
        "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")
       ("embedding-dim", po::value(&o.word_dim)->default_value(0), "word embedding size (0: 100, or the --embeddings file's)")
       ("char-dim", po::value(&o.char_dim)->default_value(o.char_dim), "character embedding size (0: no character representation)")
