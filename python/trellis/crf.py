@@ -162,10 +162,10 @@ class CRF(nn.Module):
             `~torch.Tensor`: The log likelihood. This will have size ``(batch_size,)`` if reduction is ``none``,
             ``()`` otherwise. It is differentiable with respect to the emissions and the three parameters.
         """
-        self._validate(emissions, tags=tags, mask=mask)
+        lengths = self._validate(emissions, tags=tags, mask=mask)
         if reduction not in ('none', 'sum', 'mean', 'token_mean'):
             raise ValueError(f'invalid reduction: {reduction}')
-        emissions, lengths = self._batch_major(emissions, mask)
+        emissions = self._batch_major(emissions)
         tags = self._batch_major_tags(tags)
         llh = torch.ops.trellis.crf_log_likelihood(emissions, tags, *self._scores(), None, lengths, True)
 
@@ -201,8 +201,8 @@ class CRF(nn.Module):
             List of list containing the best tag sequence for each batch (each as long as its sequence), or the
             tensor. With constraints, a sequence that no allowed tag sequence fits gets -1 at every position.
         """
-        self._validate(emissions, mask=mask)
-        emissions, lengths = self._batch_major(emissions, mask)
+        lengths = self._validate(emissions, mask=mask)
+        emissions = self._batch_major(emissions)
         paths, _ = torch.ops.trellis.crf_viterbi(emissions, *self._scores(), None, lengths, True,
                                                  *self._constraints_for(emissions))
         if as_tensor:
@@ -237,8 +237,8 @@ class CRF(nn.Module):
         """
         if k < 1:
             raise ValueError(f'k must be at least 1, got {k}')
-        self._validate(emissions, mask=mask)
-        emissions, lengths = self._batch_major(emissions, mask)
+        lengths = self._validate(emissions, mask=mask)
+        emissions = self._batch_major(emissions)
         paths, scores = torch.ops.trellis.crf_kbest(emissions, *self._scores(), None, lengths, k, True,
                                                     *self._constraints_for(emissions))
         if as_tensor:
@@ -272,8 +272,8 @@ class CRF(nn.Module):
             tag_{t+1} = j)``. Not differentiable: for gradients, differentiate :meth:`log_partition` (whose
             gradient with respect to the emissions these marginals are).
         """
-        self._validate(emissions, mask=mask)
-        emissions, lengths = self._batch_major(emissions, mask)
+        lengths = self._validate(emissions, mask=mask)
+        emissions = self._batch_major(emissions)
         unary, pairwise = torch.ops.trellis.crf_marginals(emissions, *self._scores(), None, lengths, True,
                                                           edges, *self._constraints_for(emissions))
         if not self.batch_first:
@@ -292,13 +292,17 @@ class CRF(nn.Module):
             `~torch.Tensor` of size ``(batch_size,)``, differentiable (its gradient with respect to the emissions is
             the marginals).
         """
-        self._validate(emissions, mask=mask)
-        emissions, lengths = self._batch_major(emissions, mask)
+        lengths = self._validate(emissions, mask=mask)
+        emissions = self._batch_major(emissions)
         return torch.ops.trellis.crf_log_partition(emissions, *self._scores(), None, lengths, True,
                                                    *self._constraints_for(emissions))
 
-    def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
-        # pytorch-crf's checks, in its order and with its messages.
+    def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None,
+                  mask: Optional[Tensor] = None) -> Optional[Tensor]:
+        """pytorch-crf's checks, in its order and with its messages; returns each sequence's length (None: all full).
+
+        A mask's values are checked with one transfer to the host (a synchronisation on the GPU), the only one here.
+        """
         if emissions.dim() != 3:
             raise ValueError(f'emissions must have dimension of 3, got {emissions.dim()}')
         if emissions.size(2) != self.num_tags:
@@ -313,24 +317,23 @@ class CRF(nn.Module):
             if emissions.shape[:2] != mask.shape:
                 raise ValueError('the first two dimensions of emissions and mask must match, '
                                  f'got {tuple(emissions.shape[:2])} and {tuple(mask.shape)}')
-            first = mask[:, 0] if self.batch_first else mask[0]
-            if not first.all():
+            on = mask if mask.dtype == torch.bool else mask != 0
+            if not self.batch_first:
+                on = on.transpose(0, 1)
+            # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading
+            # (pytorch-crf would silently score a mixture of the two), so it is refused.
+            first_on, hole = torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()]).tolist()
+            if not first_on:
                 raise ValueError('mask of the first timestep must all be on')
+            if hole:
+                raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is '
+                                 'off')
+            return on.sum(1)
+        return None
 
-    def _batch_major(self, emissions: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-        """The emissions as (batch_size, seq_length, num_tags) and each sequence's length (None: all full)."""
-        if not self.batch_first:
-            emissions = emissions.transpose(0, 1)
-        if mask is None:
-            return emissions, None
-        on = mask != 0
-        if not self.batch_first:
-            on = on.transpose(0, 1)
-        # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading (pytorch-crf
-        # would silently score a mixture of the two), so it is refused.
-        if (on[:, 1:] & ~on[:, :-1]).any():
-            raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is off')
-        return emissions, on.sum(1)
+    def _batch_major(self, emissions: Tensor) -> Tensor:
+        """The emissions as (batch_size, seq_length, num_tags)."""
+        return emissions if self.batch_first else emissions.transpose(0, 1)
 
     def _batch_major_tags(self, tags: Tensor) -> Tensor:
         tags = tags.long()

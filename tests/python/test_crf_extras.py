@@ -251,3 +251,18 @@ def test_validation_applies_to_every_method():
             call()
     with pytest.raises(ValueError, match="expected last dimension of emissions is 3, got 4"):
         crf.marginals(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_mask_checks_in_one_pass(batch_first):
+    """Holes and an off first step are found in any sequence, the first-step error first, for bool and uint8 masks."""
+    crf = trellis.CRF(3, batch_first=batch_first)
+    emissions = torch.randn(4, 5, 3) if batch_first else torch.randn(5, 4, 3)
+    for dtype in (torch.bool, torch.uint8):
+        hole = prefix_mask([5, 3, 4, 2], 5, True, dtype=dtype)
+        hole[1, 4] = 1  # sequence 1 is on at 0-2, off at 3
+        first_off = hole.clone()
+        first_off[3, 0] = 0
+        for mask, message in ((hole, "prefix"), (first_off, "mask of the first timestep must all be on")):
+            with pytest.raises(ValueError, match=message):
+                crf.decode(emissions, mask if batch_first else mask.t().contiguous())
