@@ -60,6 +60,8 @@ import trellis  # noqa: E402  (after the library's path is set)
 device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
 if args.quick:
     args.repeats = min(args.repeats, 3)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a check of the script, often on a busy machine: no workers to wait for
 
 
 def optional_import(name):
@@ -183,9 +185,8 @@ def run_workload(workload, B, T, K, with_mask, dtype):
     def error(value):
         return (value.detach().double() - reference).abs().max().item()
 
-    def leaves():
-        return (emissions.detach().clone().requires_grad_(),
-                [p.detach().clone().requires_grad_() for p in params])
+    def leaves():  # fresh leaves over the same storage: no copies, and gradients assigned rather than accumulated
+        return emissions.detach().requires_grad_(), [p.detach().requires_grad_() for p in params]
 
     # Trellis: the module, the operator it calls, and (below, from the C++ benchmark) the library.
     if decoding:
@@ -202,9 +203,11 @@ def run_workload(workload, B, T, K, with_mask, dtype):
                 lambda: crf.decode(emissions, mask))
             errors["trellis"] = error(op_call()[1])
     else:
-        module_emissions = emissions.detach().clone().requires_grad_()
+        module_emissions = emissions.detach().requires_grad_()
 
-        def module_call():
+        def module_call():  # a training step's: the gradients set to None before it (zero_grad's default)
+            crf.zero_grad()
+            module_emissions.grad = None
             llh = crf(module_emissions, tags, mask, reduction="sum")
             (-llh).backward()
             return llh
@@ -229,9 +232,11 @@ def run_workload(workload, B, T, K, with_mask, dtype):
             with torch.no_grad():
                 times["pytorch-crf"], notes["pytorch-crf"] = measured(peer_call)
         else:
-            peer_emissions = emissions.detach().clone().requires_grad_()
+            peer_emissions = emissions.detach().requires_grad_()
 
             def peer_call():
+                peer.zero_grad()
+                peer_emissions.grad = None
                 llh = peer(peer_emissions, tags, peer_mask, reduction="sum")
                 (-llh).backward()
                 return llh
