@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -411,6 +412,13 @@ void write_attribute(H5::Group& root, const std::string& name, const std::string
   root.createAttribute(name, type, H5::DataSpace(H5S_SCALAR)).write(type, &raw);
 }
 
+// "[2, 3]". By hand: c10::str of sizes, raised through the Python operators, crashed the process on the GPU machine.
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 // A float64 dataset of exactly `shape` (read whole, small).
 at::Tensor read_doubles(const H5::Group& file, const std::string& path, const std::string& name,
                         std::vector<int64_t> shape) {
@@ -422,9 +430,19 @@ at::Tensor read_doubles(const H5::Group& file, const std::string& path, const st
   bool fits = got.size() == shape.size();
   for (std::size_t i = 0; fits && i < shape.size(); ++i) fits = shape[i] < 0 || got[i] == shape[i];
   if (!fits)
-      throw Error(path + ": dataset '" + name + "' has shape " + c10::str(at::IntArrayRef(got)) + ", expected " +
-                  c10::str(at::IntArrayRef(shape)) + " (-1: any size)");
+    throw Error(path + ": dataset '" + name + "' has shape " + shape_text(got) + ", expected " + shape_text(shape) +
+                " (-1: any size)");
   check_readable(path, name, d, sizeof(double));
+  // A chunked dataset whose chunks were never written reads as its fill value: 16 GB of them fit in a file of a few
+  // kilobytes. Compressed parameters shrink far less than ten-thousandfold.
+  double logical = sizeof(double);
+  for (hsize_t n : d) logical *= static_cast<double>(n);
+  const double stored = static_cast<double>(ds.getStorageSize());
+  if (logical > 256.0 * (1 << 20) && stored * 1e4 < logical) {
+    char sizes[96];
+    std::snprintf(sizes, sizeof sizes, "%.3g GB of numbers but the file stores only %.0f bytes", logical / 1e9, stored);
+    throw Error(path + ": dataset '" + name + "' claims " + sizes + " of them (a damaged file)");
+  }
   at::Tensor t = at::empty(got, at::kDouble);
   ds.read(t.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
   return t;
