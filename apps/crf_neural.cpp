@@ -113,6 +113,7 @@ int train(const std::vector<std::string>& args) {
       ("hybrid", po::bool_switch(&hybrid), "add the built-in sparse CRF features to the emissions")
       ("template,t", po::value(&template_path), "add the sparse features of this CRF++ template to the emissions (implies --hybrid)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "hybrid: drop sparse features seen fewer times in training")
+      ("c2", po::value(&o.c2)->default_value(1.0), "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")
       ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
       ("precision", po::value(&o.precision)->default_value("auto"), "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")
       ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")

@@ -236,6 +236,7 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
   EXPECT_NE(message([](auto& o) { o.lr_decay = 0; }).find("--lr-decay must be in (0, 1], not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.char_encoder = "gru"; }).find("--char-encoder must be cnn or bilstm, not 'gru'"),
             std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.c2 = -1; }).find("--c2 must be a finite number >= 0, not -1"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.hidden = 0; }).find("--hidden must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.layers = 0; }).find("--layers must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"), std::string::npos);

@@ -750,6 +750,7 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.patience, 0, "--patience");
   at_least(o.threads, 0, "--threads");
   at_least(o.min_feature_count, 1, "--min-freq");
+  if (!std::isfinite(o.c2) || o.c2 < 0) throw Error("--c2 must be a finite number >= 0, not " + show(o.c2));
   if (o.precision != "auto" && o.precision != "bf16" && o.precision != "fp32")
     throw Error("--precision must be auto, bf16 or fp32, not '" + o.precision + "'");
 }
@@ -1160,6 +1161,13 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
       adam.zero_grad();
       const at::Tensor nll = -m->net->crf->forward(m->net->emissions(b, m->bf16), b.tags, b.mask, "sum");
       (nll / static_cast<double>(b.B)).backward();
+      if (m->hybrid && o.c2 > 0) {
+        // The batch's share (by tokens) of c2·‖w‖², scaled as its log-likelihood is: the gradient only.
+        c10::NoGradGuard no_grad;
+        const at::Tensor& w = m->net->hybrid_weights;
+        w.mutable_grad().add_(w, 2 * o.c2 * static_cast<double>(b.N) / static_cast<double>(train_tokens) /
+                                     static_cast<double>(b.B));
+      }
       if (o.clip > 0) clip_gradient_norm(m->net->parameters(), o.clip);
       adam.step();
       total += nll.detach();

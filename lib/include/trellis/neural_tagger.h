@@ -45,6 +45,7 @@ struct NeuralTaggerOptions {
   std::string precision = "auto";  // "auto" (bf16 encoder on CUDA, fp32 on CPU), "bf16" or "fp32"; the CRF is fp32
   int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
   int min_feature_count = 1;       // hybrid: sparse features seen fewer times in training are dropped
+  double c2 = 1.0;                 // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
 };
 
 struct NeuralEpoch {
