@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Neural CRF tagger benchmark: trains `trellis crf train --encoder ...` on UD English-EWT (UPOS), CoNLL-2000 chunking
 # and WNUT-17 NER, and reports per task the best dev score, the wall time to the best dev epoch, and tagging
-# throughput (`crf tag --timing`), as JSON. WNUT-17 also trains the feature CRF (L-BFGS) for comparison.
+# throughput (`crf tag --timing` on DEVICE for dev and train, on the CPU for dev), as JSON. WNUT-17 also trains the feature CRF (L-BFGS) for comparison.
 #
 # Usage: bench/neural_crf.sh TRELLIS DATA_DIR OUT_DIR [TASK...]
 #   TRELLIS   the trellis binary (build/apps/trellis)
 #   DATA_DIR  the shared data folder (ud-en-ewt/, conll2000/, wnut17/ as in its README)
-#   OUT_DIR   models, logs, tagged files and results.json go here
+#   OUT_DIR   models, logs, tagged files and results-TASKS.json go here
 #   TASK      ewt, conll2000, wnut17 (default: all three)
 # Environment: DEVICE (default cuda), ENCODER (bilstm), FLAGS (more `crf train` flags, e.g. "--hybrid --layers 1"),
 #   CONLL2000_DEV (sentences held out of CoNLL-2000's train.txt as its dev set, default 1000: the folder has no dev).
@@ -42,14 +42,17 @@ run_task() {
   to_best=$(sed -n 's/.*best dev (epoch [0-9]*, \([0-9.]*\) s).*/\1/p' <<<"$done_line")
   acc=$(sed -n 's/.*): acc \([0-9.]*\)%.*/\1/p' <<<"$done_line")
   f1=$(sed -n 's/.* F1 \([0-9.]*\)$/\1/p' <<<"$done_line")
-  local dev_tps train_tps
+  local dev_tps train_tps cpu_tps
   "$trellis" crf tag -m "$model" "$dev" -o "$out/$name.dev.tagged" --device "$device" --timing 2>"$out/$name.tag-dev.log"
   "$trellis" crf tag -m "$model" "$train" -o "$out/$name.train.tagged" --device "$device" --timing 2>"$out/$name.tag-train.log"
+  "$trellis" crf tag -m "$model" "$dev" -o "$out/$name.dev.cpu.tagged" --device cpu --timing 2>"$out/$name.tag-dev-cpu.log"
   dev_tps=$(sed -n 's/.* (\([0-9]*\) tokens\/s.*/\1/p' "$out/$name.tag-dev.log")
+  cpu_tps=$(sed -n 's/.* (\([0-9]*\) tokens\/s.*/\1/p' "$out/$name.tag-dev-cpu.log")
   train_tps=$(sed -n 's/.* (\([0-9]*\) tokens\/s.*/\1/p' "$out/$name.tag-train.log")
-  printf '{"epochs": %s, "best_epoch": %s, "best_dev_accuracy": %s, "best_dev_f1": %s, "seconds_to_best_dev": %s, "train_process_seconds": %.1f, "tag_tokens_per_second_dev": %s, "tag_tokens_per_second_train": %s}' \
+  printf '{"epochs": %s, "best_epoch": %s, "best_dev_accuracy": %s, "best_dev_f1": %s, "seconds_to_best_dev": %s, "train_process_seconds": %.1f, "tag_tokens_per_second_dev": %s, "tag_tokens_per_second_train": %s, "tag_tokens_per_second_dev_cpu": %s}' \
     "$(json_number "$epochs")" "$(json_number "$best_epoch")" "$(json_number "$acc")" "$(json_number "$f1")" \
-    "$(json_number "$to_best")" "$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')" "$(json_number "$dev_tps")" "$(json_number "$train_tps")"
+    "$(json_number "$to_best")" "$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')" "$(json_number "$dev_tps")" \
+    "$(json_number "$train_tps")" "$(json_number "$cpu_tps")"
 }
 
 results=()
@@ -94,4 +97,4 @@ done
     printf ' %s%s\n' "${results[$i]}" "$([ "$i" -lt $((${#results[@]} - 1)) ] && echo ,)"
   done
   echo "}"
-} | tee "$out/results.json"
+} | tee "$out/results-$(IFS=-; echo "${tasks[*]}").json"
