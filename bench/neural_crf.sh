@@ -32,8 +32,11 @@ run_task() {
   local model="$out/$name.ncrf" log="$out/$name.train.log"
   local start end
   start=$(now)
-  "$trellis" crf train --encoder "$encoder" --train "$train" --dev "$dev" -m "$model" --device "$device" \
-    "$@" "${flags[@]}" 2>"$log"
+  if ! "$trellis" crf train --encoder "$encoder" --train "$train" --dev "$dev" -m "$model" --device "$device" \
+    "$@" "${flags[@]}" 2>"$log"; then
+    tail -5 "$log" >&2
+    return 1
+  fi
   end=$(now)
   local done_line best_epoch to_best acc f1 epochs
   done_line=$(grep '^done:' "$log")
