@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "distributed_backends.h"
 #include "trellis/error.h"
@@ -61,7 +62,7 @@ struct DistributedContext::Impl {
   std::string backend = "none";
   at::Device device = at::kCPU;  // where the backend's tensors live
   mutable int64_t checks = 0;   // status checks so far (each posts failures under its own keys)
-  mutable int tag = 0;
+  mutable int64_t barriers = 0;  // wait_for_all calls so far
 
   ~Impl() {
     if (group) {
@@ -140,11 +141,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> DistributedContext::group() const { retur
 
 namespace {
 
-// Waits for a collective's work; a failure (a peer gone, the timeout) becomes an Error naming this rank.
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& who, const char* what,
-          std::chrono::milliseconds timeout) {
+// Starts a collective and waits for it; a failure (a peer gone, the timeout) becomes an Error naming this rank.
+template <class Start>
+void wait(const Start& start, const std::string& who, const char* what, std::chrono::milliseconds timeout) {
   try {
-    work->wait(timeout);
+    start()->wait(timeout);
   } catch (const std::exception& e) {
     throw Error(who + ": " + what + " over the process group failed (another rank has probably stopped: see its "
                 "messages): " + message_of(e));
@@ -164,7 +165,7 @@ void DistributedContext::check_all(const std::optional<std::string>& local_failu
   at::Tensor flags = at::zeros({world_size_}, at::TensorOptions().dtype(at::kInt).device(impl_->device));
   if (local_failure) flags[rank_].fill_(1);
   std::vector<at::Tensor> buffers{flags};
-  wait(impl_->group->allreduce(buffers), describe(), "a status check", timeout_);
+  wait([&] { return impl_->group->allreduce(buffers); }, describe(), "a status check", timeout_);
   const at::Tensor failed = flags.cpu();
   std::string message;
   for (int r = 0; r < world_size_; ++r) {
@@ -205,7 +206,7 @@ void DistributedContext::all_reduce_sum(const std::vector<at::Tensor>& tensors,
     std::vector<at::Tensor> flat;
     for (const at::Tensor& t : group) flat.push_back(t.detach().reshape({-1}).to(impl_->device));
     std::vector<at::Tensor> buffers{at::cat(flat)};
-    wait(impl_->group->allreduce(buffers), describe(), "all_reduce", timeout_);
+    wait([&] { return impl_->group->allreduce(buffers); }, describe(), "all_reduce", timeout_);
     int64_t offset = 0;
     for (const at::Tensor& t : group) {
       const int64_t n = t.numel();
@@ -221,7 +222,7 @@ int64_t DistributedContext::all_reduce_max(int64_t value) const {
   std::vector<at::Tensor> buffers{at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(impl_->device))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  wait(impl_->group->allreduce(buffers, options), describe(), "all_reduce (max)", timeout_);
+  wait([&] { return impl_->group->allreduce(buffers, options); }, describe(), "all_reduce (max)", timeout_);
   return buffers[0].item<int64_t>();
 }
 
@@ -230,7 +231,7 @@ void DistributedContext::broadcast(const at::Tensor& tensor, int root) const {
   std::vector<at::Tensor> buffers{tensor.detach().contiguous().to(impl_->device)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  wait(impl_->group->broadcast(buffers, options), describe(), "broadcast", timeout_);
+  wait([&] { return impl_->group->broadcast(buffers, options); }, describe(), "broadcast", timeout_);
   at::NoGradGuard no_grad;
   if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
@@ -238,7 +239,7 @@ void DistributedContext::broadcast(const at::Tensor& tensor, int root) const {
 void DistributedContext::send(const at::Tensor& tensor, int destination) const {
   if (!impl_->group) throw Error("send: a single process has no other rank");
   std::vector<at::Tensor> buffers{tensor.detach().contiguous().to(impl_->device)};
-  wait(impl_->group->send(buffers, destination, 0), describe(), "send", timeout_);
+  wait([&] { return impl_->group->send(buffers, destination, 0); }, describe(), "send", timeout_);
 }
 
 void DistributedContext::receive(const at::Tensor& tensor, int source) const {
@@ -246,7 +247,7 @@ void DistributedContext::receive(const at::Tensor& tensor, int source) const {
   std::vector<at::Tensor> buffers{tensor.device() == impl_->device && tensor.is_contiguous()
                                       ? tensor
                                       : at::empty(tensor.sizes(), tensor.options().device(impl_->device))};
-  wait(impl_->group->recv(buffers, source, 0), describe(), "receive", timeout_);
+  wait([&] { return impl_->group->recv(buffers, source, 0); }, describe(), "receive", timeout_);
   at::NoGradGuard no_grad;
   if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
@@ -260,6 +261,51 @@ std::optional<std::string> failure_of(const std::function<void()>& work) {
   } catch (const std::exception& e) {
     return message_of(e);
   }
+}
+
+void DistributedContext::mark_progress() const {
+  if (impl_->group) impl_->store->add("progress/" + std::to_string(rank_), 1);
+}
+
+void DistributedContext::signal(const std::string& name) const {
+  if (impl_->group) impl_->store->set("signal/" + std::to_string(impl_->barriers) + "/" + name, std::string("1"));
+}
+
+void DistributedContext::await(const std::string& name, int rank) const {
+  if (!impl_->group) return;
+  const std::string key = "signal/" + std::to_string(impl_->barriers) + "/" + name;
+  const std::string progress = "progress/" + std::to_string(rank);
+  // Polls (a store wait that times out logs a warning each time): the key, and whether `rank` has moved since.
+  int64_t seen = -1;
+  auto last_move = std::chrono::steady_clock::now();
+  auto pause = std::chrono::milliseconds(1);
+  try {
+    while (!impl_->store->check({key})) {
+      const int64_t now_at = impl_->store->add(progress, 0);
+      if (now_at != seen) {
+        seen = now_at;
+        last_move = std::chrono::steady_clock::now();
+      } else if (std::chrono::steady_clock::now() - last_move > timeout_) {
+        throw Error(describe() + ": rank " + std::to_string(rank) + " made no progress in " +
+                    std::to_string(timeout_.count() / 1000) + " s (TRELLIS_DIST_TIMEOUT) while this rank waited for it");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(describe() + ": lost the process group's store while waiting for rank " + std::to_string(rank) +
+                " (it has probably stopped): " + message_of(e));
+  }
+}
+
+void DistributedContext::wait_for_all() const {
+  if (!impl_->group) return;
+  const std::string name = "all/" + std::to_string(++impl_->barriers) + "/";
+  signal(name + std::to_string(rank_));
+  for (int r = 0; r < world_size_; ++r)
+    if (r != rank_) await(name + std::to_string(r), r);
 }
 
 std::vector<int64_t> balanced_shares(const std::vector<int64_t>& weights, int parts) {

@@ -151,6 +151,19 @@ void on_every_rank(const DistributedContext* group, Work&& work) {
   group->check_all(failure_of(std::forward<Work>(work)));
 }
 
+// The same for a rank's share of the work: a rank done early waits for the others as long as they make progress
+// (DistributedContext::wait_for_all), not only for the timeout.
+template <class Work>
+void on_every_rank_after_all(const DistributedContext* group, Work&& work) {
+  if (!group) {
+    work();
+    return;
+  }
+  const std::optional<std::string> failure = failure_of(std::forward<Work>(work));
+  group->wait_for_all();
+  group->check_all(failure);
+}
+
 // Consecutive ranges of the sequences [first, first + count), as HMMDataset::batches cuts the whole dataset: at most
 // max_tokens positions (sequences × longest length) each, a longer sequence alone.
 std::vector<std::pair<int64_t, int64_t>> share_batches(const HMMDataset& data, const DatasetShare& share,
@@ -183,11 +196,12 @@ DatasetShare share_of_rank(const HMMDataset& data, int rank, int world) {
 // Largest id in /observations (categorical) or /labels, by one streaming pass over each rank's share.
 int64_t largest_id(HMMDataset& data, bool labels, int64_t max_tokens, const DistributedContext* group) {
   int64_t top = -1;
-  on_every_rank(group, [&] {
+  on_every_rank_after_all(group, [&] {
     const DatasetShare share = share_of_rank(data, group ? group->rank() : 0, group ? group->world_size() : 1);
     for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
       const SequenceBatch b = data.read(first, count, labels);
       top = std::max(top, (labels ? b.labels : b.observations).max().item<int64_t>());
+      if (group) group->mark_progress();
     }
   });
   return group ? group->all_reduce_max(top) : top;
@@ -260,7 +274,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         };
         std::vector<Results> kept;
         double log_likelihood = 0;
-        on_every_rank(group, [&] {
+        on_every_rank_after_all(group, [&] {
           const DatasetShare share = share_of_rank(data, rank, world);
           for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
             const SequenceBatch b = data.read(first, count);
@@ -284,6 +298,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             sum.tokens += b.lengths.sum().item<int64_t>();
             log_likelihood += ll.sum().item<double>();
             if (progress) progress(sum.sequences, sum.tokens);
+            if (group) group->mark_progress();
           }
         });
         // Rank 0 receives the other ranks' results in dataset order. A write that fails on rank 0 still receives
@@ -293,6 +308,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         if (rank == 0) {
           const auto& offsets = data.offsets();
           for (int r = 1; r < world; ++r) {
+            group->signal("infer/" + std::to_string(r));
             for (const auto& [first, count] : share_batches(data, share_of_rank(data, r, world), max_tokens)) {
               int64_t T = 0;
               for (int64_t i = first; i < first + count; ++i) T = std::max(T, offsets[i + 1] - offsets[i]);
@@ -310,6 +326,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
                   out->append(got.scores[0], got.scores[1], got.paths.to(at::kLong), at::tensor(lengths, at::kLong),
                               got.posteriors);
                 });
+              group->mark_progress();
             }
           }
           if (!group)
@@ -318,6 +335,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             write_failure = failure_of([&] { out->commit(); });
           sum.assembly_seconds = since(assembly);
         } else {
+          group->await("infer/" + std::to_string(rank), 0);  // rank 0 has written the ranks before this one
           for (const Results& k : kept) {
             group->send(k.scores, 0);
             group->send(k.paths, 0);
@@ -326,6 +344,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         }
         if (group) {
           out.reset();  // without commit() its temporary file is removed
+          group->wait_for_all();  // the ranks done sending wait for rank 0 to write the rest
           group->check_all(write_failure);
           at::Tensor totals = at::tensor({static_cast<double>(sum.sequences), static_cast<double>(sum.tokens), log_likelihood},
                                          at::kDouble);
@@ -392,6 +411,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     at::Tensor numbers = at::empty({static_cast<int64_t>(extra.size())}, at::kDouble);
     for (std::size_t i = 0; i < extra.size(); ++i) numbers[i] = *extra[i];
     tensors.push_back(numbers);
+    group->wait_for_all();
     group->all_reduce_sum(tensors, failure);
     for (std::size_t i = 0; i < extra.size(); ++i) *extra[i] = numbers[i].item<double>();
   };
@@ -416,6 +436,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
               for (const auto& [first, count] : ranges) {
                 const SequenceBatch b = data.read(first, count, true);
                 total += trigram_counts(b.observations, b.labels, b.lengths, K, V);
+                if (group) group->mark_progress();
               }
             });
             sum_over_ranks(tensors_of(total), failure);
@@ -443,6 +464,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
               const SequenceBatch b = data.read(first, count, true);
               total += to_double(labelled_statistics(shape.to(opt), b.observations.to(opt.device()),
                                                      b.labels.to(opt.device()), b.lengths.to(opt.device())));
+              if (group) group->mark_progress();
             }
           });
           sum_over_ranks(tensors_of(total), failure);
@@ -468,6 +490,7 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
                 const SequenceBatch b = data.read(first, count);
                 total += to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
                 tokens += static_cast<double>(b.lengths.sum().item<int64_t>());
+                if (group) group->mark_progress();
               }
             });
             sum_over_ranks(tensors_of(total), failure, {&total.log_likelihood, &tokens});

@@ -6,7 +6,8 @@
 // Errors: a local failure on one rank becomes the same Error on every rank at the next collective that carries a
 // status (check_all, all_reduce_sum with a failure), naming the rank and its message ("rank 1 of 3: cannot open
 // data.h5: ..."). A rank that dies makes the others' collectives fail when its connections close, or at the timeout
-// (TRELLIS_DIST_TIMEOUT seconds, default 300), never hang. docs/distributed.md describes the launch and the protocol.
+// (TRELLIS_DIST_TIMEOUT seconds, default 300), never hang; waits that are long by design are bounded by the awaited
+// rank's progress instead (wait_for_all, await). docs/distributed.md describes the launch and the protocol.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -64,6 +65,18 @@ class DistributedContext {
   // Point to point: rank 0 gathering results in order. Shapes and dtypes must agree on both sides.
   void send(const at::Tensor& tensor, int destination) const;
   void receive(const at::Tensor& tensor, int source) const;
+
+  // Waits that are long by design (a rank done before the others, a rank waiting for rank 0 to write the ranks before
+  // it) are bounded by the others' progress rather than by the timeout alone: a rank marks progress (e.g. after each
+  // batch), and a waiter fails only when the rank it waits for has marked none for the timeout.
+  void mark_progress() const;
+  // Collective: returns when every rank has called it, each wait bounded as above. Precedes a collective that would
+  // otherwise wait, with the timeout alone, for the slowest rank.
+  void wait_for_all() const;
+  // A turn that rank `rank` gives: it signals `name`, the others await it (a name is used once between two
+  // wait_for_all calls).
+  void signal(const std::string& name) const;
+  void await(const std::string& name, int rank) const;
 
  private:
   struct Impl;
