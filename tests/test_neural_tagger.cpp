@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -209,6 +210,27 @@ TEST(NeuralTagger, CorruptTruncatedOrForeignModelFilesAreClearErrors) {
   write_bytes(bad, bytes.substr(0, 10));
   what = error_of([&] { NeuralTagger::load(bad); });
   EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (truncated"), std::string::npos) << what;
+
+  // A word_dim past what the file holds, checksum and all: an error before the tables are allocated.
+  {
+    std::string big = bytes;
+    const std::string key = "word_dim=16\n";
+    const std::size_t at = big.find(key);
+    ASSERT_NE(at, std::string::npos);
+    big.replace(at, key.size(), "word_dim=60000\n");  // the hyper-parameter text's stored length changes too
+    const std::size_t length_at = big.rfind("encoder=", at) - sizeof(uint64_t);
+    uint64_t length;
+    std::memcpy(&length, big.data() + length_at, sizeof length);
+    length += std::string("word_dim=60000\n").size() - key.size();
+    std::memcpy(big.data() + length_at, &length, sizeof length);
+    uint64_t h = 1469598103934665603ull;
+    for (std::size_t i = 0; i + sizeof(uint64_t) < big.size(); ++i) h = (h ^ static_cast<unsigned char>(big[i])) * 1099511628211ull;
+    std::memcpy(big.data() + big.size() - sizeof h, &h, sizeof h);
+    write_bytes(bad, big);
+    what = error_of([&] { NeuralTagger::load(bad); });
+    EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (the parameters exceed the file)"), std::string::npos)
+        << what;
+  }
 
   write_bytes(bad, "word POS label\n");
   EXPECT_FALSE(NeuralTagger::is_model_file(bad));

@@ -393,6 +393,7 @@ class Reader {
     t.copy_(values);
   }
   bool done() const { return pos_ == end_; }
+  std::size_t remaining() const { return end_ - pos_; }
   [[noreturn]] void corrupt(const std::string& why) const {
     throw Error("'" + src_ + "': corrupt neural CRF model file (" + why + ")");
   }
@@ -1005,6 +1006,14 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
     }
     m->features = Vocabulary(r.strings("feature"));
     if (!m->features.unique()) r.corrupt("feature list repeats an entry");
+  }
+  {
+    // The embedding tables alone must fit the rest of the file before anything is allocated for them.
+    const double table_bytes =
+        sizeof(float) * (static_cast<double>(m->words.size()) * static_cast<double>(o.word_dim) +
+                         static_cast<double>(m->chars.size()) * static_cast<double>(o.char_dim) +
+                         static_cast<double>(m->hybrid ? m->features.size() : 0) * static_cast<double>(m->labels.size()));
+    if (table_bytes > static_cast<double>(r.remaining())) r.corrupt("the parameters exceed the file");
   }
   m->build_network();
   auto named = m->net->named_parameters(/*recurse=*/true);
