@@ -297,6 +297,35 @@ torch.autograd.gradcheck(lambda e, t: ops.crf_log_partition(e, t, None, None, No
 e_ = em.clone().requires_grad_()
 ops.crf_log_partition(e_, trans, start, end, None, lengths).sum().backward()
 close("d log Z / d emissions = marginals", e_.grad, ref.nodes, 1e-12)
+# Reduced log-likelihoods (their gradients formed in the forward pass): the reductions of the unreduced one, with its
+# gradients, under an upstream gradient other than 1.
+tokens = {"mask": mask.sum(), "lengths": lengths.sum(), "neither": em.shape[0] * em.shape[1]}
+for given in ("mask", "lengths", "neither"):
+    kw = dict(mask=mask if given == "mask" else None, lengths=lengths if given == "lengths" else None)
+    for reduction, divide in (("sum", 1), ("mean", em.shape[0]), ("token_mean", tokens[given])):
+        plain, reduced = grad_inputs(), grad_inputs()
+        ll = ops.crf_log_likelihood(plain[0], tags, *plain[1:], kw["mask"], kw["lengths"])
+        expected = ll.sum() / divide
+        got = ops.crf_log_likelihood(reduced[0], tags, *reduced[1:], kw["mask"], kw["lengths"], reduction=reduction)
+        if got.shape != ():
+            raise SystemExit(f"crf_log_likelihood reduction={reduction} has shape {tuple(got.shape)}")
+        close(f"crf_log_likelihood reduction={reduction} ({given})", got, expected, 1e-12)
+        (2.5 * expected).backward()
+        (2.5 * got).backward()
+        for name, a, b in zip(("emissions", "transitions", "start", "end"), reduced, plain):
+            close(f"d crf_log_likelihood(reduction={reduction}, {given}) / d {name}", a.grad, b.grad, 1e-12)
+e_, t_, s_, n_ = grad_inputs()
+torch.autograd.gradcheck(lambda e, t, s, n: ops.crf_log_likelihood(e, tags, t, s, n, mask, None, reduction="token_mean"),
+                         (e_, t_, s_, n_), nondet_tol=nondet_tol)
+e_ = em.clone().requires_grad_()  # only the emissions differentiated
+ops.crf_log_likelihood(e_, tags, trans, start, end, None, lengths, reduction="mean").backward()
+e2 = em.clone().requires_grad_()
+ops.crf_log_likelihood(e2, tags, trans, start, end, None, lengths).mean().backward()
+close("d crf_log_likelihood(reduction=mean) / d emissions alone", e_.grad, e2.grad, 1e-12)
+with torch.no_grad():
+    close("crf_log_likelihood reduction=sum without autograd",
+          ops.crf_log_likelihood(em, tags, trans, start, end, None, lengths, reduction="sum"),
+          ops.crf_log_likelihood(em, tags, trans, start, end, None, lengths).sum(), 1e-12)
 print("CRF gradients: gradcheck of log-likelihood and log Z w.r.t. emissions, transitions, start and end")
 
 # Half-precision emissions (accumulated and returned in float32), mixed dtypes (promoted), gradients in input dtypes.
@@ -348,6 +377,8 @@ for name, message, fn in [
         ("tags out of range", "tags[0][1] = 3 is outside",
          lambda: ops.crf_log_likelihood(em, bad_tags, trans, None, None, None, None)),
         ("tags shape", "tags have shape", lambda: ops.crf_log_likelihood(em, tags[:, :3], trans, None, None, None, None)),
+        ("reduction", "reduction must be none, sum, mean or token_mean, got 'avg'",
+         lambda: ops.crf_log_likelihood(em, tags, trans, None, None, None, None, reduction="avg")),
         ("transitions shape", "transitions has shape",
          lambda: ops.crf_log_partition(em, torch.randn(K + 1, K + 1, **f64), None, None, None, None)),
         ("integer emissions", "emissions must be float16, bfloat16, float32 or float64",
@@ -448,6 +479,7 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16):
                     dict(c, allowed=allowed, allowed_start=allowed_start, allowed_end=allowed_end))
             opcheck(ops.crf_log_likelihood.default, (ee, y, t_, s_, n_, m, None), c)
             opcheck(ops.crf_log_likelihood.default, (ee, y, t_, None, None, None, lengths), c)
+            opcheck(ops.crf_log_likelihood.default, (ee, y, t_, s_, None, m, None), dict(c, reduction="token_mean"))
             for edges in (False, True):
                 opcheck(ops.crf_marginals.default, (ee, t_, s_, n_, m, None), dict(c, edges=edges, allowed=allowed))
             opcheck(ops.crf_viterbi.default, (ee, t_, s_, n_, None, lengths), dict(c, allowed_end=allowed_end))
@@ -471,6 +503,8 @@ opcheck(ops._crf_score_backward.default, (g, em, tags, trans, start, None, mask,
                                           [True, True, True, False]), test_utils=("test_schema", "test_faketensor"))
 opcheck(ops._crf_score_backward.default, (g, em, None, trans, None, end, None, lengths, True, allowed, None, None,
                                           [True, False, False, True]), test_utils=("test_schema", "test_faketensor"))
+opcheck(ops._crf_score_and_gradients.default, (em, tags, trans, start, None, mask, None, True, None, None, None,
+                                               [True, True, True, False]), test_utils=("test_schema", "test_faketensor"))
 opcheck(ops._semiring_matmul_backward.default, (torch.randn(2, 3, 5, **f64), torch.randn(2, 3, 4, **f64),
                                                 torch.randn(4, 5, **f64), True, [True, True]),
         test_utils=("test_schema", "test_faketensor"))

@@ -14,8 +14,11 @@
 //                     bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None,
 //                     Tensor? allowed_end=None) -> Tensor                                     log Z [B]
 //   crf_log_likelihood(Tensor emissions, Tensor tags, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask,
-//                      Tensor? lengths, bool batch_first=True) -> Tensor             gold score − log Z [B]
-//       Both differentiable w.r.t. emissions, transitions, start and end (_crf_score_backward).
+//                      Tensor? lengths, bool batch_first=True, str reduction="none") -> Tensor
+//       gold score − log Z [B], or its sum, batch mean or mean per token ("sum", "mean", "token_mean": a scalar).
+//       Both differentiable w.r.t. emissions, transitions, start and end (_crf_score_backward). A reduced
+//       log-likelihood forms its gradients in the forward pass (_crf_score_and_gradients: one pass of the library's
+//       chain forward and backward) and its backward only scales them; unreduced, the backward forms the score again.
 //   crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths,
 //                 bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None,
 //                 Tensor? allowed_end=None) -> (Tensor, Tensor)
@@ -71,6 +74,7 @@ using torch::autograd::variable_list;
 using OptionalTensor = std::optional<at::Tensor>;
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Tensors6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 at::Tensor get(const OptionalTensor& t) { return t.value_or(at::Tensor()); }
@@ -270,27 +274,79 @@ at::Tensor crf_log_partition(const at::Tensor& emissions, const at::Tensor& tran
                    {allowed, allowed_start, allowed_end});
 }
 
-at::Tensor crf_log_likelihood(const at::Tensor& emissions, const at::Tensor& tags, const at::Tensor& transitions,
-                              const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
-                              const OptionalTensor& lengths, bool batch_first) {
-  return crf_score(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first), tags, {});
+// What a reduction divides the sum of the [B] scores by: 1 ("sum"), B ("mean"), the tokens ("token_mean": the mask's or
+// the lengths' count, else B·T).
+enum class Reduction { none, sum, mean, token_mean };
+
+Reduction reduction_of(c10::string_view name, const char* what) {
+  if (name == "none") return Reduction::none;
+  if (name == "sum") return Reduction::sum;
+  if (name == "mean") return Reduction::mean;
+  if (name == "token_mean") return Reduction::token_mean;
+  throw trellis::Error(std::string(what) + ": reduction must be none, sum, mean or token_mean, got '" +
+                       std::string(name) + "'");
 }
 
-// Gradients w.r.t. (emissions, transitions, start, end) of Σ grad·score, score as crf_score: the library's own
-// autograd (its fused chain kernels) on the score formed again.
-Tensors4 crf_score_backward(const at::Tensor& grad, const at::Tensor& emissions, const OptionalTensor& tags,
-                            const at::Tensor& transitions, const OptionalTensor& start, const OptionalTensor& end,
-                            const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
-                            const OptionalTensor& allowed, const OptionalTensor& allowed_start,
-                            const OptionalTensor& allowed_end, std::array<bool, 4> want) {
+at::Tensor reduction_divisor(Reduction r, const at::Tensor& score, const at::Tensor& emissions, const OptionalTensor& mask,
+                             const OptionalTensor& lengths) {
+  const at::TensorOptions o = score.options();
+  switch (r) {
+    case Reduction::mean: return at::scalar_tensor(static_cast<double>(score.size(0)), o);
+    case Reduction::token_mean:
+      if (lengths) return lengths->sum().to(o);
+      if (mask) return mask->sum().to(o);
+      return at::scalar_tensor(static_cast<double>(emissions.size(0) * emissions.size(1)), o);
+    default: return at::scalar_tensor(1.0, o);
+  }
+}
+
+at::Tensor crf_log_likelihood(const at::Tensor& emissions, const at::Tensor& tags, const at::Tensor& transitions,
+                              const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+                              const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
+  const Reduction r = reduction_of(reduction, "trellis::crf_log_likelihood");
+  const at::Tensor score = crf_score(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first), tags, {});
+  if (r == Reduction::none) return score;
+  return score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
+}
+
+// The score (crf_score) and its gradients w.r.t. (emissions, transitions, start, end) of Σ grad·score (grad undefined:
+// Σ score), through the library's own autograd (its fused chain kernels).
+std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, const at::Tensor& emissions,
+                                                    const OptionalTensor& tags, const at::Tensor& transitions,
+                                                    const OptionalTensor& start, const OptionalTensor& end,
+                                                    const OptionalTensor& mask, const OptionalTensor& lengths,
+                                                    bool batch_first, const Allowed& allowed, std::array<bool, 4> want) {
   const trellis::AutogradScope scope;
   c10::AutoGradMode grad_on(true);
   const std::vector<at::Tensor> leaves = {leaf(emissions, want[0]), leaf(transitions, want[1]), leaf(get(start), want[2]),
                                           leaf(get(end), want[3])};
   const trellis::ChainInputs in{leaves[0], leaves[1], leaves[2], leaves[3], get(mask), get(lengths), batch_first};
-  const auto g = vector_jacobian(crf_score(in, get(tags), {allowed, allowed_start, allowed_end}), grad, leaves);
+  const at::Tensor score = crf_score(in, get(tags), allowed);
+  const auto g = vector_jacobian(score, grad.defined() ? grad : at::ones_like(score), leaves);
   const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? g[i] : none(emissions); };
-  return {pick(0), pick(1), pick(2), pick(3)};
+  return {score.detach(), {pick(0), pick(1), pick(2), pick(3)}};
+}
+
+// Gradients of Σ grad·score: the score formed again.
+Tensors4 crf_score_backward(const at::Tensor& grad, const at::Tensor& emissions, const OptionalTensor& tags,
+                            const at::Tensor& transitions, const OptionalTensor& start, const OptionalTensor& end,
+                            const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
+                            const OptionalTensor& allowed, const OptionalTensor& allowed_start,
+                            const OptionalTensor& allowed_end, std::array<bool, 4> want) {
+  return score_and_gradients(grad, emissions, tags, transitions, start, end, mask, lengths, batch_first,
+                             {allowed, allowed_start, allowed_end}, want)
+      .second;
+}
+
+// The score [B] and the gradients of its sum, in one pass.
+Tensors5 crf_score_and_gradients(const at::Tensor& emissions, const OptionalTensor& tags, const at::Tensor& transitions,
+                                 const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+                                 const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
+                                 const OptionalTensor& allowed_start, const OptionalTensor& allowed_end,
+                                 std::array<bool, 4> want) {
+  auto [score, g] = score_and_gradients({}, emissions, tags, transitions, start, end, mask, lengths, batch_first,
+                                        {allowed, allowed_start, allowed_end}, want);
+  return std::tuple_cat(std::make_tuple(score), g);
 }
 
 Tensors2 crf_marginals(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
@@ -351,10 +407,12 @@ at::Tensor crf_log_partition_meta(const at::Tensor& emissions, const at::Tensor&
 
 at::Tensor crf_log_likelihood_meta(const at::Tensor& emissions, const at::Tensor&, const at::Tensor& transitions,
                                    const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor&,
-                                   const OptionalTensor&, bool batch_first) {
-  check_emissions_meta(emissions, "trellis::crf_log_likelihood");
-  return at::empty_symint({batch_size(emissions, batch_first)},
-                          score_options(emissions, transitions, start, end, "trellis::crf_log_likelihood"));
+                                   const OptionalTensor&, bool batch_first, c10::string_view reduction) {
+  const char* what = "trellis::crf_log_likelihood";
+  check_emissions_meta(emissions, what);
+  const at::TensorOptions o = score_options(emissions, transitions, start, end, what);
+  if (reduction_of(reduction, what) != Reduction::none) return at::empty({}, o);
+  return at::empty_symint({batch_size(emissions, batch_first)}, o);
 }
 
 Tensors4 crf_score_backward_meta(const at::Tensor&, const at::Tensor& emissions, const OptionalTensor&,
@@ -365,6 +423,20 @@ Tensors4 crf_score_backward_meta(const at::Tensor&, const at::Tensor& emissions,
     return wanted && t.defined() ? at::empty_symint(t.sym_sizes(), t.options()) : none(emissions);
   };
   return {like(want[0], emissions), like(want[1], transitions), like(want[2], get(start)), like(want[3], get(end))};
+}
+
+Tensors5 crf_score_and_gradients_meta(const at::Tensor& emissions, const OptionalTensor& tags, const at::Tensor& transitions,
+                                      const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+                                      const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
+                                      const OptionalTensor& allowed_start, const OptionalTensor& allowed_end,
+                                      std::array<bool, 4> want) {
+  const char* what = "trellis::_crf_score_and_gradients";
+  check_emissions_meta(emissions, what);
+  const at::Tensor score =
+      at::empty_symint({batch_size(emissions, batch_first)}, score_options(emissions, transitions, start, end, what));
+  return std::tuple_cat(std::make_tuple(score), crf_score_backward_meta(score, emissions, tags, transitions, start, end,
+                                                                        mask, lengths, batch_first, allowed,
+                                                                        allowed_start, allowed_end, want));
 }
 
 Tensors2 crf_marginals_meta(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
@@ -406,15 +478,26 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
                             const at::Tensor& transitions, const OptionalTensor& start, const OptionalTensor& end,
                             const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
                             const OptionalTensor& allowed, const OptionalTensor& allowed_start,
-                            const OptionalTensor& allowed_end, std::array<bool, 4> want) {
+                            const OptionalTensor& allowed_end, std::array<bool, 4> want, const std::string& reduction) {
     static const auto partition = find<decltype(crf_log_partition)>("trellis::crf_log_partition");
     static const auto likelihood = find<decltype(crf_log_likelihood)>("trellis::crf_log_likelihood");
+    static const auto both = find<decltype(crf_score_and_gradients)>("trellis::_crf_score_and_gradients");
     at::AutoDispatchBelowADInplaceOrView below;
+    for (std::size_t i = 0; i < want.size(); ++i) ctx->saved_data["want" + std::to_string(i)] = want[i];
+    const Reduction r = tags ? reduction_of(reduction, "trellis::crf_log_likelihood") : Reduction::none;
+    ctx->saved_data["reduced"] = r != Reduction::none;
+    if (r != Reduction::none) {
+      // A scalar result: its gradients are those of Σ score, scaled; formed now, in the pass that forms the score.
+      auto [score, de, dt, ds, dn] = both.call(emissions, tags, transitions, start, end, mask, lengths, batch_first,
+                                               std::nullopt, std::nullopt, std::nullopt, want);
+      const at::Tensor divisor = reduction_divisor(r, score, emissions, mask, lengths);
+      ctx->save_for_backward({de, dt, ds, dn, divisor});
+      return score.sum() / divisor;
+    }
     ctx->save_for_backward({emissions, get(tags), transitions, get(start), get(end), get(mask), get(lengths),
                             get(allowed), get(allowed_start), get(allowed_end)});
     ctx->saved_data["batch_first"] = batch_first;
-    for (std::size_t i = 0; i < want.size(); ++i) ctx->saved_data["want" + std::to_string(i)] = want[i];
-    return tags ? likelihood.call(emissions, *tags, transitions, start, end, mask, lengths, batch_first)
+    return tags ? likelihood.call(emissions, *tags, transitions, start, end, mask, lengths, batch_first, "none")
                 : partition.call(emissions, transitions, start, end, mask, lengths, batch_first, allowed, allowed_start,
                                  allowed_end);
   }
@@ -423,12 +506,19 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
     const auto s = ctx->get_saved_variables();
     std::array<bool, 4> want;
     for (std::size_t i = 0; i < want.size(); ++i) want[i] = ctx->saved_data.at("want" + std::to_string(i)).toBool();
-    auto [de, dt, ds, dn] = op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]), optional(s[5]),
-                                    optional(s[6]), ctx->saved_data.at("batch_first").toBool(), optional(s[7]),
-                                    optional(s[8]), optional(s[9]), want);
+    at::Tensor de, dt, ds, dn;
+    if (ctx->saved_data.at("reduced").toBool()) {
+      const at::Tensor scale = grad[0] / s[4];
+      const auto scaled = [&](std::size_t i) { return want[i] ? (s[i] * scale).to(s[i].scalar_type()) : at::Tensor(); };
+      std::tie(de, dt, ds, dn) = std::make_tuple(scaled(0), scaled(1), scaled(2), scaled(3));
+    } else {
+      std::tie(de, dt, ds, dn) = op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]),
+                                         optional(s[5]), optional(s[6]), ctx->saved_data.at("batch_first").toBool(),
+                                         optional(s[7]), optional(s[8]), optional(s[9]), want);
+    }
     // One entry per forward argument: emissions, tags, transitions, start, end, then the rest.
     return {want[0] ? de : at::Tensor(), {}, want[1] ? dt : at::Tensor(), want[2] ? ds : at::Tensor(),
-            want[3] ? dn : at::Tensor(), {}, {}, {}, {}, {}, {}, {}};
+            want[3] ? dn : at::Tensor(), {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -442,15 +532,21 @@ at::Tensor crf_log_partition_autograd(const at::Tensor& emissions, const at::Ten
                                       const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
                                       const OptionalTensor& allowed_start, const OptionalTensor& allowed_end) {
   return CrfScoreFunction::apply(emissions, OptionalTensor(), transitions, start, end, mask, lengths, batch_first, allowed,
-                                 allowed_start, allowed_end, score_grads_wanted(emissions, transitions, start, end));
+                                 allowed_start, allowed_end, score_grads_wanted(emissions, transitions, start, end),
+                                 std::string("none"));
 }
 
 at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags, const at::Tensor& transitions,
                                        const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
-                                       const OptionalTensor& lengths, bool batch_first) {
+                                       const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
+  const std::array<bool, 4> want = score_grads_wanted(emissions, transitions, start, end);
+  if (!(want[0] || want[1] || want[2] || want[3])) {  // nothing to differentiate: the kernel alone
+    static const auto op = find<decltype(crf_log_likelihood)>("trellis::crf_log_likelihood");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(emissions, tags, transitions, start, end, mask, lengths, batch_first, reduction);
+  }
   return CrfScoreFunction::apply(emissions, OptionalTensor(tags), transitions, start, end, mask, lengths, batch_first,
-                                 OptionalTensor(), OptionalTensor(), OptionalTensor(),
-                                 score_grads_wanted(emissions, transitions, start, end));
+                                 OptionalTensor(), OptionalTensor(), OptionalTensor(), want, std::string(reduction));
 }
 
 // Operators without a gradient: their kernels below autograd, so that their outputs never require grad.
@@ -756,7 +852,7 @@ TORCH_LIBRARY_FRAGMENT(trellis, m) {
         "Tensor? lengths, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
         "Tensor? allowed_end=None) -> Tensor");
   m.def("crf_log_likelihood(Tensor emissions, Tensor tags, Tensor transitions, Tensor? start, Tensor? end, "
-        "Tensor? mask, Tensor? lengths, bool batch_first=True) -> Tensor");
+        "Tensor? mask, Tensor? lengths, bool batch_first=True, str reduction=\"none\") -> Tensor");
   m.def("crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
         "Tensor? lengths, bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None, "
         "Tensor? allowed_end=None) -> (Tensor, Tensor)");
@@ -781,6 +877,10 @@ TORCH_LIBRARY_FRAGMENT(trellis, m) {
   m.def("_crf_score_backward(Tensor grad, Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, "
         "Tensor? end, Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, "
         "Tensor? allowed_end, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The score [B] and the gradients of its sum: a reduced log-likelihood's forward.
+  m.def("_crf_score_and_gradients(Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, Tensor? end, "
+        "Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, Tensor? allowed_end, "
+        "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (observations, log_start, log_transitions, log_emissions, means, variances).
   m.def("_hmm_log_likelihood_backward(Tensor grad, Tensor observations, Tensor log_start, Tensor log_transitions, "
         "Tensor? log_emissions, Tensor? means, Tensor? variances, Tensor? mask, Tensor? lengths, bool batch_first, "
@@ -800,6 +900,7 @@ TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("hmm_viterbi", &hmm_viterbi);
   m.impl("_semiring_matmul_backward", &semiring_matmul_backward);
   m.impl("_crf_score_backward", &crf_score_backward);
+  m.impl("_crf_score_and_gradients", &crf_score_and_gradients);
   m.impl("_hmm_log_likelihood_backward", &hmm_log_likelihood_backward);
 }
 
@@ -816,6 +917,7 @@ TORCH_LIBRARY_IMPL(trellis, Meta, m) {
   m.impl("hmm_viterbi", &hmm_viterbi_meta);
   m.impl("_semiring_matmul_backward", &semiring_matmul_backward_meta);
   m.impl("_crf_score_backward", &crf_score_backward_meta);
+  m.impl("_crf_score_and_gradients", &crf_score_and_gradients_meta);
   m.impl("_hmm_log_likelihood_backward", &hmm_log_likelihood_backward_meta);
 }
 

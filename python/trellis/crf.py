@@ -167,16 +167,8 @@ class CRF(nn.Module):
             raise ValueError(f'invalid reduction: {reduction}')
         emissions = self._batch_major(emissions)
         tags = self._batch_major_tags(tags)
-        llh = torch.ops.trellis.crf_log_likelihood(emissions, tags, *self._scores(), None, lengths, True)
-
-        if reduction == 'none':
-            return llh
-        if reduction == 'sum':
-            return llh.sum()
-        if reduction == 'mean':
-            return llh.mean()
-        tokens = emissions.shape[0] * emissions.shape[1] if lengths is None else lengths.sum()
-        return llh.sum() / tokens
+        # A reduced log-likelihood comes from the operator itself, which then forms the gradients in its forward pass.
+        return torch.ops.trellis.crf_log_likelihood(emissions, tags, *self._scores(), None, lengths, True, reduction)
 
     @overload
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = ..., *,
