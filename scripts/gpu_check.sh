@@ -11,6 +11,12 @@
 #   scale      build the operator library and run the multi-GPU benchmarks (bench/vocab_parallel_head.py) under
 #              torchrun at every world size from 1 to the GPUs present; rows into $OUT/scale.json. Peers' wheels
 #              (liger-kernel) travel in .whl/ (carry it). NVLink multicast stays off in every process.
+#   package    build, the CUDA tests, the CTest suite but the scratch-venv pip install (the Python package's and the
+#              distributed commands' tests, now with a GPU), then the Python benchmarks beside their peers
+#              (bench/crf_python.py, bench/hmm_estimator.py; wheels of pytorch-crf, torch-struct and hmmlearn in
+#              .whl/) and the neural CRF tagger (bench/neural_crf.sh on the corpora carried in .gpu-data/, when
+#              there); results in $OUT/*.json. TRELLIS_PACKAGE_STEPS (default "tests bench neural") picks parts.
+# TRELLIS_GPU_KEEP_BUILD=1 keeps the build folder of an earlier call on a still-warm machine (incremental build).
 # Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
 # Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
 # when any step failed (the benchmarks still run after a failure). While working on one kernel, TRELLIS_GPU_FILTER (a
@@ -25,7 +31,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
 mode=all
 case "${1:-}" in
-  sanitize | bench | scale) mode=$1; shift ;;
+  sanitize | bench | scale | package) mode=$1; shift ;;
 esac
 out="${OUT:-/tmp/trellis-gpu}"
 mkdir -p "$out"
@@ -54,14 +60,14 @@ torch_prefix="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_p
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 echo "mode: $mode"
 
-if [ "$mode" = scale ]; then
+if [ "$mode" = scale ] || [ "$mode" = package ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
 fi
-rm -rf "$build"  # a stale cache silently keeps old paths
+[ "${TRELLIS_GPU_KEEP_BUILD:-0}" = 1 ] || rm -rf "$build"  # a stale cache silently keeps old paths
 step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr"
 if [ "$mode" = scale ]; then
@@ -79,6 +85,30 @@ if [ "$mode" = scale ]; then
   exit 0
 fi
 step build cmake --build "$build" -j "$(nproc)"
+if [ "$mode" = package ]; then
+  parts=" ${TRELLIS_PACKAGE_STEPS:-tests bench neural} "
+  commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export TRELLIS_COMMIT=$commit PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+    TRELLIS_OPS_LIBRARY="$build/lib/libtrellis_ops.so" PYTHONUNBUFFERED=1
+  if [[ $parts == *" tests "* ]]; then
+    step gpu_tests "$build/tests/trellis_tests" --gtest_filter="${TRELLIS_GPU_FILTER:-*Cuda*}"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/gpu_tests.log"
+    step ctest ctest --test-dir "$build" --output-on-failure -j 8 -E '^python_package_pip_install$'
+    grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)|Not Run" "$out/ctest.log"
+  fi
+  if [[ $parts == *" bench "* ]]; then
+    [ -f bench/crf_python.py ] && { step crf_python python3 bench/crf_python.py --out "$out/crf_python.json"; cat "$out/crf_python.log"; }
+    step hmm_estimator python3 bench/hmm_estimator.py --out "$out/hmm_estimator.json" ${TRELLIS_HMM_ESTIMATOR_ARGS:-}
+    cat "$out/hmm_estimator.log"
+  fi
+  if [[ $parts == *" neural "* ]] && [ -d .gpu-data/ud-en-ewt ]; then
+    step neural_crf bash bench/neural_crf.sh "$build/apps/trellis" .gpu-data "$out/neural" ${TRELLIS_NEURAL_TASKS:-ewt}
+    cat "$out/neural_crf.log"
+  fi
+  [ ${#failed[@]} -gt 0 ] && { echo "=== FAILED steps: ${failed[*]} ($SECONDS s in all)"; exit 1; }
+  echo "=== every step ok ($SECONDS s in all)"
+  exit 0
+fi
 ctest_default=1
 [ "$mode" = sanitize ] && ctest_default=0
 if [ "${TRELLIS_GPU_CTEST:-$ctest_default}" = 1 ]; then
