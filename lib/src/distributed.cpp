@@ -287,7 +287,9 @@ void DistributedContext::await(const std::string& name, int rank) const {
         last_move = std::chrono::steady_clock::now();
       } else if (std::chrono::steady_clock::now() - last_move > timeout_) {
         throw Error(describe() + ": rank " + std::to_string(rank) + " made no progress in " +
-                    std::to_string(timeout_.count() / 1000) + " s (TRELLIS_DIST_TIMEOUT) while this rank waited for it");
+                    std::to_string(timeout_.count() / 1000) +
+                    " s (TRELLIS_DIST_TIMEOUT) while this rank waited for it (it may be waiting for another rank in "
+                    "turn: see the messages of all ranks)");
       }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(100));

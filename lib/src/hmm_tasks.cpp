@@ -7,12 +7,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+
+#include <unistd.h>
 
 #include "trellis/atomic_file.h"
 #include "trellis/conll.h"
@@ -164,6 +170,78 @@ void on_every_rank_after_all(const DistributedContext* group, Work&& work) {
   group->check_all(failure);
 }
 
+// The results a rank keeps for rank 0, batch after batch: in memory up to `memory_budget` bytes, the rest in an
+// unlinked temporary file under TMPDIR (or /tmp), so that a share whose results exceed memory still streams through.
+class KeptResults {
+ public:
+  explicit KeptResults(int64_t memory_budget) : budget_(memory_budget) {}
+  ~KeptResults() {
+    if (file_) std::fclose(file_);
+  }
+  KeptResults(const KeptResults&) = delete;
+  KeptResults& operator=(const KeptResults&) = delete;
+
+  void push(std::vector<at::Tensor> tensors) {
+    int64_t bytes = 0;
+    for (auto& t : tensors) {
+      t = t.contiguous();
+      bytes += static_cast<int64_t>(t.nbytes());
+    }
+    if (!file_ && held_ + bytes <= budget_) {
+      held_ += bytes;
+      memory_.push_back(std::move(tensors));
+      return;
+    }
+    if (!file_) open();
+    std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> shapes;
+    for (const auto& t : tensors) {
+      if (std::fwrite(t.data_ptr(), 1, t.nbytes(), file_) != t.nbytes())
+        throw Error("cannot write this rank's results to a temporary file under " + directory() + ": " +
+                    std::strerror(errno));
+      shapes.emplace_back(t.sizes().vec(), t.scalar_type());
+    }
+    spilled_.push_back(std::move(shapes));
+  }
+  // Calls `use` with each batch's tensors, in the order pushed.
+  void for_each(const std::function<void(const std::vector<at::Tensor>&)>& use) {
+    for (const auto& tensors : memory_) use(tensors);
+    if (!file_) return;
+    std::rewind(file_);
+    for (const auto& shapes : spilled_) {
+      std::vector<at::Tensor> tensors;
+      for (const auto& [sizes, type] : shapes) {
+        at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(type));
+        if (std::fread(t.data_ptr(), 1, t.nbytes(), file_) != t.nbytes())
+          throw Error("cannot read this rank's results back from its temporary file under " + directory());
+        tensors.push_back(std::move(t));
+      }
+      use(tensors);
+    }
+  }
+
+ private:
+  static std::string directory() {
+    const char* d = std::getenv("TMPDIR");
+    return d && *d ? d : "/tmp";
+  }
+  void open() {
+    std::string path = directory() + "/trellis-results-XXXXXX";
+    const int fd = ::mkstemp(path.data());
+    if (fd < 0) throw Error("cannot create a temporary file under " + directory() + ": " + std::strerror(errno));
+    ::unlink(path.c_str());  // gone with the process, however it ends
+    file_ = ::fdopen(fd, "w+b");
+    if (!file_) {
+      ::close(fd);
+      throw Error("cannot open a temporary file under " + directory() + ": " + std::strerror(errno));
+    }
+  }
+
+  int64_t budget_, held_ = 0;
+  std::vector<std::vector<at::Tensor>> memory_;
+  std::vector<std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>> spilled_;
+  std::FILE* file_ = nullptr;
+};
+
 // Consecutive ranges of the sequences [first, first + count), as HMMDataset::batches cuts the whole dataset: at most
 // max_tokens positions (sequences × longest length) each, a longer sequence alone.
 std::vector<std::pair<int64_t, int64_t>> share_batches(const HMMDataset& data, const DatasetShare& share,
@@ -272,7 +350,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         struct Results {
           at::Tensor scores, paths, posteriors;
         };
-        std::vector<Results> kept;
+        KeptResults kept(o.memory_budget);
         double log_likelihood = 0;
         on_every_rank_after_all(group, [&] {
           const DatasetShare share = share_of_rank(data, rank, world);
@@ -292,8 +370,11 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             if (rank == 0)
               out->append(ll, v.score, v.path, b.lengths, nodes);
             else
-              kept.push_back({at::stack({ll, v.score}).cpu().to(at::kDouble), v.path.cpu().to(at::kInt),
-                              with_posteriors ? nodes.detach().cpu().to(at::kFloat) : at::Tensor()});
+              kept.push(with_posteriors ? std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
+                                                                  v.path.cpu().to(at::kInt),
+                                                                  nodes.detach().cpu().to(at::kFloat)}
+                                        : std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
+                                                                  v.path.cpu().to(at::kInt)});
             sum.sequences += count;
             sum.tokens += b.lengths.sum().item<int64_t>();
             log_likelihood += ll.sum().item<double>();
@@ -336,11 +417,9 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
           sum.assembly_seconds = since(assembly);
         } else {
           group->await("infer/" + std::to_string(rank), 0);  // rank 0 has written the ranks before this one
-          for (const Results& k : kept) {
-            group->send(k.scores, 0);
-            group->send(k.paths, 0);
-            if (with_posteriors) group->send(k.posteriors, 0);
-          }
+          kept.for_each([&](const std::vector<at::Tensor>& results) {
+            for (const at::Tensor& t : results) group->send(t, 0);
+          });
         }
         if (group) {
           out.reset();  // without commit() its temporary file is removed
