@@ -15,7 +15,8 @@
 #              distributed commands' tests, now with a GPU), then the Python benchmarks beside their peers
 #              (bench/crf_python.py, bench/hmm_estimator.py; wheels of pytorch-crf, torch-struct and hmmlearn in
 #              .whl/) and the neural CRF tagger (bench/neural_crf.sh on the corpora carried in .gpu-data/, when
-#              there); results in $OUT/*.json. TRELLIS_PACKAGE_STEPS (default "tests bench neural") picks parts.
+#              there); results in $OUT/*.json. TRELLIS_PACKAGE_STEPS (default "tests bench neural") picks parts,
+#              TRELLIS_CTEST_REGEX narrows the CTest suite.
 # TRELLIS_GPU_KEEP_BUILD=1 keeps the build folder of an earlier call on a still-warm machine (incremental build).
 # Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
 # Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
@@ -93,7 +94,8 @@ if [ "$mode" = package ]; then
   if [[ $parts == *" tests "* ]]; then
     step gpu_tests "$build/tests/trellis_tests" --gtest_filter="${TRELLIS_GPU_FILTER:-*Cuda*}"
     grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/gpu_tests.log"
-    step ctest ctest --test-dir "$build" --output-on-failure -j 8 -E '^python_package_pip_install$'
+    step ctest ctest --test-dir "$build" --output-on-failure -j 8 -E '^python_package_pip_install$' \
+      ${TRELLIS_CTEST_REGEX:+-R "$TRELLIS_CTEST_REGEX"}
     grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)|Not Run" "$out/ctest.log"
   fi
   if [[ $parts == *" bench "* ]]; then

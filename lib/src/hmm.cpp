@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <type_traits>
 
+#include "message.h"
 #include "trellis/error.h"
 
 namespace trellis {
@@ -21,7 +22,7 @@ void check_chain(const at::Tensor& start, const at::Tensor& transitions, const c
   const int64_t K = transitions.size(0);
   if (transitions.dim() != 2 || transitions.size(1) != K || start.dim() != 1 || start.size(0) != K)
     throw Error(std::string(what) + ": expected log_start [K] and log_transitions [K,K]; got " +
-                c10::str(start.sizes(), ", ", transitions.sizes()));
+                message::text(start.sizes(), ", ", transitions.sizes()));
 }
 
 at::Tensor lengths_or_full(const at::Tensor& observations, const at::Tensor& lengths) {

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "trellis/atomic_file.h"
+#include "message.h"
 #include "trellis/error.h"
 
 // The writers' file driver below fills HDF5's driver table by field name, as laid out by HDF5 1.10 and 1.12 (1.14
@@ -412,13 +413,6 @@ void write_attribute(H5::Group& root, const std::string& name, const std::string
   root.createAttribute(name, type, H5::DataSpace(H5S_SCALAR)).write(type, &raw);
 }
 
-// "[2, 3]". By hand: c10::str of sizes, raised through the Python operators, crashed the process on the GPU machine.
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 // A float64 dataset of exactly `shape` (read whole, small).
 at::Tensor read_doubles(const H5::Group& file, const std::string& path, const std::string& name,
                         std::vector<int64_t> shape) {
@@ -430,7 +424,7 @@ at::Tensor read_doubles(const H5::Group& file, const std::string& path, const st
   bool fits = got.size() == shape.size();
   for (std::size_t i = 0; fits && i < shape.size(); ++i) fits = shape[i] < 0 || got[i] == shape[i];
   if (!fits)
-    throw Error(path + ": dataset '" + name + "' has shape " + shape_text(got) + ", expected " + shape_text(shape) +
+    throw Error(path + ": dataset '" + name + "' has shape " + message::text(at::IntArrayRef(got)) + ", expected " + message::text(at::IntArrayRef(shape)) +
                 " (-1: any size)");
   check_readable(path, name, d, sizeof(double));
   // A chunked dataset whose chunks were never written reads as its fill value: 16 GB of them fit in a file of a few
@@ -546,11 +540,11 @@ void check_gaussian(const at::Tensor& means, const at::Tensor& covars, const std
   const at::Tensor bad_var = ~(at::isfinite(covars) & (covars > 0));
   if (bad_var.any().item<bool>()) {
     throw Error(where + ": " + first_index("covars", bad_var) + " = " +
-                c10::str(covars.masked_select(bad_var)[0].item<double>()) + "; variances must be finite and > 0");
+                message::text(covars.masked_select(bad_var)[0].item<double>()) + "; variances must be finite and > 0");
   }
   const at::Tensor tiny = ~at::isfinite(covars.reciprocal()) | ~at::isfinite(means * means / covars);
   if (tiny.any().item<bool>())
-    throw Error(where + ": " + first_index("covars", tiny) + " = " + c10::str(covars.masked_select(tiny)[0].item<double>()) +
+    throw Error(where + ": " + first_index("covars", tiny) + " = " + message::text(covars.masked_select(tiny)[0].item<double>()) +
                 " is too small: 1/variance or mean²/variance overflows float64");
 }
 
@@ -636,7 +630,7 @@ HMMModelFile load_hmm(const std::string& path) {
       const at::Tensor l = read_doubles(f, path, "state_labels", {K});
       const at::Tensor bad = ~at::isfinite(l) | (l != l.round()) | (l < 0) | (l >= K);
       if (bad.any().item<bool>())
-        throw Error(path + ": " + first_index("state_labels", bad) + " = " + c10::str(l.masked_select(bad)[0].item<double>()) +
+        throw Error(path + ": " + first_index("state_labels", bad) + " = " + message::text(l.masked_select(bad)[0].item<double>()) +
                     " is not a label id in [0, " + std::to_string(K) + ")");
       const at::Tensor ids = l.to(at::kLong);
       out.state_labels.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + K);

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "chain_fused.h"
+#include "message.h"
 #include "scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
@@ -58,7 +59,7 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
   auto same = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
     if (!t.defined()) return;
     if (t.sizes().vec() != shape)
-      throw Error(std::string("CRF: ") + name + " has shape " + c10::str(t.sizes()) + ", expected " + c10::str(shape));
+      throw Error(std::string("CRF: ") + name + " has shape " + message::text(t.sizes()) + ", expected " + message::text(shape));
     if (t.scalar_type() != e.scalar_type() || t.device() != e.device())
       throw Error(std::string("CRF: ") + name + " must have the emissions' dtype and device");
   };
@@ -417,7 +418,7 @@ ChainPotentials constrain(const ChainPotentials& p, const TransitionConstraints&
   auto mask_out = [&](const at::Tensor& scores, const at::Tensor& allowed, const char* name, std::vector<int64_t> shape) {
     if (!allowed.defined()) return scores;
     if (allowed.sizes().vec() != shape || allowed.scalar_type() != at::kBool)
-      throw Error(std::string("constrain: ") + name + " must be a bool tensor of shape " + c10::str(shape));
+      throw Error(std::string("constrain: ") + name + " must be a bool tensor of shape " + message::text(shape));
     const at::Tensor base = scores.defined() ? scores : at::zeros(shape, p.emissions.options());
     return base.masked_fill(~allowed.to(base.device()), kNegInf);
   };

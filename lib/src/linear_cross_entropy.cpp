@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "head_slice.h"
+#include "message.h"
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
 #include "cuda/linear_head.h"  // declarations only: linked and called with TRELLIS_WITH_CUDA
@@ -55,15 +56,15 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   TORCH_CHECK(x.defined() && weight.defined(), "linear head: x and weight are required");
   if (x.dim() < 1) throw Error("linear head: x must have at least one dimension (its last is D)");
   if (weight.dim() != 2)
-    throw Error(c10::str("linear head: weight must be [V, D], got ", weight.sizes()));
+    throw Error(message::text("linear head: weight must be [V, D], got ", weight.sizes()));
   if (weight.size(0) < 1) throw Error("linear head: the vocabulary (weight's first dimension) is empty");
   if (x.size(-1) != weight.size(1))
-    throw Error(c10::str("linear head: x has D=", x.size(-1), " but weight is ", weight.sizes()));
+    throw Error(message::text("linear head: x has D=", x.size(-1), " but weight is ", weight.sizes()));
   if (!supported(x.scalar_type()) || x.scalar_type() != weight.scalar_type())
-    throw Error(c10::str("linear head: x and weight must share one of float32, float64, bfloat16, float16; got ",
+    throw Error(message::text("linear head: x and weight must share one of float32, float64, bfloat16, float16; got ",
                          x.scalar_type(), " and ", weight.scalar_type()));
   if (x.device() != weight.device())
-    throw Error(c10::str("linear head: x is on ", x.device(), " but weight on ", weight.device()));
+    throw Error(message::text("linear head: x is on ", x.device(), " but weight on ", weight.device()));
   Head h;
   h.acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   h.row_shape = x.sizes().vec();
@@ -73,27 +74,27 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   const int64_t V = weight.size(0);
   if (o.bias.defined()) {
     if (o.bias.dim() != 1 || o.bias.size(0) != V)
-      throw Error(c10::str("linear head: bias must be [V] = [", V, "], got ", o.bias.sizes()));
+      throw Error(message::text("linear head: bias must be [V] = [", V, "], got ", o.bias.sizes()));
     if (o.bias.scalar_type() != x.scalar_type() || o.bias.device() != x.device())
       throw Error("linear head: bias must have x's dtype and device");
     h.bias = o.bias.contiguous();
   }
   if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0))
-    throw Error(c10::str("linear head: softcap must be a positive number, got ", *o.softcap));
+    throw Error(message::text("linear head: softcap must be a positive number, got ", *o.softcap));
   h.softcap = o.softcap;
   h.ignore_index = o.ignore_index;
   if (targets.defined()) {
     if (!at::isIntegralType(targets.scalar_type(), /*includeBool=*/false))
-      throw Error(c10::str("linear head: targets must be integers, got ", targets.scalar_type()));
+      throw Error(message::text("linear head: targets must be integers, got ", targets.scalar_type()));
     if (targets.sizes().vec() != h.row_shape)
-      throw Error(c10::str("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
+      throw Error(message::text("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
     if (targets.device() != x.device()) throw Error("linear head: targets must be on x's device");
     h.targets = targets.reshape({-1}).to(at::kLong).contiguous();  // kernels read it through a raw pointer
     if (check_targets) {
       const at::Tensor bad = (h.targets != o.ignore_index) & ((h.targets < 0) | (h.targets >= V));
       if (bad.any().item<bool>()) {
         const int64_t i = bad.nonzero()[0][0].item<int64_t>();
-        throw Error(c10::str("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
+        throw Error(message::text("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
                              " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index, ")"));
       }
     }
@@ -628,8 +629,8 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
                                                        const LossOptions& loss, std::array<bool, 3> want) {
   if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
   if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
-    throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
-  if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
+    throw Error(message::text("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
+  if (!(loss.z_loss >= 0)) throw Error(message::text("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
   c10::NoGradGuard no_grad;
   const Head h = prepare(x, weight, targets, head);
   want[2] = want[2] && h.bias.defined();
@@ -698,7 +699,7 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   const auto rows = [&](const at::Tensor& g, const char* name) {
     if (!g.defined()) return g;
     if (g.numel() != h.rows())
-      throw Error(c10::str("head_statistics_backward: ", name, " has ", g.numel(), " entries for ", h.rows(), " rows"));
+      throw Error(message::text("head_statistics_backward: ", name, " has ", g.numel(), " entries for ", h.rows(), " rows"));
     return g.reshape({-1}).to(h.acc);
   };
   if (!grad_lse.defined() && !grad_entropy.defined() && grad_logprob.defined()) {

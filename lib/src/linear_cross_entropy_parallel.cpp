@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "head_slice.h"
+#include "message.h"
 #include "trellis/error.h"
 
 namespace trellis {
@@ -34,7 +35,7 @@ struct Slice {
 
 Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
   if (!s.group) throw Error("vocabulary-parallel head: no process group");
-  if (weight.dim() != 2) throw Error(c10::str("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
+  if (weight.dim() != 2) throw Error(message::text("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
   Slice out{s.group, s.offset, weight.size(0), s.vocabulary};
   if (s.offset < 0 || s.vocabulary <= 0) {
     const at::Tensor sizes =
@@ -43,7 +44,7 @@ Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
     out.vocabulary = sizes.sum().item<int64_t>();
   }
   if (out.offset < 0 || out.offset + out.size > out.vocabulary)
-    throw Error(c10::str("vocabulary-parallel head: rank ", s.group->getRank(), "'s rows [", out.offset, ", ",
+    throw Error(message::text("vocabulary-parallel head: rank ", s.group->getRank(), "'s rows [", out.offset, ", ",
                          out.offset + out.size, ") lie outside the vocabulary of ", out.vocabulary));
   return out;
 }
@@ -56,7 +57,7 @@ at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t igno
   const at::Tensor bad = valid & ((t < 0) | (t >= s.vocabulary));
   if (check && bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
-    throw Error(c10::str("vocabulary-parallel head: targets[", i, "] = ", t[i].item<int64_t>(),
+    throw Error(message::text("vocabulary-parallel head: targets[", i, "] = ", t[i].item<int64_t>(),
                          " is outside the vocabulary [0, ", s.vocabulary, ") and is not ignore_index (", ignore_index,
                          ")"));
   }
@@ -182,8 +183,8 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
                                                        std::array<bool, 3> want) {
   if (!targets.defined()) throw Error("linear_cross_entropy: targets are required");
   if (!(loss.label_smoothing >= 0 && loss.label_smoothing <= 1))
-    throw Error(c10::str("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
-  if (!(loss.z_loss >= 0)) throw Error(c10::str("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
+    throw Error(message::text("linear_cross_entropy: label_smoothing must be in [0, 1], got ", loss.label_smoothing));
+  if (!(loss.z_loss >= 0)) throw Error(message::text("linear_cross_entropy: z_loss must be >= 0, got ", loss.z_loss));
   c10::NoGradGuard no_grad;
   const bool smoothing = loss.label_smoothing != 0;
   const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;

@@ -13,6 +13,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "message.h"
 #include "trellis/error.h"
 #include "trellis/linear_cross_entropy.h"
 #include "trellis/linear_cross_entropy_parallel.h"
@@ -44,7 +45,7 @@ trellis::LossOptions loss_options(c10::string_view reduction, double label_smoot
 
 void check_temperature(const char* op, double temperature) {
   if (!(std::isfinite(temperature) && temperature > 0))
-    throw trellis::Error(c10::str("trellis.", op, ": temperature must be a positive finite number, got ", temperature));
+    throw trellis::Error(trellis::message::text("trellis.", op, ": temperature must be a positive finite number, got ", temperature));
 }
 
 // The inputs at a sampling temperature τ, whose logits are softcap(x·Wᵀ + b) / τ. Dividing x, the bias and the soft-cap

@@ -323,7 +323,11 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
   const trellis::ChainInputs in{leaves[0], leaves[1], leaves[2], leaves[3], get(mask), get(lengths), batch_first};
   const at::Tensor score = crf_score(in, get(tags), allowed);
   const auto g = vector_jacobian(score, grad.defined() ? grad : at::ones_like(score), leaves);
-  const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? g[i] : none(emissions); };
+  // Fresh tensors, as the Meta kernel gives: a gradient may be a view into a buffer of the library's.
+  const auto pick = [&](std::size_t i) {
+    if (!want[i] || !g[i].defined()) return none(emissions);
+    return g[i].is_contiguous() && g[i].storage_offset() == 0 ? g[i] : g[i].clone(at::MemoryFormat::Contiguous);
+  };
   return {score.detach(), {pick(0), pick(1), pick(2), pick(3)}};
 }
 
