@@ -16,7 +16,8 @@
 #              (bench/crf_python.py, bench/hmm_estimator.py; wheels of pytorch-crf, torch-struct and hmmlearn in
 #              .whl/) and the neural CRF tagger (bench/neural_crf.sh on the corpora carried in .gpu-data/, when
 #              there); results in $OUT/*.json. TRELLIS_PACKAGE_STEPS (default "tests bench neural") picks parts,
-#              TRELLIS_CTEST_REGEX narrows the CTest suite.
+#              TRELLIS_CTEST_REGEX narrows the CTest suite, TRELLIS_BENCHES (default "crf_python hmm_estimator") the
+#              benchmarks.
 # TRELLIS_GPU_KEEP_BUILD=1 keeps the build folder of an earlier call on a still-warm machine (incremental build).
 # Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
 # Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
@@ -99,9 +100,16 @@ if [ "$mode" = package ]; then
     grep -E "tests passed|tests failed|\(Failed\)|\(Skipped\)|Not Run" "$out/ctest.log"
   fi
   if [[ $parts == *" bench "* ]]; then
-    [ -f bench/crf_python.py ] && { step crf_python python3 bench/crf_python.py --out "$out/crf_python.json"; cat "$out/crf_python.log"; }
-    step hmm_estimator python3 bench/hmm_estimator.py --out "$out/hmm_estimator.json" ${TRELLIS_HMM_ESTIMATOR_ARGS:-}
-    cat "$out/hmm_estimator.log"
+    benches=" ${TRELLIS_BENCHES:-crf_python hmm_estimator} "
+    if [[ $benches == *" crf_python "* ]]; then
+      step crf_python python3 bench/crf_python.py --library "$build/lib/libtrellis_ops.so" --trellis-bin "$build/apps/trellis" \
+        --out "$out/crf_python.json"
+      cat "$out/crf_python.log"
+    fi
+    if [[ $benches == *" hmm_estimator "* ]]; then
+      step hmm_estimator python3 bench/hmm_estimator.py --out "$out/hmm_estimator.json" ${TRELLIS_HMM_ESTIMATOR_ARGS:-}
+      cat "$out/hmm_estimator.log"
+    fi
   fi
   if [[ $parts == *" neural "* ]] && [ -d .gpu-data/ud-en-ewt ]; then
     step neural_crf bash bench/neural_crf.sh "$build/apps/trellis" .gpu-data "$out/neural" ${TRELLIS_NEURAL_TASKS:-ewt}
