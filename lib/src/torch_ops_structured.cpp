@@ -80,6 +80,12 @@ using Tensors6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 at::Tensor get(const OptionalTensor& t) { return t.value_or(at::Tensor()); }
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
+// A gradient as the Meta kernels describe it, contiguous from the start of its own storage: the library's autograd may
+// hand back a view into a buffer of its own (a CUDA kernel's packed gradients).
+at::Tensor fresh(const at::Tensor& g) {
+  return g.is_contiguous() && g.storage_offset() == 0 ? g : g.clone(at::MemoryFormat::Contiguous);
+}
+
 // A schema cannot return an undefined tensor: "none" is an empty one.
 at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
@@ -323,11 +329,7 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
   const trellis::ChainInputs in{leaves[0], leaves[1], leaves[2], leaves[3], get(mask), get(lengths), batch_first};
   const at::Tensor score = crf_score(in, get(tags), allowed);
   const auto g = vector_jacobian(score, grad.defined() ? grad : at::ones_like(score), leaves);
-  // Fresh tensors, as the Meta kernel gives: a gradient may be a view into a buffer of the library's.
-  const auto pick = [&](std::size_t i) {
-    if (!want[i] || !g[i].defined()) return none(emissions);
-    return g[i].is_contiguous() && g[i].storage_offset() == 0 ? g[i] : g[i].clone(at::MemoryFormat::Contiguous);
-  };
+  const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? fresh(g[i]) : none(emissions); };
   return {score.detach(), {pick(0), pick(1), pick(2), pick(3)}};
 }
 
@@ -728,7 +730,7 @@ Tensors6 hmm_log_likelihood_backward(const at::Tensor& grad, const at::Tensor& o
   const at::Tensor value = hmm_log_likelihood(leaves[0], leaves[1], leaves[2], optional(leaves[3]), optional(leaves[4]),
                                               optional(leaves[5]), mask, lengths, batch_first);
   const auto g = vector_jacobian(value, grad, leaves);
-  const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? g[i] : none(log_start); };
+  const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? fresh(g[i]) : none(log_start); };
   return {pick(0), pick(1), pick(2), pick(3), pick(4), pick(5)};
 }
 
