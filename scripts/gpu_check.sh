@@ -8,8 +8,10 @@
 #              (bench args, default all) and the HMM throughput runs (scripts/hmm_bench.sh, unless TRELLIS_HMM_BENCH=0)
 #   sanitize   build, the CUDA tests and the three sanitizers: no ctest, no benchmarks
 #   bench      build, the whole ctest suite, the CUDA tests and the benchmarks: no sanitizers
-#   scale      build the operator library and run the multi-GPU benchmarks (bench/vocab_parallel_head.py) under
-#              torchrun at every world size from 1 to the GPUs present; rows into $OUT/scale.json. Peers' wheels
+#   scale      build the operator library and the command line and run the multi-GPU benchmarks under torchrun at
+#              every world size from 1 to the GPUs present: bench/vocab_parallel_head.py (rows into $OUT/scale.json),
+#              then bench/data_parallel_scale.sh (hmm infer/fit, crf train; $OUT/scale_data_parallel.json; needs
+#              .gpu-data/conll2000 carried; TRELLIS_SCALE_DATA_PARALLEL=0 skips it). Peers' wheels
 #              (liger-kernel) travel in .whl/ (carry it). NVLink multicast stays off in every process.
 #   package    build, the CUDA tests, the CTest suite but the scratch-venv pip install (the Python package's and the
 #              distributed commands' tests, now with a GPU), then the Python benchmarks beside their peers
@@ -73,7 +75,7 @@ fi
 step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr"
 if [ "$mode" = scale ]; then
-  step build cmake --build "$build" -j "$(nproc)" --target trellis_ops
+  step build cmake --build "$build" -j "$(nproc)" --target trellis_ops trellis_cli
   gpus=$(nvidia-smi --list-gpus | wc -l)
   commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   for ((p = 1; p <= gpus; p++)); do
@@ -82,6 +84,14 @@ if [ "$mode" = scale ]; then
       --library "$build/lib/libtrellis_ops.so" --json "$out/scale.json"
     grep '^{' "$out/scale_p$p.log"
   done
+  # hmm infer/fit and crf train under torchrun at every world size (bench/data_parallel_scale.sh; sizes from
+  # TRELLIS_SCALE_HMM_SIZES where the full ones do not fit the call).
+  if [ "${TRELLIS_SCALE_DATA_PARALLEL:-1}" = 1 ] && [ -f .gpu-data/conll2000/train.txt ]; then
+    step data_parallel env TRELLIS_COMMIT="$commit" timeout -k 30 "${TRELLIS_DATA_PARALLEL_TIMEOUT:-400}" \
+      bash bench/data_parallel_scale.sh "$build/apps/trellis" /tmp/trellis-scale "$out/scale_data_parallel.json" \
+      .gpu-data/conll2000/train.txt
+    cat "$out/data_parallel.log"
+  fi
   [ ${#failed[@]} -gt 0 ] && { echo "=== FAILED steps: ${failed[*]} ($SECONDS s in all)"; exit 1; }
   echo "=== every step ok ($SECONDS s in all)"
   exit 0
