@@ -41,6 +41,7 @@ if [ -n "${TRELLIS_SCALE_HMM_SIZES:-}" ]; then
 fi
 
 now() { date +%s.%N; }
+minus() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a - b }'; }
 launch() {  # launch P ARGS...: the trellis command under torchrun with P processes
   local p=$1
   shift
@@ -48,7 +49,7 @@ launch() {  # launch P ARGS...: the trellis command under torchrun with P proces
 }
 row() {  # row WORKLOAD SHAPE P SECONDS TOKENS SAME
   printf '{"workload": "%s", "shape": "%s", "world_size": %d, "device": "%s", "seconds": %.3f, "tokens": %d, "tokens_per_s": %.1f, "same_as_world_size_1": %s, "commit": "%s"}\n' \
-    "$1" "$2" "$3" "$device" "$4" "$5" "$(echo "$5 / $4" | bc -l)" "$6" "$commit" | tee -a "$out"
+    "$1" "$2" "$3" "$device" "$4" "$5" "$(awk -v t="$5" -v s="$4" 'BEGIN { printf "%.1f", t / s }')" "$6" "$commit" | tee -a "$out"
 }
 same_hdf5() {  # same_hdf5 A B: identical integer datasets, floating ones within 1e-10 relative
   "$python" - "$1" "$2" <<'EOF'
@@ -88,14 +89,14 @@ for size in "${hmm_sizes[@]}"; do
     t1=$(now)
     same=true
     [ "$p" = "${ranks[0]}" ] || same_hdf5 "$work/infer$K.p${ranks[0]}.h5" "$work/infer$K.p$p.h5" 2>/dev/null || same=false
-    row "hmm infer" "K=$K, V=10000, $total tokens" "$p" "$(echo "$t1 - $t0" | bc -l)" "$total" "$same"
+    row "hmm infer" "K=$K, V=10000, $total tokens" "$p" "$(minus "$t1" "$t0")" "$total" "$same"
     t0=$(now)
     launch "$p" hmm fit -d "$work/d$K.h5" -o "$work/fit$K.p$p.h5" --init "$work/m$K.h5" --max-iterations 5 \
       --tolerance 0 --device "$device" --memory-budget 8G >"$work/fit$K.p$p.log" 2>&1
     t1=$(now)
     same=true
     [ "$p" = "${ranks[0]}" ] || same_hdf5 "$work/fit$K.p${ranks[0]}.h5" "$work/fit$K.p$p.h5" 2>/dev/null || same=false
-    row "hmm fit" "K=$K, V=10000, $total tokens, 5 EM iterations" "$p" "$(echo "$t1 - $t0" | bc -l)" \
+    row "hmm fit" "K=$K, V=10000, $total tokens, 5 EM iterations" "$p" "$(minus "$t1" "$t0")" \
       "$((5 * total))" "$same"
   done
   rm -f "$work"/d"$K".h5 "$work"/infer"$K".p*.h5
@@ -116,6 +117,6 @@ for p in "${ranks[@]}"; do
   parameters=$("$trellis" crf dump "$work/crf.p${ranks[0]}.crf" | sed -n 's/^parameters: //p')
   [ "$p" = "${ranks[0]}" ] ||
     same_crf_model "$work/crf.p${ranks[0]}.crf" "$work/crf.p$p.crf" "$parameters" 2>/dev/null || same=false
-  row "crf train" "CoNLL-2000 x$crf_copies, $crf_iterations L-BFGS iterations" "$p" "$(echo "$t1 - $t0" | bc -l)" \
+  row "crf train" "CoNLL-2000 x$crf_copies, $crf_iterations L-BFGS iterations" "$p" "$(minus "$t1" "$t0")" \
     "$((crf_iterations * crf_tokens))" "$same"
 done

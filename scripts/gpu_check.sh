@@ -11,7 +11,7 @@
 #   scale      build the operator library and the command line and run the multi-GPU benchmarks under torchrun at
 #              every world size from 1 to the GPUs present: bench/vocab_parallel_head.py (rows into $OUT/scale.json),
 #              then bench/data_parallel_scale.sh (hmm infer/fit, crf train; $OUT/scale_data_parallel.json; needs
-#              .gpu-data/conll2000 carried; TRELLIS_SCALE_DATA_PARALLEL=0 skips it). Peers' wheels
+#              .gpu-data/conll2000 carried; TRELLIS_SCALE_DATA_PARALLEL=0 skips it, TRELLIS_SCALE_HEAD=0 the head). Peers' wheels
 #              (liger-kernel) travel in .whl/ (carry it). NVLink multicast stays off in every process.
 #   package    build, the CUDA tests, the CTest suite but the scratch-venv pip install (the Python package's and the
 #              distributed commands' tests, now with a GPU), then the Python benchmarks beside their peers
@@ -78,7 +78,7 @@ if [ "$mode" = scale ]; then
   step build cmake --build "$build" -j "$(nproc)" --target trellis_ops trellis_cli
   gpus=$(nvidia-smi --list-gpus | wc -l)
   commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  for ((p = 1; p <= gpus; p++)); do
+  for ((p = 1; p <= gpus && ${TRELLIS_SCALE_HEAD:-1}; p++)); do
     step "scale_p$p" env TRELLIS_COMMIT="$commit" timeout -k 30 "${TRELLIS_SCALE_TIMEOUT:-240}" \
       torchrun --standalone --nproc-per-node="$p" bench/vocab_parallel_head.py \
       --library "$build/lib/libtrellis_ops.so" --json "$out/scale.json"
