@@ -90,10 +90,13 @@ void Progress::update(int64_t done) {
 
 void Progress::finish() { print(); }
 
+// One write per line: the ranks of a torchrun job share the terminal, and pieces of their lines would interleave.
 void Progress::print() {
   const double s = seconds();
-  std::cerr << label_ << ": " << done_ << "/" << total_ << " " << unit_ << " (" << fixed(100.0 * done_ / std::max<int64_t>(total_, 1), 1)
-            << "%), " << fixed(s, 1) << " s, " << fixed(s > 0 ? done_ / s : 0, 0) << " " << unit_ << "/s\n";
+  const std::string line = label_ + ": " + std::to_string(done_) + "/" + std::to_string(total_) + " " + unit_ + " (" +
+                           fixed(100.0 * done_ / std::max<int64_t>(total_, 1), 1) + "%), " + fixed(s, 1) + " s, " +
+                           fixed(s > 0 ? done_ / s : 0, 0) + " " + unit_ + "/s\n";
+  std::cerr << line << std::flush;
 }
 
 }  // namespace trellis::cli
