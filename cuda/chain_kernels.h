@@ -8,15 +8,20 @@ namespace trellis::cuda {
 // Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared memory).
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
-// Fills alpha [B,T,K], pre [B,T,K] (the ⊕ before the emission is added), arg [B,T,K] and end_arg [B] (MaxSemiring
-// only; int64), score [B] and, where tags [B,T] is not empty, loglik [B]: the tagged sequences' log-likelihoods.
+// Fills alpha [B,T,K] (each step minus the largest entry of the step before), pre [B,T,K] (the ⊕ before the emission
+// is added, in the previous alpha's frame), arg [B,T,K] and end_arg [B] (MaxSemiring only; int64), score [B],
+// frame_score [B] (the score in the last alpha's frame) and, where tags [B,T] is not empty, loglik [B]: the tagged
+// sequences' log-likelihoods. Lengths and tags need not have been checked on the host: a sequence whose length is
+// outside [1, T] or whose tags (within its length) are outside [0, K) gets NaN as score, frame_score and loglik.
 template <class S>
 void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                    const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha,
-                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik);
+                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score,
+                   at::Tensor& loglik);
 
-// Given the gradient of the forward's output [B] (score, or loglik with tags), fills grad_emissions [B,T,K] (zero at
-// padding) and sets grad_transitions [K,K], grad_start [K] and grad_end [K].
+// Given the gradient of the forward's output [B] (score, or loglik with tags) and the forward's frame_score as
+// `score`, fills grad_emissions [B,T,K] (zero at padding; NaN for a sequence the forward pass scored NaN) and sets
+// grad_transitions [K,K], grad_start [K] and grad_end [K].
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
                     const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,

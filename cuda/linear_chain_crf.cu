@@ -59,6 +59,24 @@ __device__ T sum_lanes(T v, int R) {
 }
 
 template <class T>
+__device__ T max_lanes(T v, int R) {
+  for (int offset = R / 2; offset > 0; offset /= 2) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// A sequence's length as the kernels use it: lengths outside [1, T] (values the host did not check, to spare a
+// synchronisation) are clamped so that every access stays inside the sequence's rows, and flagged.
+__device__ inline int usable_length(const int64_t* __restrict__ len, int b, int B, int Tn, bool& bad) {
+  if (b >= B) return 0;
+  const int64_t L = len[b];
+  bad = L < 1 || L > Tn;
+  return L < 1 ? 1 : L > Tn ? Tn : static_cast<int>(L);
+}
+
+// Whether a tag can index K labels.
+__device__ inline bool tag_in_range(int64_t y, int K) { return y >= 0 && y < K; }
+
+template <class T>
 std::size_t forward_smem(int64_t K, int spb) {
   return sizeof(T) * (K * ld(K) + spb * K);
 }
@@ -78,8 +96,8 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      const T* __restrict__ end, const int64_t* __restrict__ len,
                                      const int64_t* __restrict__ tags, T* __restrict__ alpha,
                                      T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
-                                     T* __restrict__ score, T* __restrict__ loglik, int B, int Tn, int K, int R,
-                                     int tps, int spb) {
+                                     T* __restrict__ score, T* __restrict__ frame_score, T* __restrict__ loglik, int B,
+                                     int Tn, int K, int R, int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
   T* prev = w + K * ld(K);              // [spb][K]
@@ -88,7 +106,8 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   const int b = blockIdx.x * spb + s;
   const bool lane = b < B && j < K;     // this thread works for label j
   const bool owner = lane && r == 0;    // and writes its results
-  const int L = b < B ? static_cast<int>(len[b]) : 0;
+  bool bad = false;
+  const int L = usable_length(len, b, B, Tn, bad);
   if (threadIdx.x == 0) block_len = 0;
   load_transitions(W, w, K);
   __syncthreads();
@@ -105,24 +124,34 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   const int Lmax = block_len;
   const int terms = (K - r + R - 1) / R;  // this lane's share: i = r, r+R, r+2R, ...
   T e_next = owner && 1 < L ? E[off + K + j] : T(0);  // the next step's emission is loaded a step ahead
+  // Messages of a long sequence fall to about −T·(nats per step), where a float32 keeps only about 1e-2 absolutely:
+  // each alpha_t is stored minus the largest entry of alpha_{t−1} (found in the same pass over it), the shifts summed
+  // in float64. pre_t stays in alpha_{t−1}'s frame, so the backward pass, which only takes their differences, is
+  // unchanged; frame_score is the score in the last alpha's frame.
+  double offset = 0;
   for (int t = 1; t < Lmax; ++t) {
     const bool active = lane && t < L;
     typename S::template Accumulator<T> acc;
+    T largest = T(-INFINITY);
     if (active) {
       acc = S::template reduce<T>(terms, [&](int k) {
         const int i = r + k * R;
+        largest = fmax(largest, ps[i]);
         return S::times(ps[i], w[i * ld(K) + j]);
       });
       if constexpr (S::kIsMax)
         if (acc.index >= 0) acc.index = r + acc.index * R;  // the lane's k-th term is label r + k·R
     }
     acc = merge_lanes<S, T>(acc, R);
+    largest = max_lanes(largest, R);
+    const T shift = isfinite(largest) ? largest : T(0);
+    if (active) offset += shift;
     T a = T(0);
     if (active && r == 0) {
       const T e = e_next;
       if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
-      a = S::times(acc.value(), e);
+      a = S::times(acc.value(), e) - shift;
       pre[o] = acc.value();
       alpha[o] = a;
       if constexpr (S::kIsMax) arg[o] = acc.arg();
@@ -133,13 +162,22 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   }
   if (threadIdx.x % tps == 0 && b < B) {
     const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(ps[k], end[k]); });
-    score[b] = acc.value();
+    const double z = offset + acc.value();
+    const T nan = T(NAN);
     if (tags) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
       const int64_t* y = tags + static_cast<int64_t>(b) * Tn;
-      T g = start[y[0]] + E[off + y[0]] + end[y[L - 1]];
-      for (int t = 1; t < L; ++t) g += w[y[t - 1] * ld(K) + y[t]] + E[off + static_cast<int64_t>(t) * K + y[t]];
-      loglik[b] = g - acc.value();
+      double g = 0;
+      for (int t = 0; t < L && !bad; ++t) {
+        bad = !tag_in_range(y[t], K);  // (y[t - 1] passed this at t − 1)
+        if (bad) break;
+        g += double(t == 0 ? start[y[0]] : w[y[t - 1] * ld(K) + y[t]]) + E[off + static_cast<int64_t>(t) * K + y[t]];
+      }
+      if (!bad) g += end[y[L - 1]];
+      loglik[b] = bad ? nan : static_cast<T>(g - z);
     }
+    // A sequence with a length or tag out of range scores NaN, and so do its gradients (through frame_score).
+    score[b] = bad ? nan : static_cast<T>(z);
+    frame_score[b] = bad ? nan : acc.value();
     if constexpr (S::kIsMax) end_arg[b] = acc.arg();
   }
 }
@@ -163,7 +201,8 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int b = blockIdx.x * spb + s;
   const bool lane = b < B && i < K;
   const bool owner = lane && r == 0;
-  const int L = b < B ? static_cast<int>(len[b]) : 0;
+  bool bad = false;  // (the forward pass made score NaN then: so is every gradient of the sequence)
+  const int L = usable_length(len, b, B, Tn, bad);
   if (threadIdx.x == 0) block_len = 0;
   load_transitions(W, w, K);
   for (int e = threadIdx.x; e < spb * K * ld(K); e += blockDim.x) gw[e] = T(0);
@@ -239,7 +278,7 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   // The tagged sequence's score was subtracted: one thread per sequence takes its indicators off.
   const int64_t* y = tags && b < B ? tags + static_cast<int64_t>(b) * Tn : nullptr;
   if (y && threadIdx.x % tps == 0)
-    for (int t = 0; t < L; ++t) {
+    for (int t = 0; t < L && tag_in_range(y[t], K); ++t) {
       g_em[off + static_cast<int64_t>(t) * K + y[t]] -= gb;
       if (t > 0) gws[y[t - 1] * ld(K) + y[t]] -= gb;
     }
@@ -295,7 +334,8 @@ bool chain_supported(int64_t K, at::ScalarType dtype) {
 template <class S>
 void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                    const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre,
-                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& loglik) {
+                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score,
+                   at::Tensor& loglik) {
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -308,8 +348,8 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
         lengths.data_ptr<int64_t>(), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
         pre.data_ptr<scalar_t>(),
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.R,
-        l.tps, l.spb);
+        score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr,
+        int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_forward");
 }
@@ -353,7 +393,7 @@ void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at:
 #define TRELLIS_INSTANTIATE(S)                                                                                    \
   template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,         \
                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,          \
-                                 at::Tensor&, at::Tensor&, at::Tensor&);                                             \
+                                 at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);                                \
   template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
                                   const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,       \

@@ -323,7 +323,8 @@ TEST(LinearChainCRF, VouchedValuesSkipOnlyTheRangeCheck) {
 
 TEST(LinearChainCRFCuda, Float32AgreesWithFloat64OnLongSequences) {
   TRELLIS_REQUIRE_CUDA();
-  // The CUDA kernels keep messages unshifted, so float32 on long sequences must not drift there either.
+  // Up to 16384 steps the shared-memory kernels run float32 as it is, rebasing their messages each step; beyond, and
+  // on the other CUDA routes past 256 steps, float32 runs in float64. Either way float32 must not drift.
   at::manual_seed(37);
   const int64_t T = 3000;  // messages reach about -8e4, where a float32 keeps about 1e-2
   ChainPotentials p;
@@ -341,9 +342,44 @@ TEST(LinearChainCRFCuda, Float32AgreesWithFloat64OnLongSequences) {
   };
   EXPECT_EQ(log_partition(f).scalar_type(), at::kFloat);
   EXPECT_LT(relative(log_partition(f), log_partition(d)), 1e-6);
+  const at::Tensor tags = at::randint(0, 6, {2, T}, at::kLong).to(at::kCUDA);
+  EXPECT_LT(relative(log_likelihood(f, tags), log_likelihood(d, tags)), 1e-6);
   EXPECT_LT(relative(viterbi(f).score, viterbi(d).score), 1e-6);
   EXPECT_TRUE(at::equal(viterbi(f).path, viterbi(d).path));
   EXPECT_LT((marginals(f).nodes.to(at::kDouble) - marginals(d).nodes).abs().max().item<double>(), 1e-4);
+}
+
+TEST(LinearChainCRFCuda, OutOfRangeTagsAndLengthsGiveNaNWithoutWaitingForTheGpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // The shared-memory kernels check lengths and tags themselves: a bad sequence scores NaN (an Error would need the
+  // host to read the values back), the others are untouched; on the CPU the same input is an Error.
+  ChainPotentials p = random_chain(4, 6, 5);
+  p.lengths = at::tensor({6, 3, 6, 4}, at::kLong);
+  at::Tensor tags = random_tags(p);
+  tags[1][4] = 99;  // padding of sequence 1: never read
+  tags[2][5] = 5;   // sequence 2: out of range
+  tags[3][0] = -1;  // sequence 3: out of range
+  EXPECT_THROW(log_likelihood(p, tags), Error);
+  ChainPotentials g = p;
+  for (at::Tensor* t : {&g.emissions, &g.transitions, &g.start, &g.end}) *t = t->cuda().requires_grad_();
+  g.lengths = p.lengths.cuda();
+  const at::Tensor ll = log_likelihood(g, tags.cuda()).cpu();
+  EXPECT_TRUE(at::isnan(ll[2]).item<bool>() && at::isnan(ll[3]).item<bool>());
+  ChainPotentials good = p;
+  good.emissions = p.emissions.narrow(0, 0, 2);
+  good.lengths = p.lengths.narrow(0, 0, 2);
+  at::Tensor good_tags = tags.narrow(0, 0, 2).clone();
+  good_tags[1][4] = 0;
+  expect_close(ll.narrow(0, 0, 2), log_likelihood(good, good_tags), 1e-5, 1e-5);
+  log_likelihood(g, tags.cuda()).sum().backward();
+  const at::Tensor ge = g.emissions.grad().cpu();
+  EXPECT_TRUE(at::isnan(ge[2]).all().item<bool>() && at::isnan(ge[3]).all().item<bool>());
+  EXPECT_TRUE(at::isfinite(ge.narrow(0, 0, 2)).all().item<bool>());
+  // A length outside [1, T].
+  g.lengths = at::tensor({6, 0, 6, 7}, at::kLong).cuda();
+  const at::Tensor bad_lengths = log_likelihood(g, random_tags(p).cuda()).cpu();
+  EXPECT_TRUE(at::isnan(bad_lengths[1]).item<bool>() && at::isnan(bad_lengths[3]).item<bool>());
+  EXPECT_TRUE(at::isfinite(bad_lengths[0]).item<bool>() && at::isfinite(bad_lengths[2]).item<bool>());
 }
 
 TEST(LinearChainCRFCuda, MatchesCpu) {

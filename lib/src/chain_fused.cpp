@@ -305,7 +305,7 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                             const at::Tensor& tags) {
     const int64_t B = em.size(0);
     at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
-    at::Tensor frame_score = score;  // the CUDA kernels keep alphas unshifted
+    at::Tensor frame_score = at::empty({B}, em.options());
     at::Tensor loglik = at::empty({tags.numel() ? B : 0}, em.options());
     const auto long_opts = em.options().dtype(at::kLong);
     at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
@@ -319,14 +319,15 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
         colmax = w.colmax.view({em.size(2)});
         cuda::scaled_chain_crf_forward(em, trans, scaled, colmax, start, end, lengths, tags,
                                        underflow_threshold(em.scalar_type(), em.size(2)), alpha, pre, score, loglik);
+        frame_score = score;  // the scaled kernel keeps its alphas in the score's frame
       } else {
-        cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, loglik);
+        cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, frame_score,
+                               loglik);
       }
 #else
       throw Error("this Trellis build has no CUDA kernels");
 #endif
     } else {
-      frame_score = at::empty({B}, em.options());
       AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
         forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, frame_score,
                                  loglik);
@@ -370,6 +371,10 @@ bool fused_chain_supported(const at::Tensor& emissions) {
   return backend<S>(emissions) != Backend::kNone;
 }
 
+bool shared_chain_kernels_take(const at::Tensor& emissions) {
+  return backend<LogSemiring>(emissions) == Backend::kCudaShared;
+}
+
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags) {
@@ -386,18 +391,19 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
                    en = end.contiguous(), len = lengths.contiguous(), no_tags = at::empty({0}, len.options());
   const int64_t B = em.size(0), Tn = em.size(1);
   at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options()),
-             loglik = at::empty({0}, em.options()), arg = at::empty(em.sizes(), len.options()),
-             end_arg = at::empty({B}, len.options()), path = at::empty({B, Tn}, len.options());
+             frame_score = at::empty({B}, em.options()), loglik = at::empty({0}, em.options()),
+             arg = at::empty(em.sizes(), len.options()), end_arg = at::empty({B}, len.options()),
+             path = at::empty({B, Tn}, len.options());
   if (em.is_cuda()) {
 #if TRELLIS_WITH_CUDA
-    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, loglik);
+    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
+                                     loglik);
     cuda::chain_backtrace(arg, end_arg, len, path);
 #else
     throw Error("this Trellis build has no CUDA kernels");
 #endif
     return {path, score};
   }
-  at::Tensor frame_score = at::empty({B}, em.options());
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
     forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
                                        loglik);

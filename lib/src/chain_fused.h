@@ -16,12 +16,17 @@ template <class S>
 bool fused_chain_supported(const at::Tensor& emissions);
 
 // score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b];
-// with tags [B,T] (int64, validated), the tagged sequence's score minus that, i.e. the log-likelihood for
-// LogSemiring. emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on
-// that device, values in [1, T].
+// with tags [B,T] (int64), the tagged sequence's score minus that, i.e. the log-likelihood for LogSemiring.
+// emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on that device.
+// Lengths in [1, T] and tags in [0, K) are the caller's to check unless shared_chain_kernels_take the emissions.
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags = {});
+
+// Whether these emissions run on the CUDA kernels whose transitions live in one block's shared memory (any semiring).
+// Those kernels keep each step's messages rebased (float32 stays exact on long sequences) and check lengths and tags
+// themselves: a sequence with either out of range scores NaN, with no synchronisation with the host.
+bool shared_chain_kernels_take(const at::Tensor& emissions);
 
 // Viterbi through the fused MaxSemiring forward and a backtrace of its argmax record (no autograd): the best label
 // sequence [B,T] (int64, -1 at padding) and its score [B]. Same arguments as fused_chain_score.

@@ -48,8 +48,8 @@ at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
 }
 
 // Validates shapes, dtypes and devices, and the values of lengths and tags (if given, and unless the caller vouched
-// for them) with a single host transfer.
-Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
+// for them or the kernels that will run check them on the device) with a single host transfer.
+Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr, bool values_checked_on_device = false) {
   const at::Tensor& e = p.emissions;
   if (!e.defined() || e.dim() != 3) throw Error("CRF: emissions must be a [B,T,K] tensor");
   if (e.scalar_type() != at::kFloat && e.scalar_type() != at::kDouble)
@@ -71,7 +71,7 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr) {
     throw Error("CRF: lengths must be a [B] tensor");
   if (tags && (!tags->defined() || tags->sizes() != at::IntArrayRef{s.B, s.T}))
     throw Error("CRF: tags must be a [B,T] tensor matching the emissions");
-  if (p.values_checked || (!p.lengths.defined() && !tags)) return s;
+  if (p.values_checked || values_checked_on_device || (!p.lengths.defined() && !tags)) return s;
   // min and max of lengths and of the tags at valid positions, in one transfer: [len_min, len_max, tag_min, tag_max].
   std::vector<at::Tensor> stats;
   at::Tensor lengths, y;
@@ -215,12 +215,17 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
 }
 
 // Log-space messages grow to about −T·(nats per step), where float32 keeps only about 1e-2 absolutely. The CPU
-// recursion rebases its messages each step; the CUDA kernels keep them unshifted. Long float32 sequences on the GPU
-// therefore run in float64 and come back in float32 (with autograd through the conversion): marginals stay within
-// 1e-4 of float64 at every length.
-constexpr int64_t kGpuFloat32MaxSteps = 256;
+// recursion and the shared-memory CUDA kernels rebase their messages each step; the other CUDA routes keep them
+// unshifted. Long float32 sequences on those routes therefore run in float64 and come back in float32 (with autograd
+// through the conversion), and so do very long ones on the shared-memory kernels, whose backward pass does not
+// renormalise its adjoints as the CPU's does (rounding drifts by about 2e-9 per step): marginals stay within 1e-4 of
+// float64 at every length.
+constexpr int64_t kGpuFloat32MaxSteps = 256, kGpuRebasedFloat32MaxSteps = 16384;
 bool widened_on_gpu(const ChainPotentials& p) {
-  return p.emissions.is_cuda() && p.emissions.scalar_type() == at::kFloat && p.emissions.size(1) > kGpuFloat32MaxSteps;
+  if (!p.emissions.is_cuda() || p.emissions.scalar_type() != at::kFloat) return false;
+  const int64_t T = p.emissions.size(1);
+  const bool rebased = detail::shared_chain_kernels_take(p.emissions) && p.emissions.size(2) < kScaledMinLabels;
+  return T > (rebased ? kGpuRebasedFloat32MaxSteps : kGpuFloat32MaxSteps);
 }
 ChainPotentials widened(const ChainPotentials& p) {
   ChainPotentials q = p;
@@ -246,7 +251,8 @@ at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
 
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
   if (widened_on_gpu(p)) return log_likelihood(widened(p), tags).to(at::kFloat);
-  const Shape s = check(p, &tags);
+  // A host check of the values would make the host wait for the GPU to finish the work queued so far.
+  const Shape s = check(p, &tags, detail::shared_chain_kernels_take(p.emissions));
   if (!detail::fused_chain_supported<LogSemiring>(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
   // One fused node computes gold score − log Z and its gradient (gold indicators minus marginals).
   return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),

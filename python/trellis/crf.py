@@ -161,6 +161,9 @@ class CRF(nn.Module):
         Returns:
             `~torch.Tensor`: The log likelihood. This will have size ``(batch_size,)`` if reduction is ``none``,
             ``()`` otherwise. It is differentiable with respect to the emissions and the three parameters.
+            A tag outside ``[0, num_tags)`` is an error on the CPU; on a GPU the kernels check tags themselves, so
+            that the call never waits for the device, and such a sequence's log likelihood (and its gradients) is
+            NaN instead.
         """
         lengths = self._validate(emissions, tags=tags, mask=mask)
         if reduction not in ('none', 'sum', 'mean', 'token_mean'):

@@ -19,7 +19,8 @@ struct ChainPotentials {
   at::Tensor end;          // [K] or undefined (zeros): score of the last label
   at::Tensor lengths;      // [B] int64 (any device) or undefined (all T); each in [1, T]
   // Every function checks that lengths and tags lie in range, which on a GPU costs a device-to-host transfer (a
-  // sync). A caller that built them itself, like the trainer in its inner loop, may vouch for them and skip that.
+  // sync; log_likelihood checks on the device where it can, see there). A caller that built them itself, like the
+  // trainer in its inner loop, may vouch for them and skip that.
   bool values_checked = false;
 };
 
@@ -29,7 +30,10 @@ at::Tensor log_partition(const ChainPotentials& p);
 // Total score [B] of the given labels tags [B,T] (int64; padding positions are ignored).
 at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags);
 
-// log p(tags | x) = gold_score - log_partition, [B].
+// log p(tags | x) = gold_score - log_partition, [B]. On CUDA, while the label count fits the shared-memory kernels
+// (K up to about 1000 in float32), lengths and tags are checked by those kernels instead of on the host, so that the
+// call never waits for the GPU: a sequence with a length outside [1, T] or a tag outside [0, K) gets a NaN
+// log-likelihood and NaN gradients rather than an Error. Elsewhere such values are an Error naming the index.
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
 
 // Forward and backward log-messages [B,T,K]: alpha[b,t,k] scores every prefix ending in label k at t (emission at t
