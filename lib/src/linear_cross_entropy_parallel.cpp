@@ -89,26 +89,25 @@ cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bo
   return out;
 }
 
-struct WholeVocabulary {
-  Slice slice;
-  at::Tensor targets;  // local, [N], or undefined
-  cuda::HeadRowStats stats;
-};
-
-WholeVocabulary statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
-                           const HeadOptions& head, const VocabularySlice& vs, bool want_sum, bool want_expected) {
-  c10::NoGradGuard no_grad;
-  WholeVocabulary w{resolve(vs, weight), {}, {}};
-  if (targets.defined()) w.targets = local_targets(targets, w.slice, head.ignore_index);
-  const cuda::HeadRowStats local = head_slice::statistics(x, weight, w.targets, head, want_sum, want_expected);
-  w.stats = merge(w.slice.group, local, targets.defined(), want_sum, want_expected);
-  return w;
-}
-
 std::vector<int64_t> row_shape(const at::Tensor& x) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.pop_back();
   return shape;
+}
+
+// Options kept in an autograd context until backward.
+template <class T>
+struct Held : torch::CustomClassHolder {
+  explicit Held(T v) : value(std::move(v)) {}
+  T value;
+};
+template <class T>
+void hold(torch::autograd::AutogradContext* ctx, const char* name, T value) {
+  ctx->saved_data[name] = c10::IValue::make_capsule(c10::make_intrusive<Held<T>>(std::move(value)));
+}
+template <class T>
+const T& held(torch::autograd::AutogradContext* ctx, const char* name) {
+  return c10::static_intrusive_pointer_cast<Held<T>>(ctx->saved_data.at(name).toCapsule())->value;
 }
 
 struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
@@ -125,9 +124,9 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
     if (f.lse.defined()) ctx->save_for_backward({x, weight, targets, h.bias, f.lse});
     else ctx->save_for_backward({f.dx, f.dweight, f.dbias});
     ctx->saved_data["bias"] = bias.has_value();
-    ctx->saved_data["head"] = c10::IValue::make_capsule(c10::make_intrusive<Held<HeadOptions>>(*head));
-    ctx->saved_data["loss"] = c10::IValue::make_capsule(c10::make_intrusive<Held<LossOptions>>(*loss));
-    ctx->saved_data["slice"] = c10::IValue::make_capsule(c10::make_intrusive<Held<VocabularySlice>>(*slice));
+    hold(ctx, "head", *head);
+    hold(ctx, "loss", *loss);
+    hold(ctx, "slice", *slice);
     return f.loss;
   }
 
@@ -145,36 +144,138 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
                                            held<VocabularySlice>(ctx, "slice"), want);
     return {g[0], g[1], at::Tensor(), g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
+};
 
- private:
-  // Options kept in the autograd context until backward.
-  template <class T>
-  struct Held : torch::CustomClassHolder {
-    explicit Held(T v) : value(std::move(v)) {}
-    T value;
-  };
-  template <class T>
-  static const T& held(torch::autograd::AutogradContext* ctx, const char* name) {
-    return c10::static_intrusive_pointer_cast<Held<T>>(ctx->saved_data.at(name).toCapsule())->value;
+// linear_logsumexp and token_logprobs with autograd: outputs (lse, log-probabilities, entropies), [N] each; an output
+// not asked for is an empty tensor without gradient.
+struct ParallelHeadStatistics : torch::autograd::Function<ParallelHeadStatistics> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& weight, const std::optional<at::Tensor>& targets,
+                                                const std::optional<at::Tensor>& bias, const HeadOptions* head,
+                                                bool with_entropy, const VocabularySlice* slice) {
+    HeadOptions h = *head;
+    h.bias = bias ? *bias : at::Tensor();
+    const at::Tensor t = targets.value_or(at::Tensor());
+    ParallelHeadRows rows = head_statistics_forward(x, weight, t, h, with_entropy, *slice);
+    ctx->save_for_backward({x, weight, t, h.bias, rows.slice_share, rows.slice_expected_logit_excess});
+    ctx->saved_data["bias"] = bias.has_value();
+    hold(ctx, "head", *head);
+    hold(ctx, "slice", *slice);
+    ctx->set_materialize_grads(false);  // an output nobody used has no gradient: nothing to add for it
+    const at::Tensor none = at::empty({0}, rows.lse.options());
+    const at::Tensor logprobs = rows.logprobs.defined() ? rows.logprobs : none;
+    const at::Tensor entropy = rows.entropy.defined() ? rows.entropy : none.clone();
+    if (!rows.logprobs.defined()) ctx->mark_non_differentiable({logprobs});
+    if (!rows.entropy.defined()) ctx->mark_non_differentiable({entropy});
+    return {rows.lse, logprobs, entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto s = ctx->get_saved_variables();
+    HeadOptions head = held<HeadOptions>(ctx, "head");
+    head.bias = s[3];
+    ParallelHeadRows rows;
+    rows.slice_share = s[4];
+    rows.slice_expected_logit_excess = s[5];
+    const at::Tensor& targets = s[2];
+    // needs_input_grad counts the tensor arguments given: bias is the fourth after targets, else the third.
+    const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                      ctx->saved_data.at("bias").toBool() &&
+                                          ctx->needs_input_grad(targets.defined() ? 3 : 2)};
+    auto g = head_statistics_backward(s[0], s[1], targets, head, rows, grad_out[0],
+                                      targets.defined() ? grad_out[1] : at::Tensor(),
+                                      rows.slice_expected_logit_excess.defined() ? grad_out[2] : at::Tensor(),
+                                      held<VocabularySlice>(ctx, "slice"), want);
+    return {g[0], g[1], at::Tensor(), g[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+torch::autograd::variable_list parallel_head_statistics(const at::Tensor& x, const at::Tensor& weight,
+                                                        const at::Tensor& targets, const HeadOptions& head,
+                                                        bool with_entropy, const VocabularySlice& slice) {
+  const auto given = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  return ParallelHeadStatistics::apply(x, weight, given(targets), given(head.bias), &head, with_entropy, &slice);
+}
 
 }  // namespace
 
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head,
                             const VocabularySlice& slice) {
-  return statistics(x, weight, {}, head, slice, false, false).stats.lse.view(row_shape(x));
+  return parallel_head_statistics(x, weight, {}, head, false, slice)[0].view(row_shape(x));
 }
 
 TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                              const HeadOptions& head, bool with_entropy, const VocabularySlice& slice) {
   if (!targets.defined()) throw Error("token_logprobs: targets are required");
-  const WholeVocabulary w = statistics(x, weight, targets, head, slice, false, with_entropy);
-  const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;
+  const auto rows = parallel_head_statistics(x, weight, targets, head, with_entropy, slice);
   TokenLogprobs out;
-  out.logprobs = ((w.stats.target_logit - w.stats.lse) * valid).view(row_shape(x));
-  if (with_entropy) out.entropy = (w.stats.lse - w.stats.expected_logit).view(row_shape(x));
+  out.logprobs = rows[1].view(row_shape(x));
+  if (with_entropy) out.entropy = rows[2].view(row_shape(x));
   return out;
+}
+
+ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                         const HeadOptions& head, bool with_entropy, const VocabularySlice& vs) {
+  c10::NoGradGuard no_grad;
+  const Slice slice = resolve(vs, weight);
+  const at::Tensor local = targets.defined() ? local_targets(targets, slice, head.ignore_index) : at::Tensor();
+  const cuda::HeadRowStats mine = head_slice::statistics(x, weight, local, head, false, with_entropy);
+  const cuda::HeadRowStats whole = merge(slice.group, mine, targets.defined(), false, with_entropy);
+  ParallelHeadRows rows;
+  rows.lse = whole.lse;
+  if (targets.defined()) rows.logprobs = (whole.target_logit - whole.lse) * (targets.reshape({-1}) != head.ignore_index);
+  if (with_entropy) rows.entropy = whole.lse - whole.expected_logit;  // H = lse − Σ p·z
+  rows.slice_share = (mine.lse - whole.lse).exp();
+  if (with_entropy) rows.slice_expected_logit_excess = mine.expected_logit - whole.expected_logit;
+  return rows;
+}
+
+// With p = share·q on the slice (q its own softmax) and H − H_slice + lse_slice − lse = Σ q·z − Σ p·z (the excess),
+// the whole vocabulary's per-logit gradients a·p + b·([v = t] − p) − c·p·(log p + H) are the single-device ones of the
+// slice with a' = share·(a − b − c·excess) + b·[t in the slice], b' = b and c' = c·share: the slice's head computes
+// them, and only dx, a sum over the slices, needs the other ranks.
+std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& targets, const HeadOptions& head,
+                                                   const ParallelHeadRows& forward, const at::Tensor& grad_lse,
+                                                   const at::Tensor& grad_logprob, const at::Tensor& grad_entropy,
+                                                   const VocabularySlice& vs, std::array<bool, 3> want) {
+  c10::NoGradGuard no_grad;
+  if (grad_logprob.defined() && !targets.defined())
+    throw Error("vocabulary-parallel head_statistics_backward: the log-probabilities' gradient needs the targets");
+  if (grad_entropy.defined() && !forward.slice_expected_logit_excess.defined())
+    throw Error("vocabulary-parallel head_statistics_backward: an entropy gradient for a forward without entropies");
+  const Slice slice = resolve(vs, weight);
+  const at::Tensor share = forward.slice_share.reshape({-1});
+  const auto rows = [&](const at::Tensor& g, const char* name) {
+    if (g.numel() != share.numel())
+      throw Error(message::text("vocabulary-parallel head_statistics_backward: ", name, " has ", g.numel(),
+                                " entries for ", share.numel(), " rows"));
+    return g.reshape({-1}).to(share.scalar_type());
+  };
+  at::Tensor p_weight = grad_lse.defined() ? rows(grad_lse, "grad_lse") : at::zeros_like(share);
+  at::Tensor local, logprob_grad, in_slice, entropy_grad;
+  if (targets.defined()) local = local_targets(targets, slice, head.ignore_index, /*check=*/false);
+  if (grad_logprob.defined()) {
+    logprob_grad = rows(grad_logprob, "grad_logprob") * (targets.reshape({-1}) != head.ignore_index);
+    p_weight = p_weight - logprob_grad;
+  }
+  if (grad_entropy.defined()) {
+    const at::Tensor c = rows(grad_entropy, "grad_entropy");
+    p_weight = p_weight - c * forward.slice_expected_logit_excess.reshape({-1});
+    entropy_grad = c * share;
+  }
+  at::Tensor lse_grad = share * p_weight;
+  if (logprob_grad.defined()) lse_grad = lse_grad + logprob_grad * (local >= 0);
+  HeadOptions local_head = head;
+  local_head.ignore_index = -1;  // local targets: -1 where the target is another slice's or ignored
+  auto grads = trellis::head_statistics_backward(x, weight, local, local_head, lse_grad, logprob_grad, entropy_grad,
+                                                 want);
+  if (want[0]) {
+    std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
+    slice.group->allreduce(dx)->wait();
+  }
+  return grads;
 }
 
 LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
@@ -209,9 +310,10 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     }
     f.dx = d[0], f.dweight = d[1], f.dbias = d[2];
   } else {
-    WholeVocabulary w = statistics(x, weight, targets, head, vs, smoothing, false);
-    slice = w.slice;
-    stats = w.stats;
+    slice = resolve(vs, weight);
+    const cuda::HeadRowStats mine = head_slice::statistics(
+        x, weight, local_targets(targets, slice, head.ignore_index), head, smoothing, false);
+    stats = merge(slice.group, mine, true, smoothing, false);
     f.lse = stats.lse;
   }
   // The single-device loss, from the whole vocabulary's statistics: lse − (1−ε)·z_t − ε·mean z + z_loss·lse².

@@ -2,8 +2,8 @@
 // torch.ops.trellis.linear_cross_entropy(x, weight, targets, ...). torch.compile can trace them: every operator has a
 // Meta kernel (shapes and types only, for fake tensors), and every operator's autograd calls operators of its own
 // (_linear_cross_entropy_forward and _linear_cross_entropy_backward for the loss, _head_statistics_backward for
-// linear_logsumexp and token_logprobs), so that a compiled graph holds those instead of the library's internals
-// (gradients formed without the N×V logits either way).
+// linear_logsumexp and token_logprobs, and their _vocab_parallel_ forms), so that a compiled graph holds those instead
+// of the library's internals (gradients formed without the N×V logits either way).
 #include <cmath>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -136,12 +136,47 @@ trellis::VocabularySlice vocabulary_slice(c10::string_view group_name) {
   return s;
 }
 
+// linear_logsumexp's and token_logprobs' forward: (lse, logprobs, entropy, slice_share, slice_expected_logit_excess),
+// each of x's row shape (trellis::ParallelHeadRows); empty tensors stand for none.
+Tensors5 vp_head_statistics_forward(const at::Tensor& x, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& targets, c10::string_view group_name,
+                                    const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                    int64_t ignore_index, bool entropy, int64_t chunk_bytes) {
+  const trellis::ParallelHeadRows r = trellis::head_statistics_forward(
+      x, weight, targets.value_or(at::Tensor()), head_options(bias, softcap, ignore_index, chunk_bytes), entropy,
+      vocabulary_slice(group_name));
+  const at::IntArrayRef rows = x.sizes().slice(0, x.dim() - 1);
+  const auto shaped = [&](const at::Tensor& t) { return t.defined() ? t.view(rows) : none(r.lse); };
+  return {shaped(r.lse), shaped(r.logprobs), shaped(r.entropy), shaped(r.slice_share),
+          shaped(r.slice_expected_logit_excess)};
+}
+
+// Their backward: gradients for (x, weight, bias) of Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy
+// (each grad optional: zero), dx all-reduced over the group.
+Tensors3 vp_head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& targets, c10::string_view group_name,
+                                     const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                     int64_t ignore_index, int64_t chunk_bytes, const at::Tensor& slice_share,
+                                     const at::Tensor& slice_expected_logit_excess,
+                                     const std::optional<at::Tensor>& grad_lse,
+                                     const std::optional<at::Tensor>& grad_logprob,
+                                     const std::optional<at::Tensor>& grad_entropy, Mask want) {
+  trellis::ParallelHeadRows f;
+  f.slice_share = slice_share;
+  if (grad_entropy) f.slice_expected_logit_excess = slice_expected_logit_excess;
+  auto d = trellis::head_statistics_backward(x, weight, targets.value_or(at::Tensor()),
+                                             head_options(bias, softcap, ignore_index, chunk_bytes), f,
+                                             grad_lse.value_or(at::Tensor()), grad_logprob.value_or(at::Tensor()),
+                                             grad_entropy.value_or(at::Tensor()), vocabulary_slice(group_name), want);
+  return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
+}
+
 at::Tensor vp_linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
                                const std::optional<at::Tensor>& bias, std::optional<double> softcap,
                                int64_t chunk_bytes, double temperature) {
   const Tempered t = temper("vocab_parallel_linear_logsumexp", x, bias, softcap, temperature);
-  return trellis::linear_logsumexp(t.x, weight, head_options(t.bias, t.softcap, -100, chunk_bytes),
-                                   vocabulary_slice(group_name));
+  return std::get<0>(vp_head_statistics_forward(t.x, weight, std::nullopt, group_name, t.bias, t.softcap, -100, false,
+                                                chunk_bytes));
 }
 
 std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const at::Tensor& weight,
@@ -150,9 +185,9 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const 
                                                      std::optional<double> softcap, int64_t ignore_index, bool entropy,
                                                      int64_t chunk_bytes, double temperature) {
   const Tempered t = temper("vocab_parallel_token_logprobs", x, bias, softcap, temperature);
-  auto r = trellis::token_logprobs(t.x, weight, targets, head_options(t.bias, t.softcap, ignore_index, chunk_bytes),
-                                   entropy, vocabulary_slice(group_name));
-  return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
+  auto r = vp_head_statistics_forward(t.x, weight, targets, group_name, t.bias, t.softcap, ignore_index, entropy,
+                                      chunk_bytes);
+  return {std::get<1>(r), std::get<2>(r)};
 }
 
 Tensors5 vp_linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
@@ -270,6 +305,25 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_meta(const at::Tensor& x, c
                                                           double temperature) {
   check_temperature("vocab_parallel_token_logprobs", temperature);
   return {rows_meta(x), entropy ? rows_meta(x) : at::empty({0}, acc_options(x))};
+}
+
+Tensors5 vp_head_statistics_forward_meta(const at::Tensor& x, const at::Tensor&,
+                                         const std::optional<at::Tensor>& targets, c10::string_view,
+                                         const std::optional<at::Tensor>&, std::optional<double>, int64_t,
+                                         bool entropy, int64_t) {
+  const at::Tensor empty = at::empty({0}, acc_options(x));
+  return {rows_meta(x), targets ? rows_meta(x) : empty, entropy ? rows_meta(x) : empty, rows_meta(x),
+          entropy ? rows_meta(x) : empty};
+}
+
+Tensors3 vp_head_statistics_backward_meta(const at::Tensor& x, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>&, c10::string_view,
+                                          const std::optional<at::Tensor>& bias, std::optional<double>, int64_t,
+                                          int64_t, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                          const std::optional<at::Tensor>&, Mask want) {
+  return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
+          shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
 }
 
 Tensors5 vp_linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
@@ -501,23 +555,58 @@ at::Tensor vp_linear_cross_entropy_autograd(const at::Tensor& x, const at::Tenso
                                           label_smoothing, t.softcap, z_loss, chunk_bytes, recompute_logits, want);
 }
 
-// The vocabulary-parallel log-probabilities and log-sum-exps have no backward yet: an input that asks for a gradient
-// is an error rather than a silently missing gradient (the log-probabilities' gradient is the unreduced loss's, negated:
-// vocab_parallel_linear_cross_entropy with reduction='none').
-void refuse_gradients(const char* op, std::initializer_list<const at::Tensor*> inputs) {
-  if (!c10::GradMode::is_enabled()) return;
-  for (const at::Tensor* t : inputs)
-    TORCH_CHECK(!t || !t->defined() || !t->requires_grad(), "trellis.", op,
-                ": no gradient is implemented; for log-probabilities use -vocab_parallel_linear_cross_entropy("
-                "..., reduction='none')");
-}
+// vocab_parallel_linear_logsumexp and vocab_parallel_token_logprobs (targets undefined for the former): outputs
+// (lse, logprobs, entropy); an output not asked for is an empty tensor without gradient. The backward forms the
+// slice's gradients again from the inputs and the slice's statistics (_vocab_parallel_head_statistics_backward).
+struct VocabParallelHeadStatistics : torch::autograd::Function<VocabParallelHeadStatistics> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& weight, const std::optional<at::Tensor>& targets,
+                                                c10::string_view group_name, const std::optional<at::Tensor>& bias,
+                                                std::optional<double> softcap, int64_t ignore_index, bool entropy,
+                                                int64_t chunk_bytes) {
+    static const auto op =
+        find<decltype(vp_head_statistics_forward)>("trellis::_vocab_parallel_head_statistics_forward");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [lse, logprobs, row_entropy, share, excess] =
+        op.call(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes);
+    ctx->save_for_backward({x, weight, targets.value_or(at::Tensor()), bias.value_or(at::Tensor()), share, excess});
+    ctx->saved_data["group_name"] = std::string(group_name);
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["entropy"] = entropy;
+    ctx->saved_data["chunk_bytes"] = chunk_bytes;
+    ctx->set_materialize_grads(false);  // an output nobody used has no gradient: nothing to add for it
+    if (!targets) ctx->mark_non_differentiable({logprobs});  // the empty stand-ins for none
+    if (!entropy) ctx->mark_non_differentiable({row_entropy});
+    return {lse, logprobs, row_entropy};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    static const auto op =
+        find<decltype(vp_head_statistics_backward)>("trellis::_vocab_parallel_head_statistics_backward");
+    const auto s = ctx->get_saved_variables();  // x, weight, targets, bias, slice_share, slice_expected_logit_excess
+    const auto& d = ctx->saved_data;
+    // needs_input_grad counts the tensor arguments given: bias is the fourth after targets, else the third.
+    const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                       s[3].defined() && ctx->needs_input_grad(s[2].defined() ? 3 : 2)};
+    const at::Tensor grad_logprob = s[2].defined() ? grad[1] : at::Tensor();
+    const at::Tensor grad_entropy = d.at("entropy").toBool() ? grad[2] : at::Tensor();
+    auto [dx, dweight, dbias] =
+        op.call(s[0], s[1], optional(s[2]), d.at("group_name").toStringRef(), optional(s[3]), saved_softcap(ctx),
+                d.at("ignore_index").toInt(), d.at("chunk_bytes").toInt(), s[4], s[5], optional(grad[0]),
+                optional(grad_logprob), optional(grad_entropy), want);
+    return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), {}, {}, want[2] ? dbias : at::Tensor(),
+            {}, {}, {}, {}};
+  }
+};
 
 at::Tensor vp_linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
                                         const std::optional<at::Tensor>& bias, std::optional<double> softcap,
                                         int64_t chunk_bytes, double temperature) {
-  refuse_gradients("vocab_parallel_linear_logsumexp", {&x, &weight, bias ? &*bias : nullptr});
-  at::AutoDispatchBelowADInplaceOrView below;
-  return vp_linear_logsumexp(x, weight, group_name, bias, softcap, chunk_bytes, temperature);
+  const Tempered t = temper("vocab_parallel_linear_logsumexp", x, bias, softcap, temperature);
+  return VocabParallelHeadStatistics::apply(t.x, weight, std::nullopt, group_name, t.bias, t.softcap, -100, false,
+                                            chunk_bytes)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_autograd(const at::Tensor& x, const at::Tensor& weight,
@@ -525,10 +614,10 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_autograd(const at::Tensor& 
                                                               const std::optional<at::Tensor>& bias,
                                                               std::optional<double> softcap, int64_t ignore_index,
                                                               bool entropy, int64_t chunk_bytes, double temperature) {
-  refuse_gradients("vocab_parallel_token_logprobs", {&x, &weight, bias ? &*bias : nullptr});
-  at::AutoDispatchBelowADInplaceOrView below;
-  return vp_token_logprobs(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes,
-                           temperature);
+  const Tempered t = temper("vocab_parallel_token_logprobs", x, bias, softcap, temperature);
+  auto out = VocabParallelHeadStatistics::apply(t.x, weight, targets, group_name, t.bias, t.softcap, ignore_index,
+                                                entropy, chunk_bytes);
+  return {out[1], out[2]};
 }
 
 at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -605,6 +694,17 @@ TORCH_LIBRARY(trellis, m) {
   m.def("_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, Tensor? bias, float? softcap, "
         "int ignore_index, int chunk_bytes, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // vocab_parallel_linear_logsumexp's and vocab_parallel_token_logprobs' halves. The forward returns (lse, logprobs,
+  // entropy, slice_share, slice_expected_logit_excess): the results, and this rank's slice's statistics that the
+  // backward takes (empty tensors stand for none). The backward's gradients are those of
+  // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy, dx all-reduced over the group.
+  m.def("_vocab_parallel_head_statistics_forward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
+        "Tensor? bias, float? softcap, int ignore_index, bool entropy, int chunk_bytes) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("_vocab_parallel_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
+        "Tensor? bias, float? softcap, int ignore_index, int chunk_bytes, Tensor slice_share, "
+        "Tensor slice_expected_logit_excess, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
@@ -619,6 +719,8 @@ TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("vocab_parallel_linear_cross_entropy", &vp_linear_cross_entropy_loss);
   m.impl("_vocab_parallel_linear_cross_entropy_forward", &vp_linear_cross_entropy_forward);
   m.impl("_vocab_parallel_linear_cross_entropy_backward", &vp_linear_cross_entropy_backward);
+  m.impl("_vocab_parallel_head_statistics_forward", &vp_head_statistics_forward);
+  m.impl("_vocab_parallel_head_statistics_backward", &vp_head_statistics_backward);
 }
 
 TORCH_LIBRARY_IMPL(trellis, Meta, m) {
@@ -633,6 +735,8 @@ TORCH_LIBRARY_IMPL(trellis, Meta, m) {
   m.impl("vocab_parallel_linear_cross_entropy", &vp_linear_cross_entropy_loss_meta);
   m.impl("_vocab_parallel_linear_cross_entropy_forward", &vp_linear_cross_entropy_forward_meta);
   m.impl("_vocab_parallel_linear_cross_entropy_backward", &vp_linear_cross_entropy_backward_meta);
+  m.impl("_vocab_parallel_head_statistics_forward", &vp_head_statistics_forward_meta);
+  m.impl("_vocab_parallel_head_statistics_backward", &vp_head_statistics_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(trellis, Autograd, m) {

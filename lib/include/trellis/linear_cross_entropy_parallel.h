@@ -4,9 +4,10 @@
 // the single-device head (trellis/linear_cross_entropy.h: the fused kernel, slabs or recompute_logits) on its slice,
 // and the rows' statistics merge across ranks the way the kernels merge them inside a GPU,
 // (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)): one all-gather of packed per-row statistics (log-sum-exp, target
-// logit, and the logit sum or expected logit where label smoothing or the entropy needs them). The loss's backward
-// forms the slice's gradients from the whole vocabulary's log-sum-exp: dW and the bias need no communication, dx one
-// all-reduce. Every rank calls the same function with the same x, targets and options (collectives).
+// logit, and the logit sum or expected logit where label smoothing or the entropy needs them). Every backward (the
+// loss's, the log-probabilities', the entropies', the log-sum-exps') forms the slice's gradients from the whole
+// vocabulary's per-row statistics: dW and the bias need no communication, dx one all-reduce. Every rank calls the same
+// function with the same x, targets and options (collectives).
 //
 // On one rank the results are the single-device ones. Communication per call: the all-gather of N × (2 to 4) numbers
 // per rank, and for training the all-reduce of dx (N × D).
@@ -30,13 +31,35 @@ struct VocabularySlice {
   int64_t vocabulary = 0;
 };
 
-// log Σ_v exp(logit_v) over the whole vocabulary, per row: [...]. No autograd state.
+// log Σ_v exp(logit_v) over the whole vocabulary, per row: [...], with autograd for x (whole on every rank), this
+// rank's weight slice and bias slice (head.bias).
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head,
                             const VocabularySlice& slice);
 
-// Log-probabilities of the targets (and each row's entropy) over the whole vocabulary. No autograd state.
+// Log-probabilities of the targets (and each row's entropy) over the whole vocabulary, with autograd as
+// linear_logsumexp.
 TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                              const HeadOptions& head, bool with_entropy, const VocabularySlice& slice);
+
+// linear_logsumexp and token_logprobs in two halves, for callers that wire autograd themselves (the PyTorch
+// operators). The forward's rows: [N] each, flattened.
+struct ParallelHeadRows {
+  at::Tensor lse;                  // over the whole vocabulary
+  at::Tensor logprobs, entropy;    // undefined without targets, and without with_entropy
+  // This rank's slice as the backward needs it: its share of each row's probability, e^(lse_slice − lse), and (with
+  // the entropy) Σ q·z − Σ p·z, its own softmax q's expected logit less the whole vocabulary's p.
+  at::Tensor slice_share, slice_expected_logit_excess;
+};
+ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                         const HeadOptions& head, bool with_entropy, const VocabularySlice& slice);
+// The gradients for x (all-reduced: the same on every rank), this rank's weight slice and bias slice (undefined
+// where not wanted) of Σ_i (grad_lse_i·lse_i + grad_logprob_i·log p_i(target_i) + grad_entropy_i·H_i), each grad [N]
+// or undefined (zero). The slice's logits are formed again a slab of rows at a time, as on one device.
+std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& targets, const HeadOptions& head,
+                                                   const ParallelHeadRows& forward, const at::Tensor& grad_lse,
+                                                   const at::Tensor& grad_logprob, const at::Tensor& grad_entropy,
+                                                   const VocabularySlice& slice, std::array<bool, 3> want);
 
 // The cross-entropy over the whole vocabulary (as linear_cross_entropy on one device), with autograd for x (whole on
 // every rank), this rank's weight slice and bias slice.
