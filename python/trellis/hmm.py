@@ -412,15 +412,34 @@ class _BaseHMM:
 
     # ---- fitting ----
 
-    def fit(self, X: ArrayLike, lengths: Optional[ArrayLike] = None) -> "_BaseHMM":
+    def fit(self, X: ArrayLike, lengths: Optional[ArrayLike] = None, *,
+            group: Optional["torch.distributed.ProcessGroup"] = None) -> "_BaseHMM":
         """Estimate the parameters by EM (Baum-Welch) from the sequences of ``X``.
 
         The parameters named in ``init_params`` (and any not set yet) are initialised first; then at most ``n_iter``
         iterations update those named in ``params``, stopping when the log-likelihood gains less than ``tol``.
         ``monitor_`` records the log-likelihood before each update.
 
+        Data parallelism: with ``group`` (a ``torch.distributed`` process group, e.g. ``torch.distributed.group.WORLD``)
+        every rank of the group calls ``fit`` with its own share of the sequences and the same estimator settings.
+        Each iteration sums the ranks' expected statistics and log-likelihoods in one ``all_reduce`` over the group
+        (on the estimator's ``device``: a Gloo group for ``"cpu"``, NCCL for ``"cuda"``), so every rank runs the same
+        M-step on the same sums, holds the same model after every iteration, and stops at the same one; ``monitor_``
+        records the whole data's log-likelihood. The initial parameters are the same on every rank too: the random ones
+        come from ``random_state`` and the number of symbols seen by all ranks; :class:`GaussianHMM`'s initial means
+        and variances, when drawn, are computed from every rank's samples, gathered once on each rank (give
+        ``means_`` and ``covars_`` with ``init_params=""`` to avoid that copy). Shares held in rank order give the
+        single-process model on their concatenation, up to the sums' order (float64: about 1e-12 relative).
+        :meth:`score`, :meth:`predict` and the other methods need no group: each rank works on its own sequences.
+
+        The group is an argument of ``fit``, not of the constructor, as torch.distributed's own functions take
+        ``group=``: it says how the data of this call is split, not what the model is, and it stays out of
+        ``get_params``, ``clone`` and pickling, which cannot copy a process group. None (the default) fits this
+        process's sequences alone, whether or not a default process group exists.
+
         Args:
-            X, lengths: As in :meth:`score_samples`.
+            X, lengths: As in :meth:`score_samples`: this rank's sequences under a ``group``.
+            group: The process group whose ranks share the data; None: this process alone.
 
         Returns:
             self.
@@ -428,13 +447,13 @@ class _BaseHMM:
         X = self._check_X(X)
         if lengths is None:
             lengths = np.asarray([X.shape[0]])
-        self._init(X, lengths)
+        self._init(X if group is None else self._initialisation_data(X, group), lengths)
         self._check()
         self._check_X_fits_model(X)
         batches = self._batches(X, lengths)
         self.monitor_._reset()
         for _ in range(self.n_iter):
-            stats, log_prob = self._do_estep(batches)
+            stats, log_prob = self._do_estep(batches, group)
             self._do_mstep(stats)
             self.monitor_.report(log_prob)
             if self.monitor_.converged:
@@ -444,8 +463,15 @@ class _BaseHMM:
                              "observed.")
         return self
 
-    def _do_estep(self, batches: _Batches) -> Tuple[Dict[str, np.ndarray], float]:
-        """Expected statistics over all sequences, as the gradients of their total log-likelihood."""
+    def _initialisation_data(self, X: np.ndarray, group: "torch.distributed.ProcessGroup") -> np.ndarray:
+        """The samples ``_init`` needs under a process group for every rank to draw the same initial model: this
+        rank's, with ``n_features`` (when not set) from the largest symbol of all ranks (CategoricalHMM)."""
+        return X
+
+    def _do_estep(self, batches: _Batches, group: Optional["torch.distributed.ProcessGroup"] = None) \
+            -> Tuple[Dict[str, np.ndarray], float]:
+        """Expected statistics over all sequences, as the gradients of their total log-likelihood; with a group,
+        summed over its ranks."""
         model = self._log_parameters()
         device = self._torch_device()
         K = self.n_components
@@ -465,6 +491,13 @@ class _BaseHMM:
             total["start"] += start
             total["trans"] += trans
             self._accumulate_emission_statistics(total, observations[mask], posteriors[mask])
+        if group is not None:
+            # One all-reduce per iteration: every statistic and the log-likelihood packed in one float64 tensor.
+            packed = torch.cat([t.reshape(-1) for t in total.values()] + [log_prob.reshape(1)])
+            torch.distributed.all_reduce(packed, group=group)
+            parts = packed.split([t.numel() for t in total.values()] + [1])
+            total = {name: part.view_as(t) for (name, t), part in zip(total.items(), parts)}
+            log_prob = parts[-1][0]
         stats = {name: value.cpu().numpy() for name, value in total.items()}
         return stats, float(log_prob)
 
@@ -676,8 +709,16 @@ class CategoricalHMM(_BaseHMM):
                                         posteriors: Tensor) -> None:
         total["obs"].index_add_(0, observations, posteriors.to(torch.float64))
 
-    def _do_estep(self, batches: _Batches) -> Tuple[Dict[str, np.ndarray], float]:
-        stats, log_prob = super()._do_estep(batches)
+    def _initialisation_data(self, X: np.ndarray, group: "torch.distributed.ProcessGroup") -> np.ndarray:
+        if self.n_features is None:
+            largest = torch.tensor([int(X.max())], dtype=torch.int64, device=self._torch_device())
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group)
+            self.n_features = int(largest) + 1
+        return X
+
+    def _do_estep(self, batches: _Batches, group: Optional["torch.distributed.ProcessGroup"] = None) \
+            -> Tuple[Dict[str, np.ndarray], float]:
+        stats, log_prob = super()._do_estep(batches, group)
         stats["obs"] = np.ascontiguousarray(stats["obs"].T)  # accumulated symbol-major: [V,K] -> [K,V]
         return stats, log_prob
 
@@ -771,6 +812,24 @@ class GaussianHMM(_BaseHMM):
     def _get_n_fit_scalars_per_param(self) -> Dict[str, int]:
         nc, nf = self.n_components, self.n_features
         return {"s": nc - 1, "t": nc * (nc - 1), "m": nc * nf, "c": nc * nf}
+
+    def _initialisation_data(self, X: np.ndarray, group: "torch.distributed.ProcessGroup") -> np.ndarray:
+        """Every rank's samples, in rank order, where the k-means of the means or the variances are to be drawn."""
+        draws = any(code in self.init_params or not hasattr(self, name)
+                    for code, name in (("m", "means_"), ("c", "covars_")))
+        if not draws:
+            return X
+        local = torch.as_tensor(X, dtype=torch.float64, device=self._torch_device())
+        world = torch.distributed.get_world_size(group)
+        counts = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(world)]
+        torch.distributed.all_gather(counts, torch.tensor([len(local)], device=local.device), group=group)
+        counts = [int(c) for c in counts]
+        # all_gather takes equal shapes: every share padded to the largest.
+        padded = torch.zeros((max(counts),) + local.shape[1:], dtype=local.dtype, device=local.device)
+        padded[:len(local)] = local
+        shares = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(shares, padded, group=group)
+        return torch.cat([share[:n] for share, n in zip(shares, counts)]).cpu().numpy()
 
     def _init(self, X: np.ndarray, lengths: ArrayLike) -> None:
         self._check_covariance_type()
