@@ -349,6 +349,47 @@ TEST(LinearChainCRFCuda, Float32AgreesWithFloat64OnLongSequences) {
   EXPECT_LT((marginals(f).nodes.to(at::kDouble) - marginals(d).nodes).abs().max().item<double>(), 1e-4);
 }
 
+namespace {
+
+// log_likelihood_with_gradients against log_likelihood differentiated by autograd, on `device`.
+void expect_gradients_as_autograd(int64_t B, int64_t T, int64_t K, bool with_ends, const at::Device& device) {
+  SCOPED_TRACE("K=" + std::to_string(K) + (with_ends ? " with ends" : "") + " on " + device.str());
+  ChainPotentials p = random_chain(B, T, K, with_ends);
+  for (at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end})
+    if (t->defined()) *t = t->to(device);
+  p.lengths = p.lengths.to(device);
+  const at::Tensor tags = random_tags(p).to(device);
+  const LogLikelihoodGradients direct = log_likelihood_with_gradients(p, tags);
+  ChainPotentials q = p;
+  for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end})
+    if (t->defined()) *t = t->detach().requires_grad_();
+  const at::Tensor ll = log_likelihood(q, tags);
+  ll.sum().backward();
+  EXPECT_FALSE(direct.log_likelihood.requires_grad());
+  expect_close(direct.log_likelihood, ll, 1e-10, 1e-10);
+  expect_close(direct.emissions, q.emissions.grad(), 1e-10, 1e-10);
+  expect_close(direct.transitions, q.transitions.grad(), 1e-10, 1e-10);
+  EXPECT_EQ(direct.start.defined(), with_ends);
+  EXPECT_EQ(direct.end.defined(), with_ends);
+  if (with_ends) {
+    expect_close(direct.start, q.start.grad(), 1e-10, 1e-10);
+    expect_close(direct.end, q.end.grad(), 1e-10, 1e-10);
+  }
+}
+
+}  // namespace
+
+TEST(LinearChainCRF, LogLikelihoodWithGradientsMatchesAutograd) {
+  for (bool with_ends : {true, false}) expect_gradients_as_autograd(5, 7, 4, with_ends, at::kCPU);
+}
+
+TEST(LinearChainCRFCuda, LogLikelihoodWithGradientsMatchesAutograd) {
+  TRELLIS_REQUIRE_CUDA();
+  // The shared-memory kernels, the many-label kernels, and K past both (autograd through the composed recursion).
+  for (int64_t K : {6, 180, 2000}) expect_gradients_as_autograd(3, 5, K, true, at::kCUDA);
+  expect_gradients_as_autograd(3, 5, 6, false, at::kCUDA);
+}
+
 TEST(LinearChainCRFCuda, OutOfRangeTagsAndLengthsGiveNaNWithoutWaitingForTheGpu) {
   TRELLIS_REQUIRE_CUDA();
   // The shared-memory kernels check lengths and tags themselves: a bad sequence scores NaN (an Error would need the

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -298,68 +299,97 @@ Backend backend(const at::Tensor& em) {
   return Backend::kNone;
 }
 
+// What the fused forward pass keeps for its backward pass: its inputs and its messages.
+struct ChainRecord {
+  at::Tensor trans, end, lengths, tags, alpha, pre, arg, end_arg, frame_score;
+  at::Tensor scaled, colmax;  // the scaled transitions, for the many-label CUDA kernels
+};
+
+// The fused forward pass: the score [B] (with tags: the log-likelihood), and its record.
+template <class S>
+at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
+                        const at::Tensor& lengths, const at::Tensor& tags, ChainRecord& r) {
+  const int64_t B = em.size(0);
+  r.trans = trans;
+  r.end = end;
+  r.lengths = lengths;
+  r.tags = tags;
+  r.alpha = at::empty_like(em);
+  r.pre = at::empty_like(em);
+  r.frame_score = at::empty({B}, em.options());
+  at::Tensor score = at::empty({B}, em.options()), loglik = at::empty({tags.numel() ? B : 0}, em.options());
+  const auto long_opts = em.options().dtype(at::kLong);
+  if (S::kIsMax) {
+    r.arg = at::empty(em.sizes(), long_opts);
+    r.end_arg = at::empty({B}, long_opts);
+  }
+  if (em.is_cuda()) {
+#if TRELLIS_WITH_CUDA
+    if (backend<S>(em) == Backend::kCudaScaled) {
+      const ScaledRight w = scale_right(trans.unsqueeze(0));
+      r.scaled = w.scaled[0].contiguous();
+      r.colmax = w.colmax.view({em.size(2)});
+      cuda::scaled_chain_crf_forward(em, trans, r.scaled, r.colmax, start, end, lengths, tags,
+                                     underflow_threshold(em.scalar_type(), em.size(2)), r.alpha, r.pre, score, loglik);
+      r.frame_score = score;  // the scaled kernel keeps its alphas in the score's frame
+    } else {
+      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
+                             r.frame_score, loglik);
+    }
+#else
+    throw Error("this Trellis build has no CUDA kernels");
+#endif
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
+      forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
+                               r.frame_score, loglik);
+    });
+  }
+  return tags.numel() ? loglik : score;
+}
+
+// The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b], from the forward pass' record.
+template <class S>
+std::array<at::Tensor, 4> backward_pass(const at::Tensor& grad, const ChainRecord& r) {
+  const at::Tensor g = grad.contiguous();
+  // The CUDA kernel writes the padding's zeros itself.
+  at::Tensor g_em = r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
+             g_trans = at::empty_like(r.trans), g_start = at::empty_like(r.end), g_end = at::empty_like(r.end);
+  if (r.alpha.is_cuda()) {
+#if TRELLIS_WITH_CUDA
+    if (r.scaled.defined())
+      cuda::scaled_chain_crf_backward(g, r.trans, r.scaled, r.colmax, r.end, r.lengths, r.tags, r.alpha, r.pre,
+                                      r.frame_score, underflow_threshold(r.alpha.scalar_type(), r.alpha.size(2)), g_em,
+                                      g_trans, g_start, g_end);
+    else
+      cuda::chain_backward<S>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
+                              g_em, g_trans, g_start, g_end);
+#endif
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(r.alpha.scalar_type(), "fused_chain_backward", [&] {
+      backward_cpu<S, scalar_t>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
+                                g_em, g_trans, g_start, g_end);
+    });
+  }
+  return {g_em, g_trans, g_start, g_end};
+}
+
 template <class S>
 struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& em, const at::Tensor& trans,
                             const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                             const at::Tensor& tags) {
-    const int64_t B = em.size(0);
-    at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options());
-    at::Tensor frame_score = at::empty({B}, em.options());
-    at::Tensor loglik = at::empty({tags.numel() ? B : 0}, em.options());
-    const auto long_opts = em.options().dtype(at::kLong);
-    at::Tensor arg = S::kIsMax ? at::empty(em.sizes(), long_opts) : at::Tensor();
-    at::Tensor end_arg = S::kIsMax ? at::empty({B}, long_opts) : at::Tensor();
-    at::Tensor scaled, colmax;  // the scaled transitions, for the many-label CUDA kernels
-    if (em.is_cuda()) {
-#if TRELLIS_WITH_CUDA
-      if (backend<S>(em) == Backend::kCudaScaled) {
-        const ScaledRight w = scale_right(trans.unsqueeze(0));
-        scaled = w.scaled[0].contiguous();
-        colmax = w.colmax.view({em.size(2)});
-        cuda::scaled_chain_crf_forward(em, trans, scaled, colmax, start, end, lengths, tags,
-                                       underflow_threshold(em.scalar_type(), em.size(2)), alpha, pre, score, loglik);
-        frame_score = score;  // the scaled kernel keeps its alphas in the score's frame
-      } else {
-        cuda::chain_forward<S>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, frame_score,
-                               loglik);
-      }
-#else
-      throw Error("this Trellis build has no CUDA kernels");
-#endif
-    } else {
-      AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-        forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, alpha, pre, arg, end_arg, score, frame_score,
-                                 loglik);
-      });
-    }
-    ctx->save_for_backward({trans, end, lengths, alpha, pre, arg, end_arg, frame_score, tags, scaled, colmax});
-    return tags.numel() ? loglik : score;
+    ChainRecord r;
+    const at::Tensor out = forward_pass<S>(em, trans, start, end, lengths, tags, r);
+    ctx->save_for_backward({r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
+                            r.scaled, r.colmax});
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const at::Tensor g = grads[0].contiguous();
-    const at::Tensor &trans = s[0], &end = s[1], &lengths = s[2], &alpha = s[3];
-    // The CUDA kernel writes the padding's zeros itself.
-    at::Tensor g_em = alpha.is_cuda() ? at::empty_like(alpha) : at::zeros_like(alpha), g_trans = at::empty_like(trans), g_start = at::empty_like(end),
-               g_end = at::empty_like(end);
-    if (alpha.is_cuda()) {
-#if TRELLIS_WITH_CUDA
-      if (s[9].defined())
-        cuda::scaled_chain_crf_backward(g, trans, s[9], s[10], end, lengths, s[8], alpha, s[4], s[7],
-                                        underflow_threshold(alpha.scalar_type(), alpha.size(2)), g_em, g_trans,
-                                        g_start, g_end);
-      else
-        cuda::chain_backward<S>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans, g_start,
-                                g_end);
-#endif
-    } else {
-      AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "fused_chain_backward", [&] {
-        backward_cpu<S, scalar_t>(g, trans, end, lengths, s[8], alpha, s[4], s[5], s[6], s[7], g_em, g_trans,
-                                  g_start, g_end);
-      });
-    }
+    const ChainRecord r{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]};
+    auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(grads[0], r);
     return {g_em, g_trans, g_start, g_end, at::Tensor(), at::Tensor()};
   }
 };
@@ -382,6 +412,18 @@ at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& tran
                                       end.contiguous(), lengths.contiguous(),
                                       // autograd needs defined inputs: no tags is an empty tensor
                                       tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()));
+}
+
+template <class S>
+std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                          const at::Tensor& start, const at::Tensor& end,
+                                                          const at::Tensor& lengths, const at::Tensor& tags) {
+  ChainRecord r;
+  const at::Tensor score =
+      forward_pass<S>(emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+                      lengths.contiguous(), tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()), r);
+  auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(at::ones_like(score), r);
+  return {score, g_em, g_trans, g_start, g_end};
 }
 
 std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
@@ -422,6 +464,9 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
   return {path, score};
 }
 
+template std::array<at::Tensor, 5> fused_chain_score_and_gradients<LogSemiring>(const at::Tensor&, const at::Tensor&,
+                                                                                const at::Tensor&, const at::Tensor&,
+                                                                                const at::Tensor&, const at::Tensor&);
 template bool fused_chain_supported<LogSemiring>(const at::Tensor&);
 template bool fused_chain_supported<MaxSemiring>(const at::Tensor&);
 template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -6,6 +6,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <utility>
 
 namespace trellis::detail {
@@ -22,6 +23,13 @@ bool fused_chain_supported(const at::Tensor& emissions);
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags = {});
+
+// fused_chain_score's score [B] and the gradients of its sum w.r.t. emissions, transitions, start and end (in that
+// order), by the fused forward and backward passes called directly: no autograd graph is built.
+template <class S>
+std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
+                                                          const at::Tensor& start, const at::Tensor& end,
+                                                          const at::Tensor& lengths, const at::Tensor& tags = {});
 
 // Whether these emissions run on the CUDA kernels whose transitions live in one block's shared memory (any semiring).
 // Those kernels keep each step's messages rebased (float32 stays exact on long sequences) and check lengths and tags

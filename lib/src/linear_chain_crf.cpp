@@ -260,6 +260,42 @@ at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
                                                  tags.to(p.emissions.device(), at::kLong));
 }
 
+LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags) {
+  if (widened_on_gpu(p)) {
+    LogLikelihoodGradients g = log_likelihood_with_gradients(widened(p), tags);
+    for (at::Tensor* t : {&g.log_likelihood, &g.emissions, &g.transitions, &g.start, &g.end})
+      if (t->defined()) *t = t->to(at::kFloat);
+    return g;
+  }
+  const Shape s = check(p, &tags, detail::shared_chain_kernels_take(p.emissions));
+  const at::Tensor y = tags.to(p.emissions.device(), at::kLong);
+  if (detail::fused_chain_supported<LogSemiring>(p.emissions)) {
+    const auto [ll, g_em, g_trans, g_start, g_end] = detail::fused_chain_score_and_gradients<LogSemiring>(
+        p.emissions.detach(), p.transitions.detach(), or_zeros(p.start, p, s.K).detach(),
+        or_zeros(p.end, p, s.K).detach(), lengths_or_full(p, s), y);
+    return {ll, g_em, g_trans, p.start.defined() ? g_start : at::Tensor(), p.end.defined() ? g_end : at::Tensor()};
+  }
+  // The other routes through autograd.
+  c10::AutoGradMode grad_on(true);
+  ChainPotentials q = p;
+  std::vector<at::Tensor> leaves;
+  for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end})
+    if (t->defined()) leaves.push_back(*t = t->detach().requires_grad_());
+  q.values_checked = true;
+  const at::Tensor ll = log_likelihood(q, y);
+  const auto g = torch::autograd::grad({ll.sum()}, leaves, {}, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+  std::size_t next = 0;
+  LogLikelihoodGradients out{ll.detach()};
+  for (auto [t, dst] : {std::pair{&p.emissions, &out.emissions}, std::pair{&p.transitions, &out.transitions},
+                        std::pair{&p.start, &out.start}, std::pair{&p.end, &out.end}})
+    if (t->defined()) {
+      const at::Tensor& gi = g[next++];
+      *dst = gi.defined() ? gi : at::zeros_like(*t);
+    }
+  return out;
+}
+
 at::Tensor forward_log_alphas(const ChainPotentials& p) {
   const Shape s = check(p);
   std::vector<at::Tensor> alphas;

@@ -323,6 +323,19 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
                                                     const OptionalTensor& mask, const OptionalTensor& lengths,
                                                     bool batch_first, const Allowed& allowed, std::array<bool, 4> want) {
   const trellis::AutogradScope scope;
+  if (tags && !grad.defined() && emissions.dim() == 3 && emissions.size(batch_first ? 0 : 1) > 0) {
+    // The log-likelihood and the gradients of its sum: the library's forward and backward passes, no graph.
+    const char* what = "trellis::crf_log_likelihood";
+    const trellis::ChainInputs in{emissions, transitions, get(start), get(end), get(mask), get(lengths), batch_first};
+    const trellis::LogLikelihoodGradients r = trellis::log_likelihood_with_gradients(
+        scope.usable(trellis::chain_potentials(in, what)), trellis::batch_first_tags(*tags, in, what));
+    const auto as_input = [&](std::size_t i, const at::Tensor& g, const at::Tensor& input) {
+      return want[i] && g.defined() ? fresh(g.to(input.scalar_type())) : none(emissions);
+    };
+    return {r.log_likelihood, {as_input(0, batch_first ? r.emissions : r.emissions.transpose(0, 1), emissions),
+                               as_input(1, r.transitions, transitions), as_input(2, r.start, get(start)),
+                               as_input(3, r.end, get(end))}};
+  }
   c10::AutoGradMode grad_on(true);
   const std::vector<at::Tensor> leaves = {leaf(emissions, want[0]), leaf(transitions, want[1]), leaf(get(start), want[2]),
                                           leaf(get(end), want[3])};
@@ -496,6 +509,10 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
       // A scalar result: its gradients are those of Σ score, scaled; formed now, in the pass that forms the score.
       auto [score, de, dt, ds, dn] = both.call(emissions, tags, transitions, start, end, mask, lengths, batch_first,
                                                std::nullopt, std::nullopt, std::nullopt, want);
+      if (r == Reduction::sum) {
+        ctx->save_for_backward({de, dt, ds, dn});
+        return score.sum();
+      }
       const at::Tensor divisor = reduction_divisor(r, score, emissions, mask, lengths);
       ctx->save_for_backward({de, dt, ds, dn, divisor});
       return score.sum() / divisor;
@@ -514,9 +531,16 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
     for (std::size_t i = 0; i < want.size(); ++i) want[i] = ctx->saved_data.at("want" + std::to_string(i)).toBool();
     at::Tensor de, dt, ds, dn;
     if (ctx->saved_data.at("reduced").toBool()) {
-      const at::Tensor scale = grad[0] / s[4];
-      const auto scaled = [&](std::size_t i) { return want[i] ? (s[i] * scale).to(s[i].scalar_type()) : at::Tensor(); };
-      std::tie(de, dt, ds, dn) = std::make_tuple(scaled(0), scaled(1), scaled(2), scaled(3));
+      const at::Tensor scale = s.size() == 5 ? grad[0] / s[4] : grad[0];
+      std::vector<at::Tensor> wanted;
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (want[i]) wanted.push_back(s[i]);
+      // One multi-tensor launch for the (up to) four scalings; a 0-dim scale keeps each gradient's dtype.
+      const std::vector<at::Tensor> scaled = at::_foreach_mul(wanted, scale);
+      std::array<at::Tensor, 4> out;
+      for (std::size_t i = 0, next = 0; i < want.size(); ++i)
+        if (want[i]) out[i] = scaled[next++];
+      std::tie(de, dt, ds, dn) = std::make_tuple(out[0], out[1], out[2], out[3]);
     } else {
       std::tie(de, dt, ds, dn) = op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]),
                                          optional(s[5]), optional(s[6]), ctx->saved_data.at("batch_first").toBool(),

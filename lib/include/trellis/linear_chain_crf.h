@@ -36,6 +36,15 @@ at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags);
 // log-likelihood and NaN gradients rather than an Error. Elsewhere such values are an Error naming the index.
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
 
+// log_likelihood [B] and the gradients of its sum w.r.t. emissions, transitions, start and end (undefined where the
+// potentials have no start or end), without building an autograd graph: one forward and one backward pass of the fused
+// kernels where they take the input (for callers that want both at once, like a training step), autograd elsewhere.
+// Lengths and tags are checked as by log_likelihood.
+struct LogLikelihoodGradients {
+  at::Tensor log_likelihood, emissions, transitions, start, end;
+};
+LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags);
+
 // Forward and backward log-messages [B,T,K]: alpha[b,t,k] scores every prefix ending in label k at t (emission at t
 // included), beta[b,t,k] every suffix after t given label k at t (end score included). Zero-filled at padding.
 at::Tensor forward_log_alphas(const ChainPotentials& p);
