@@ -6,19 +6,12 @@
 # message and leaves no model.
 # Usage: dist_crf_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with torch and numpy) DATA_DIR (data/ud-en-ewt-sample)
 set -uo pipefail
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-source "$here/cli_harness.sh" || exit 1
-trellis=$1
-work=$2
-py=$3
-data=$4
-rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
-"$py" -c 'import numpy, torch.distributed.run' 2>/dev/null || { echo "SKIP: $py lacks torch or numpy"; exit 77; }
+source "$(dirname "${BASH_SOURCE[0]}")/dist_harness.sh" "$@" || exit 1
+skip_unless 'import numpy, torch.distributed.run' "$py lacks torch or numpy"
 export TRELLIS_DIST_TIMEOUT=30
 # One thread per process, whatever the machine: the single-process run then sums in the order each rank does, and
 # four L-BFGS iterations compare weights rather than line searches that a last-bit difference sent elsewhere.
 export OMP_NUM_THREADS=1
-source "$here/dist_harness.sh" || exit 1
 
 # 401 training sentences (minibatches of 8 end with one sentence: two of three ranks get none of it), 100 dev ones.
 awk -v RS= -v ORS='\n\n' 'NR <= 401' "$data/train.txt" >train.txt

@@ -5,31 +5,9 @@
 # others fail at the timeout instead of hanging.
 # Usage: dist_hmm_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with torch and h5py) DATA_DIR (data/ud-en-ewt-sample)
 set -uo pipefail
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-source "$here/cli_harness.sh" || exit 1
-trellis=$1
-work=$2
-py=$3
-data=$4
-rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
-"$py" -c 'import h5py, numpy, torch.distributed.run' 2>/dev/null || { echo "SKIP: $py lacks torch or h5py"; exit 77; }
+source "$(dirname "${BASH_SOURCE[0]}")/dist_harness.sh" "$@" || exit 1
+skip_unless 'import h5py, numpy, torch.distributed.run' "$py lacks torch or h5py"
 export TRELLIS_DIST_TIMEOUT=30
-source "$here/dist_harness.sh" || exit 1
-# compare A B: the same datasets; float64 results within 1e-10 relative, integers (paths, offsets) identical.
-cat >compare.py <<'EOF'
-import sys, h5py, numpy as np
-a, b = h5py.File(sys.argv[1], "r"), h5py.File(sys.argv[2], "r")
-assert sorted(a.keys()) == sorted(b.keys()), (sorted(a.keys()), sorted(b.keys()))
-for k in a.keys():
-    x, y = a[k][()], b[k][()]
-    assert x.shape == y.shape and x.dtype == y.dtype, (k, x.shape, y.shape, x.dtype, y.dtype)
-    if x.dtype.kind == "f":
-        tol = 1e-6 if x.dtype == np.float32 else 1e-10
-        assert np.allclose(x, y, rtol=tol, atol=tol * 1e-3), (k, np.abs(x - y).max())
-    else:
-        assert (x == y).all(), k
-EOF
-same() { "$py" compare.py "$1" "$2" 2>compare.err || { cat compare.err; return 1; }; }
 
 "$trellis" hmm convert -i "$data/train.txt" -o train.h5 --label-column 1 2>/dev/null &&
   "$trellis" hmm convert -i "$data/dev.txt" -o dev.h5 --vocabulary-from train.h5 --label-column 1 --add-labels 2>/dev/null &&
@@ -48,7 +26,7 @@ same() { "$py" compare.py "$1" "$2" 2>compare.err || { cat compare.err; return 1
 for world in 2 3; do
   launch=run
   ((world == 3)) && launch=torchrun
-  $launch "$world" hmm infer -m sup.h5 -d dev.h5 -o "infer$world.h5" --posteriors && same infer.h5 "infer$world.h5" && ok ||
+  $launch "$world" hmm infer -m sup.h5 -d dev.h5 -o "infer$world.h5" --posteriors && same_hdf5 infer.h5 "infer$world.h5" && ok ||
     fail "infer at world size $world differs from one process"
   grep -q "^sequences 400  tokens 6729 " out.0.txt && [ ! -s out.1.txt ] && ok ||
     fail "infer at world $world: rank 0 alone prints the summary: $(cat out.*.txt)"
@@ -60,19 +38,19 @@ for world in 2 3; do
   cat err.*.txt | sed -n 's/^rank [0-9]* of [0-9]* (gloo): sequences \([0-9]*\)-\([0-9]*\) .*/\1 \2/p' | sort -n |
     awk 'BEGIN { next_first = 0 } { if ($1 != next_first) bad = 1; next_first = $2 + 1 } END { exit bad || next_first != 400 }' &&
     ok || fail "infer at world $world: the shares do not cover the 400 sequences once"
-  run "$world" hmm fit -d dev.h5 -o "em$world.h5" --states 4 --max-iterations 3 --tolerance 0 && same em.h5 "em$world.h5" &&
+  run "$world" hmm fit -d dev.h5 -o "em$world.h5" --states 4 --max-iterations 3 --tolerance 0 && same_hdf5 em.h5 "em$world.h5" &&
     ok || fail "EM at world size $world differs from one process"
   [ "$(grep -c '^iter ' err.0.txt)" = 3 ] && ! grep -q '^iter ' err.1.txt && ok ||
     fail "EM at world $world: rank 0 alone prints the 3 iterations"
 done
-run 3 hmm fit -d train.h5 -o sup_3.h5 --supervised --smoothing 0.1 && same sup.h5 sup_3.h5 && ok ||
+run 3 hmm fit -d train.h5 -o sup_3.h5 --supervised --smoothing 0.1 && same_hdf5 sup.h5 sup_3.h5 && ok ||
   fail "supervised fit at world size 3 differs"
-run 3 hmm fit -d train.h5 -o sup2_3.h5 --supervised --order 2 --smoothing 0.1 && same sup2.h5 sup2_3.h5 && ok ||
+run 3 hmm fit -d train.h5 -o sup2_3.h5 --supervised --order 2 --smoothing 0.1 && same_hdf5 sup2.h5 sup2_3.h5 && ok ||
   fail "second-order supervised fit at world size 3 differs"
-run 2 hmm fit -d gdata.h5 -o gem_2.h5 --states 3 --max-iterations 3 --tolerance 0 && same gem.h5 gem_2.h5 && ok ||
+run 2 hmm fit -d gdata.h5 -o gem_2.h5 --states 3 --max-iterations 3 --tolerance 0 && same_hdf5 gem.h5 gem_2.h5 && ok ||
   fail "Gaussian EM at world size 2 differs"
 # Two sequences over three ranks: one rank has none and still takes part.
-run 3 hmm infer -m gauss.h5 -d two.h5 -o two_3.h5 && same two_ref.h5 two_3.h5 && grep -q "sequences none (0 of 2)" err.*.txt &&
+run 3 hmm infer -m gauss.h5 -d two.h5 -o two_3.h5 && same_hdf5 two_ref.h5 two_3.h5 && grep -q "sequences none (0 of 2)" err.*.txt &&
   ok || fail "a rank with an empty share"
 
 # A dataset missing on rank 1: every rank exits with rank 1's message, quickly, and no output appears.
@@ -123,7 +101,7 @@ start=$SECONDS
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 kill "$throttle" 2>/dev/null; wait "$throttle" 2>/dev/null
-((rc == 0)) && same wide_ref.h5 wide_3.h5 && ok ||
+((rc == 0)) && same_hdf5 wide_ref.h5 wide_3.h5 && ok ||
   fail "a slow rank that makes progress: $(tail -n 1 slow.*.txt)"
 ((SECONDS - start > 3)) && ok || fail "the slow rank was not slowed down enough to test the wait ($((SECONDS - start)) s)"
 

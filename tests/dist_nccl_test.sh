@@ -5,37 +5,16 @@
 # log-likelihoods to 4 decimals, the accuracy of the paths, the EM iterations).
 # Usage: dist_nccl_test.sh TRELLIS_BINARY WORK_DIR PYTHON (with torch, h5py and numpy) DATA_DIR (data/ud-en-ewt-sample)
 set -uo pipefail
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-source "$here/cli_harness.sh" || exit 1
-trellis=$1
-work=$2
-py=$3
-data=$4
-rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
-"$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null ||
-  { echo "SKIP: no GPU (or $py lacks torch)"; exit 77; }
+source "$(dirname "${BASH_SOURCE[0]}")/dist_harness.sh" "$@" || exit 1
+skip_unless 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' "no GPU (or $py lacks torch)"
 have_h5py=1
 "$py" -c 'import h5py, numpy' 2>/dev/null || have_h5py=0
 export TRELLIS_DIST_TIMEOUT=120
-source "$here/dist_harness.sh" || exit 1
 # same_output A B [LOG_A LOG_B]: the HDF5 files, or without h5py the logs' log-likelihood lines.
 same_output() {
-  if ((have_h5py)); then "$py" compare.py "$1" "$2"; return; fi
+  if ((have_h5py)); then same_hdf5 "$1" "$2"; return; fi
   diff <(grep -o 'log-likelihood -*[0-9.]*' "$3") <(grep -o 'log-likelihood -*[0-9.]*' "$4") >/dev/null
 }
-cat >compare.py <<'EOF'
-import sys, h5py, numpy as np
-a, b = h5py.File(sys.argv[1], "r"), h5py.File(sys.argv[2], "r")
-assert sorted(a.keys()) == sorted(b.keys())
-for k in a.keys():
-    x, y = a[k][()], b[k][()]
-    assert x.shape == y.shape and x.dtype == y.dtype, k
-    if x.dtype.kind == "f":
-        tol = 1e-6 if x.dtype == np.float32 else 1e-10
-        assert np.allclose(x, y, rtol=tol, atol=tol * 1e-3), (k, np.abs(x - y).max())
-    else:
-        assert (x == y).all(), k
-EOF
 
 "$trellis" hmm convert -i "$data/train.txt" -o train.h5 --label-column 1 2>/dev/null &&
   "$trellis" hmm convert -i "$data/dev.txt" -o dev.h5 --vocabulary-from train.h5 --label-column 1 --add-labels 2>/dev/null &&
