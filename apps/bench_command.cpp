@@ -198,8 +198,11 @@ void crf_fwd_bwd(Bench& b, int64_t B, int64_t T, int64_t K) {
     q.values_checked = true;
     return log_likelihood(q, tags);
   };
+  // What a training step that wants the gradients right away calls (trellis.CRF's reduced log-likelihood): no graph.
+  const auto direct = [&] { return log_likelihood_with_gradients(p, tags).log_likelihood; };
   b.run(w, shape, "trellis", [&] { step(trellis_ll); }, max_abs_diff(step(trellis_ll), ref));
   b.run(w, shape, "trellis, values vouched for", [&] { step(vouched_ll); }, max_abs_diff(step(vouched_ll), ref));
+  b.run(w, shape, "trellis, log_likelihood_with_gradients", direct, max_abs_diff(direct(), ref));
   b.run(w, shape, "libtorch logsumexp loop", [&] { step(plain_ll); }, max_abs_diff(step(plain_ll), ref));
   b.run(w, shape, "libtorch scaled-matmul loop", [&] { step(scaled_ll); }, max_abs_diff(step(scaled_ll), ref));
   gemm_floor(b, w, shape, B, T, K, 3);

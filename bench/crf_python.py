@@ -3,8 +3,8 @@ process: the log-likelihood's forward+backward and Viterbi decoding at the shape
 bfloat16 emissions. Each Trellis row also times the operator the module wraps, called directly
 (torch.ops.trellis.crf_log_likelihood / crf_viterbi with the arguments the module passes), and, with --trellis-bin, the
 C++ call underneath (`trellis bench crf --device cuda --json`, run as a subprocess on the same GPU: the same workloads
-with the library's log_likelihood and viterbi on full-length sequences), so that the Python path's overhead is the
-difference of medians.
+with the library's log_likelihood_with_gradients, which the module's reduced log-likelihood calls, and viterbi on
+full-length sequences), so that the Python path's overhead is the difference of medians.
 
     # GPU machine: the peers from .whl (scripts/gpu_check.sh's build tree is build-gpu)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytorch_crf-*.whl .whl/torch_struct-*.whl
@@ -301,11 +301,11 @@ def cpp_timings():
     for r in rows:
         shape = dict(part.split("=") for part in r["shape"].split())
         key = (r["workload"], int(shape["B"]), int(shape["T"]), int(shape["K"]))
-        if r["implementation"] == "trellis":
-            found.setdefault(key, [None, None])[0] = r["ms"]
-        elif r["implementation"] == "trellis, values vouched for":
-            found.setdefault(key, [None, None])[1] = r["ms"]
-    return found
+        found.setdefault(key, {})[r["implementation"]] = r["ms"]
+    # The C++ call trellis.CRF wraps: log_likelihood_with_gradients for the log-likelihood (a reduced one forms its
+    # gradients in the forward pass), viterbi for decoding.
+    return {key: [impls.get("trellis, log_likelihood_with_gradients", impls.get("trellis")),
+                  impls.get("trellis, values vouched for")] for key, impls in found.items()}
 
 
 def git_commit():
