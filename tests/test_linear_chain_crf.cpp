@@ -414,7 +414,8 @@ TEST(LinearChainCRFCuda, OutOfRangeTagsAndLengthsGiveNaNWithoutWaitingForTheGpu)
   expect_close(ll.narrow(0, 0, 2), log_likelihood(good, good_tags), 1e-5, 1e-5);
   log_likelihood(g, tags.cuda()).sum().backward();
   const at::Tensor ge = g.emissions.grad().cpu();
-  EXPECT_TRUE(at::isnan(ge[2]).all().item<bool>() && at::isnan(ge[3]).all().item<bool>());
+  // (sequence 3 has 4 positions: its padding's gradient stays 0)
+  EXPECT_TRUE(at::isnan(ge[2]).all().item<bool>() && at::isnan(ge[3].narrow(0, 0, 4)).all().item<bool>());
   EXPECT_TRUE(at::isfinite(ge.narrow(0, 0, 2)).all().item<bool>());
   // A length outside [1, T].
   g.lengths = at::tensor({6, 0, 6, 7}, at::kLong).cuda();
