@@ -48,4 +48,21 @@ void scaled_chain_crf_backward(const at::Tensor& grad_score, const at::Tensor& t
                                const at::Tensor& score, double threshold, at::Tensor& grad_emissions,
                                at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 
+// cuda/scaled_chain_forward.cu's streamed forward (see scaled_chain_forward in cuda/semiring_kernels.h for the
+// arguments), with each step's messages rebased by the previous step's largest entry: returns alpha [B,K] and sets
+// offset [B] (float64) such that the messages at each sequence's end are alpha + offset. float32 then keeps its
+// precision on long sequences, whose unshifted messages would grow to about −T.
+at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
+                                        const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
+                                        const at::Tensor& lengths, double threshold, at::Tensor& offset);
+
+// Viterbi for many labels (cuda/many_label_viterbi.cu), any number of sequences: whether it takes K labels, and the
+// best label sequences path [B,T] (int64, -1 at padding) with their scores [B], given emissions [B,T,K], transitions
+// [K,K], start [K], end [K] (contiguous, one floating dtype) and lengths [B] int64 in [1, T]. Messages are rebased
+// each step as on the CPU, so float32 is as exact on long sequences as on short ones.
+bool many_label_viterbi_supported(int64_t K);
+
+void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                        const at::Tensor& end, const at::Tensor& lengths, at::Tensor& path, at::Tensor& score);
+
 }  // namespace trellis::cuda

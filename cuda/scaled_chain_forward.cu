@@ -13,6 +13,8 @@
 // - scaled_finish_kernel: sums the partials, takes the log, and recomputes exactly in log space every output whose
 //   scaled sum is below the underflow threshold (so the result is exact to rounding for any input range); sequences
 //   past their length keep their message. It also writes per-block maxima that the next step reduces to max alpha.
+//   Given an offset per sequence, it rebases: each message is stored minus the previous one's max, which the offset
+//   sums in float64, so that float32 messages stay near 0 on long sequences instead of growing to about −T.
 //
 // Where P is not much larger than L2 (K=4096: 64 MiB), part of it stays there from step to step: the step kernel
 // loads a share of each block's rows with an evict-last hint and the rest with evict-first, and every other step
@@ -25,6 +27,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
 #include "cuda/semiring_kernels.h"
 #include "trellis/semiring.h"
@@ -204,8 +207,8 @@ __global__ void __launch_bounds__(kThreads)
     scaled_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ alpha,
                          const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
                          const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ len,
-                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, int B, int Tn, int K, int t,
-                         T threshold) {
+                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, double* __restrict__ offset,
+                         int B, int Tn, int K, int t, T threshold) {
   __shared__ T scratch[kWarps];
   allow_next_launch();
   // What no kernel of the chain writes is read before waiting for the step kernel.
@@ -222,11 +225,13 @@ __global__ void __launch_bounds__(kThreads)
       T s = T(0);
       for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
       const T m = row_max(block_max, gridDim.x, b);  // loaded alongside the partial sums
+      if (offset && blockIdx.x == 0 && threadIdx.x == 0) offset[b] += double(m);
       T pre;
       if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
         pre = exact_log_dot(alpha + row, W + j, K, K);
+        if (offset) pre -= m;
       } else {
-        pre = log(s) + m + cmax;
+        pre = offset ? log(s) + cmax : log(s) + m + cmax;
       }
       a = pre + e;
     } else {
@@ -303,13 +308,10 @@ void with_group(int64_t B, F&& f) {
   else f(std::integral_constant<int, kGroup>());
 }
 
-}  // namespace
-
-bool scaled_chain_supported(int64_t B, int64_t K) { return B >= 1 && B <= 2 * kGroup && K >= 1 && K <= (1 << 20); }
-
-at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
-                                const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
-                                double threshold) {
+// The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step.
+at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
+                            const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
+                            double threshold, double* offset_data) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
   const c10::cuda::CUDAGuard guard(emissions.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -339,14 +341,31 @@ at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& t
         }
         launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, B), 0, stream, pdl && t > 0,
                          partial.data_ptr<T>(), plan.splits, alpha.data_ptr<T>(), block_max.data_ptr<T>(), W, cmax,
-                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), int(B), int(Tn), int(K), t,
-                         static_cast<T>(threshold));
+                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), offset_data, int(B), int(Tn),
+                         int(K), t, static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);
       }
     });
   });
   return alpha;
+}
+
+}  // namespace
+
+bool scaled_chain_supported(int64_t B, int64_t K) { return B >= 1 && B <= 2 * kGroup && K >= 1 && K <= (1 << 20); }
+
+at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
+                                const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
+                                double threshold) {
+  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, nullptr);
+}
+
+at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
+                                        const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
+                                        const at::Tensor& lengths, double threshold, at::Tensor& offset) {
+  offset = at::zeros({emissions.size(0)}, emissions.options().dtype(at::kDouble));
+  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, offset.data_ptr<double>());
 }
 
 }  // namespace trellis::cuda

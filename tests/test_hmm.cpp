@@ -325,3 +325,48 @@ TEST(GaussianHMM, SamplesRecoverTheModelAndEmNeverDecreases) {
   ASSERT_GT(r.log_likelihood.size(), 3u);
   for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-7);
 }
+
+TEST(HMMCuda, ManyStatesFloat32LongSequences) {
+  TRELLIS_REQUIRE_CUDA();
+  // 300 states (past the shared-memory kernels), sequences of up to 10000 observations, log-likelihoods near -4e4:
+  // an unshifted float32 message there keeps about 4e-3, and its rounding over 10^4 steps misses by about 5e-6
+  // relative. The streamed forward and the many-label Viterbi rebase each step: float32 log-likelihoods stay within
+  // 1e-6 of float64 and the Viterbi paths equal the CPU's float32 paths. Masked transitions and padding included.
+  CategoricalHMM m = CategoricalHMM::random(300, 50, 50);
+  m.log_transitions.select(1, 3).fill_(-kInf);
+  m.log_transitions = at::log_softmax(m.log_transitions, 1);
+  const Data d = random_observations(4, 10000, 50);
+  const at::Device cuda(at::kCUDA);
+  const CategoricalHMM f32 = m.to(at::TensorOptions().dtype(at::kFloat)), g = f32.to(at::TensorOptions().device(cuda));
+  const at::Tensor ll = log_likelihood(g, d.obs.to(cuda), d.lengths.to(cuda));
+  ASSERT_EQ(ll.scalar_type(), at::kFloat);
+  expect_close(ll, log_likelihood(m, d.obs, d.lengths), 1e-6, 0);
+  const ViterbiResult a = viterbi(g, d.obs.to(cuda), d.lengths.to(cuda)), b = viterbi(f32, d.obs, d.lengths);
+  EXPECT_TRUE(at::equal(a.path.cpu(), b.path));
+  expect_close(a.score, b.score, 1e-6, 0);
+}
+
+TEST(HMMCuda, ManyStatesPosteriorsAndExpectedCountsMatchCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // The streamed forward-backward for many states (posteriors, and the E-step's expected counts as two GEMMs over the
+  // batch) against the CPU's autograd route: ragged lengths (1 and T among them), a masked transition column, float64
+  // and float32.
+  CategoricalHMM m = CategoricalHMM::random(200, 30, 60);
+  m.log_transitions.select(1, 3).fill_(-kInf);
+  m.log_transitions = at::log_softmax(m.log_transitions, 1);
+  const Data d = random_observations(5, 40, 30);
+  const at::Device cuda(at::kCUDA);
+  const at::Tensor nodes = posteriors(m, d.obs, d.lengths);
+  const CategoricalHMM::Statistics expected = expected_statistics(m, d.obs, d.lengths);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    SCOPED_TRACE(c10::str(dtype));
+    const double tol = dtype == at::kDouble ? 1e-9 : 1e-4;
+    const CategoricalHMM g = m.to(at::TensorOptions().device(cuda).dtype(dtype));
+    expect_close(posteriors(g, d.obs.to(cuda), d.lengths.to(cuda)), nodes, tol, tol);
+    const CategoricalHMM::Statistics s = expected_statistics(g, d.obs.to(cuda), d.lengths.to(cuda));
+    expect_close(s.start, expected.start, tol, tol);
+    expect_close(s.transitions, expected.transitions, tol, tol);
+    expect_close(s.emissions, expected.emissions, tol, tol);
+    EXPECT_NEAR(s.log_likelihood, expected.log_likelihood, tol * std::abs(expected.log_likelihood));
+  }
+}

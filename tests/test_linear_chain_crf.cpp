@@ -625,3 +625,62 @@ TEST(LinearChainCRF, KBestMatchesSortedEnumeration) {
   }
   EXPECT_THROW(kbest_viterbi(p, 0), Error);
 }
+
+namespace {
+
+// Viterbi on the GPU against the CPU recursion in the same dtype: the same additions in the same order, so the paths
+// are the same label for label, ties included.
+void expect_viterbi_matches_cpu(const ChainPotentials& p, at::ScalarType dtype) {
+  ChainPotentials c, g;
+  for (auto [dst, dev] : {std::pair{&c, at::Device(at::kCPU)}, std::pair{&g, at::Device(at::kCUDA)}}) {
+    dst->emissions = p.emissions.to(dev, dtype);
+    dst->transitions = p.transitions.to(dev, dtype);
+    dst->start = p.start.to(dev, dtype);
+    dst->end = p.end.to(dev, dtype);
+    dst->lengths = p.lengths.to(dev);
+  }
+  const ViterbiResult expected = viterbi(c), got = viterbi(g);
+  EXPECT_TRUE(at::equal(got.path.cpu(), expected.path))
+      << "first differing sequence: " << (got.path.cpu() != expected.path).any(1).nonzero()[0].item<int64_t>();
+  expect_close(got.score, expected.score, 1e-5, 1e-5);
+}
+
+}  // namespace
+
+TEST(LinearChainCRFCuda, ManyLabelViterbiMatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // The streaming max-semiring kernels (cuda/many_label_viterbi.cu), past the shared-memory kernels' reach: sequence
+  // groups of 1, 4 and 16 and a third group cut short (B=40), K a multiple of the 16-byte vectors and not (element
+  // loads), K over several column tiles and row spans, ragged lengths (1 and T among them), masked transitions; then
+  // integer scores, where many paths tie and the lowest label must win as on the CPU.
+  for (auto [B, T, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 9, 130}, {3, 7, 1031}, {13, 6, 1024}, {40, 5, 2100}})
+    for (bool ties : {false, true})
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        SCOPED_TRACE(c10::str("B=", B, " T=", T, " K=", K, ties ? " integer scores " : " ", dtype));
+        ChainPotentials p = scaled_masked_chain(B, T, K, 1.0);
+        if (ties) {
+          p.emissions = (p.emissions * 2).round();
+          p.transitions = (p.transitions * 2).round();
+          p.start = (p.start * 2).round();
+          p.end = (p.end * 2).round();
+        }
+        expect_viterbi_matches_cpu(p, dtype);
+      }
+}
+
+TEST(LinearChainCRFCuda, ManyLabelViterbiFloat32LongSequences) {
+  TRELLIS_REQUIRE_CUDA();
+  // Log-probabilities over 5000 steps: scores near -5e4, where an unshifted float32 message keeps about 4e-3. The
+  // kernels rebase each step, so float32 follows the CPU's float32 path exactly and its score stays within 1e-6 of
+  // float64.
+  ChainPotentials p = random_chain(3, 5000, 200);
+  p.transitions.select(1, 3).fill_(-kInf);
+  p.emissions = at::log_softmax(p.emissions * 3, 2);
+  p.transitions = at::log_softmax(p.transitions * 3, 1);
+  p.lengths = at::tensor({5000, 4999, 2500}, at::kLong);
+  expect_viterbi_matches_cpu(p, at::kFloat);
+  ChainPotentials g = p;
+  for (at::Tensor* t : {&g.emissions, &g.transitions, &g.start, &g.end}) *t = t->to(at::kCUDA, at::kFloat);
+  g.lengths = p.lengths.to(at::kCUDA);
+  expect_close(viterbi(g).score, viterbi(p).score, 1e-6, 0);
+}

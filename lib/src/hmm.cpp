@@ -12,7 +12,11 @@
 #include <type_traits>
 
 #include "message.h"
+#include "scaled_log_matmul.h"
 #include "trellis/error.h"
+#if TRELLIS_WITH_CUDA
+#include "cuda/chain_kernels.h"
+#endif
 
 namespace trellis {
 namespace {
@@ -299,9 +303,152 @@ GaussianHMM GaussianHMM::maximise(const Statistics& s, const MStepOptions& o) co
 
 // ---- generic inference and training ----
 
+namespace {
+
+// From this many states on, the transitions no longer fit the shared-memory chain kernels: on CUDA the streamed
+// forward kernel takes the log-likelihoods, for at most kStreamedSequences sequences per call (its sequence groups of
+// 16 each read the transitions once per step), and posteriors and expected counts come from one scaled GEMM per step.
+constexpr int64_t kStreamedMinStates = 128, kStreamedSequences = 32;
+
+bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// Whether the many-state CUDA routes take these potentials (shapes as HMM::potentials builds them).
+bool streamed_route(const ChainPotentials& p) {
+#if TRELLIS_WITH_CUDA
+  const at::Tensor& e = p.emissions;
+  return e.defined() && e.dim() == 3 && e.is_cuda() && e.size(0) > 0 && e.size(2) >= kStreamedMinStates &&
+         p.transitions.defined() && p.transitions.sizes() == at::IntArrayRef{e.size(2), e.size(2)} &&
+         p.transitions.scalar_type() == e.scalar_type() && p.transitions.device() == e.device();
+#else
+  return false;
+#endif
+}
+
+// The sequence lengths [B] on the emissions' device, checked to lie in [1, T] (one host transfer).
+at::Tensor checked_lengths(const ChainPotentials& p) {
+  const at::Tensor& e = p.emissions;
+  const int64_t B = e.size(0), T = e.size(1);
+  const auto long_opts = e.options().dtype(at::kLong);
+  if (!p.lengths.defined()) return at::full({B}, T, long_opts);
+  const at::Tensor lengths = p.lengths.to(long_opts).contiguous();
+  const at::Tensor range = at::stack({lengths.min(), lengths.max()}).cpu();
+  if (range[0].item<int64_t>() < 1 || range[1].item<int64_t>() > T)
+    throw Error("HMM: sequence lengths must lie in [1, " + std::to_string(T) + "], got " +
+                message::text(range[0].item<int64_t>(), " to ", range[1].item<int64_t>()));
+  return lengths;
+}
+
+at::Tensor state_vector(const at::Tensor& t, const at::Tensor& emissions) {
+  return t.defined() ? t.to(emissions.options()).contiguous() : at::zeros({emissions.size(2)}, emissions.options());
+}
+
+at::Tensor finite_or_zero(const at::Tensor& m) { return at::where(m.isinf(), at::zeros({}, m.options()), m); }
+
+// Posteriors, log-likelihoods and (optionally) expected start and transition counts of many-state potentials, without
+// autograd. Forward and backward messages [T,B,K] are each one scaled GEMM per step (detail::scaled_log_matmul, exact
+// for any input range) and are kept minus their largest entry, so float32 keeps its precision on long sequences:
+// node posteriors are softmax(alpha_t + beta_t), whatever the frames. The expected transition counts are two GEMMs
+// over every position of the batch: with u = exp(alpha_t), v = exp(e_{t+1} + beta_{t+1} + colmax − max) and the
+// scaled transitions P = exp(W − colmax), position t contributes u vᵀ ⊙ P / (uᵀ P v).
+struct StreamedExpectations {
+  at::Tensor log_likelihood, nodes, start, transitions;
+};
+
+StreamedExpectations streamed_expectations(const ChainPotentials& p, bool with_counts) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor& em = p.emissions;
+  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
+  const at::Tensor lengths = checked_lengths(p);
+  const at::Tensor start = state_vector(p.start, em), end = state_vector(p.end, em);
+  const at::Tensor E = em.transpose(0, 1).contiguous();  // [T,B,K]
+  const detail::ScaledRight forward = detail::scale_right(p.transitions.unsqueeze(0));
+  const detail::ScaledRight backward = detail::scale_right(p.transitions.t().contiguous().unsqueeze(0));
+  at::Tensor A = at::empty({Tn, B, K}, em.options()), shift = at::empty({Tn, B, 1}, em.options());
+  for (int64_t t = 0; t < Tn; ++t) {
+    const at::Tensor a = t == 0 ? E[0] + start : detail::scaled_log_matmul(A[t - 1].unsqueeze(0), forward)[0] + E[t];
+    const at::Tensor m = finite_or_zero(a.amax(1, true));
+    at::Tensor rebased = A[t];
+    at::sub_out(rebased, a, m);
+    shift[t].copy_(m);
+  }
+  const at::Tensor steps = at::arange(Tn, lengths.options()).unsqueeze(1);  // [T,1]
+  const at::Tensor live = steps < lengths.unsqueeze(0);                     // [T,B]
+  const at::Tensor last = A.transpose(0, 1).gather(1, (lengths - 1).view({B, 1, 1}).expand({B, 1, K})).squeeze(1);
+  const at::Tensor offset = (shift.squeeze(2).to(at::kDouble) * live.to(at::kDouble)).sum(0);
+  StreamedExpectations r;
+  r.log_likelihood = (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type());
+  at::Tensor Bt = at::empty({Tn, B, K}, em.options());
+  Bt[Tn - 1].copy_(end.expand({B, K}));
+  for (int64_t t = Tn - 2; t >= 0; --t) {
+    const at::Tensor next = E[t + 1] + Bt[t + 1];
+    const at::Tensor beta = detail::scaled_log_matmul((next - finite_or_zero(next.amax(1, true))).unsqueeze(0), backward)[0];
+    // A sequence's last position (and its padding) has the end scores as beta.
+    at::Tensor out = Bt[t];
+    at::where_out(out, (lengths > t + 1).unsqueeze(1), beta, end.expand({B, K}));
+  }
+  r.nodes = (at::softmax(A + Bt, -1) * live.unsqueeze(2).to(em.scalar_type())).transpose(0, 1).contiguous();
+  if (!with_counts) return r;
+  r.start = r.nodes.select(1, 0).sum(0);
+  r.transitions = at::zeros({K, K}, em.options());
+  if (Tn < 2) return r;
+  const at::Tensor P = forward.scaled[0];
+  const at::Tensor u = A.slice(0, 0, Tn - 1).exp().view({-1, K});
+  at::Tensor v = E.slice(0, 1) + Bt.slice(0, 1) + forward.colmax.view({1, 1, K});
+  v = (v - finite_or_zero(v.amax(-1, true))).exp().view({-1, K});
+  const at::Tensor total = (u * at::mm(v, P.t())).sum(1);  // uᵀ P v per position
+  const at::Tensor used = (steps.slice(0, 1) < lengths.unsqueeze(0)).flatten() & (total > 0);
+  const at::Tensor weight = at::where(used, total.reciprocal(), at::zeros({}, total.options()));
+  r.transitions = P * at::mm(u.t(), v * weight.unsqueeze(1));
+  return r;
+}
+
+}  // namespace
+
+at::Tensor chain_log_likelihood(const ChainPotentials& p) {
+#if TRELLIS_WITH_CUDA
+  if (streamed_route(p)) {
+    c10::NoGradGuard no_grad;
+    const at::Tensor& e = p.emissions;
+    const int64_t B = e.size(0), K = e.size(2);
+    const at::Tensor lengths = checked_lengths(p);
+    const at::Tensor start = state_vector(p.start, e), end = state_vector(p.end, e);
+    const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
+    const double threshold = detail::underflow_threshold(e.scalar_type(), K);
+    std::vector<at::Tensor> parts;
+    for (int64_t b0 = 0; b0 < B; b0 += kStreamedSequences) {
+      const int64_t b1 = std::min(B, b0 + kStreamedSequences);
+      at::Tensor offset;
+      const at::Tensor alpha = cuda::rebased_scaled_chain_forward(
+          e.slice(0, b0, b1).contiguous(), w.original[0].contiguous(), w.scaled[0].contiguous(), w.colmax.view({K}),
+          start, lengths.slice(0, b0, b1).contiguous(), threshold, offset);
+      parts.push_back((at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
+    }
+    return at::cat(parts);
+  }
+#endif
+  c10::NoGradGuard no_grad;
+  return log_partition(p);
+}
+
+Marginals chain_posteriors(const ChainPotentials& p) {
+  if (!streamed_route(p)) return marginals(p);
+  StreamedExpectations x = streamed_expectations(p, /*with_counts=*/false);
+  Marginals m;
+  m.log_partition = x.log_likelihood;
+  m.nodes = x.nodes;
+  return m;
+}
+
 template <class HMM>
 at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
-  return log_partition(hmm.potentials(observations, lengths));
+  const ChainPotentials p = hmm.potentials(observations, lengths);
+  if (!any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end})) return chain_log_likelihood(p);
+  return log_partition(p);
 }
 
 template <class HMM>
@@ -312,7 +459,9 @@ ForwardBackward forward_backward(const HMM& hmm, const at::Tensor& observations,
 
 template <class HMM>
 at::Tensor posteriors(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
-  return marginals(hmm.potentials(observations, lengths)).nodes;
+  const ChainPotentials p = hmm.potentials(observations, lengths);
+  if (!any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end})) return chain_posteriors(p).nodes;
+  return marginals(p).nodes;
 }
 
 template <class HMM>
@@ -322,8 +471,17 @@ ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::
 
 template <class HMM>
 typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
-  c10::AutoGradMode grad_on(true);
   ChainPotentials p = hmm.potentials(observations, lengths);
+  if (streamed_route(p)) {
+    const StreamedExpectations x = streamed_expectations(p, /*with_counts=*/true);
+    typename HMM::Statistics s;
+    s.start = x.start;
+    s.transitions = x.transitions;
+    s.log_likelihood = x.log_likelihood.sum().item<double>();
+    hmm.accumulate_emissions(s, x.nodes, observations);
+    return s;
+  }
+  c10::AutoGradMode grad_on(true);
   p.emissions = p.emissions.detach().requires_grad_();
   p.start = p.start.detach().requires_grad_();
   p.transitions = p.transitions.detach().requires_grad_();

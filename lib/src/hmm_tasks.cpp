@@ -360,12 +360,12 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             const ChainPotentials p = m->potentials(b.observations.to(opt.device()), lengths);
             at::Tensor ll, nodes;
             if (with_posteriors) {
-              const Marginals mg = marginals(p);
+              const Marginals mg = chain_posteriors(p);
               ll = mg.log_partition.detach();
               nodes = mg.nodes;
             }
             c10::NoGradGuard no_grad;
-            if (!with_posteriors) ll = log_partition(p);
+            if (!with_posteriors) ll = chain_log_likelihood(p);
             const ViterbiResult v = viterbi(p);
             if (rank == 0)
               out->append(ll, v.score, v.path, b.lengths, nodes);

@@ -14,6 +14,7 @@
 #include "trellis/error.h"
 #include "trellis/semiring_ops.h"
 #if TRELLIS_WITH_CUDA
+#include "cuda/chain_kernels.h"
 #include "cuda/semiring_kernels.h"
 #endif
 
@@ -349,6 +350,21 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 }
 
 ViterbiResult viterbi(const ChainPotentials& p) {
+#if TRELLIS_WITH_CUDA
+  // Past the shared-memory kernels' reach in float64 (where a long float32 chain would be widened), the streaming
+  // max-semiring kernels: they rebase each step's messages as the CPU recursion does, so float32 runs as it is.
+  if (p.emissions.defined() && p.emissions.dim() == 3 && p.emissions.is_cuda() &&
+      !cuda::chain_supported(p.emissions.size(2), at::kDouble) && cuda::many_label_viterbi_supported(p.emissions.size(2))) {
+    const Shape s = check(p);
+    c10::NoGradGuard no_grad;
+    const at::Tensor lengths = lengths_or_full(p, s).contiguous();
+    ViterbiResult v{at::empty({s.B, s.T}, lengths.options()), at::empty({s.B}, p.emissions.options())};
+    cuda::many_label_viterbi(p.emissions.contiguous(), p.transitions.contiguous(),
+                             or_zeros(p.start, p, s.K).contiguous(), or_zeros(p.end, p, s.K).contiguous(), lengths,
+                             v.path, v.score);
+    return v;
+  }
+#endif
   if (widened_on_gpu(p)) {
     ViterbiResult v = viterbi(widened(p));
     v.score = v.score.to(at::kFloat);

@@ -95,6 +95,16 @@ struct GaussianHMM {
 template <class HMM>
 at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
 
+// log P(observations) per sequence [B] from an HMM's chain potentials (HMM::potentials), without gradients: the value
+// of log_partition(p). With many states on CUDA it runs the streamed forward kernel in the potentials' own dtype,
+// its messages rebased each step, so float32 stays float32 (and exact to about 1e-6 relative) on long sequences.
+at::Tensor chain_log_likelihood(const ChainPotentials& p);
+
+// Node posteriors [B,T,K] (zero at padding) and log-likelihoods [B] of an HMM's chain potentials, without gradients:
+// the values of marginals(p). With many states on CUDA, one scaled GEMM per step and direction, messages rebased each
+// step (float32 stays float32 on long sequences).
+Marginals chain_posteriors(const ChainPotentials& p);
+
 struct ForwardBackward {
   at::Tensor log_alpha;       // [B,T,K] log P(o_0..o_t, s_t = k)
   at::Tensor log_beta;        // [B,T,K] log P(o_{t+1}.. | s_t = k)

@@ -1,0 +1,313 @@
+// Viterbi for chains with many labels (K past what cuda/linear_chain_crf.cu keeps in shared memory), the max-semiring
+// counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W once for every kGroup sequences, so
+// with few sequences a step costs one read of W from memory.
+//
+// Per step t ≥ 1, two launches:
+// - viterbi_step_kernel: a block takes kThreads·kVec columns and a span of rows of W for up to kGroup sequences; each
+//   thread owns kVec columns and keeps, for every sequence, the best (alpha_{t-1}[i] − max alpha_{t-1}) + W[i][j] over
+//   the span's rows i and its first row reaching it; it writes one (value, row) per span, sequence and column.
+// - viterbi_finish_kernel: merges the spans in row order, adds the emission, records the back-pointer [B,T,K] int32,
+//   and writes per-block maxima that the next step reduces to max alpha_t.
+// Then viterbi_end_kernel adds the end scores, picks the best last label and follows the back-pointers.
+//
+// Every message is rebased by its largest entry before the next step, the offsets summed in float64, exactly as the
+// CPU recursion (lib/src/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32 stays
+// exact on long sequences and the paths match the CPU's, ties going to the lowest label as MaxSemiring's accumulator
+// sends them.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/chain_kernels.h"
+#include "cuda/cuda_check.h"
+#include "trellis/semiring.h"
+
+namespace trellis::cuda {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kGroup = 16;        // sequences per pass over W
+constexpr int kFinishCols = kThreads;
+constexpr int kRowsInFlight = 8;  // rows of W a thread loads before using them
+
+template <class T>
+using Vec = std::conditional_t<sizeof(T) == 4, float4, double2>;
+template <class T>
+constexpr int kVec = sizeof(Vec<T>) / sizeof(T);
+template <class T>
+constexpr int kBlockCols = kThreads * kVec<T>;  // a thread's 16 bytes of each row
+
+// max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
+template <class T>
+__device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {
+  T m = neg_inf<T>();
+  for (int q = 0; q < blocks; ++q) m = max(m, block_max[b * blocks + q]);
+  return isinf(m) ? T(0) : m;
+}
+
+template <class T, int NB>
+__global__ void __launch_bounds__(kThreads)
+    viterbi_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
+                        const T* __restrict__ W, const int64_t* __restrict__ len, double* __restrict__ offset,
+                        T* __restrict__ part_val, int* __restrict__ part_arg, int B, int K, int rows, int t,
+                        bool vector_rows) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* v = reinterpret_cast<T*>(smem_raw);  // [rows][NB]: alpha_{t-1} − its max, this block's rows
+  __shared__ T m[NB];
+  const int b0 = blockIdx.z * NB, nb = min(NB, B - b0);
+  const int k0 = blockIdx.y * rows, n = min(K, k0 + rows) - k0;
+  const int col = blockIdx.x * kBlockCols<T> + threadIdx.x * kVec<T>;
+  if (threadIdx.x < NB) {
+    T mb = T(0);
+    if (int(threadIdx.x) < nb) {
+      const int b = b0 + threadIdx.x;
+      mb = row_max(block_max, max_blocks, b);
+      // One block per sequence group adds the max to the offsets, for the sequences still running at step t.
+      if (blockIdx.x == 0 && blockIdx.y == 0 && t < len[b]) offset[b] += double(mb);
+    }
+    m[threadIdx.x] = mb;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < n * NB; e += kThreads) {
+    const int k = e / NB, b = e % NB;
+    v[e] = b < nb ? alpha[int64_t(b0 + b) * K + k0 + k] - m[b] : T(0);
+  }
+  __syncthreads();
+  if (col >= K) return;
+  T best[NB][kVec<T>];
+  int arg[NB][kVec<T>];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < kVec<T>; ++c) {
+      best[b][c] = neg_inf<T>();
+      arg[b][c] = k0;  // the first term is taken whatever its value, as MaxSemiring's accumulator takes it
+    }
+  for (int i0 = 0; i0 < n; i0 += kRowsInFlight) {
+    T p[kRowsInFlight][kVec<T>];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int k = i0 + u;
+      if (k >= n) break;
+      const T* row = W + int64_t(k0 + k) * K + col;
+      if (vector_rows) {
+        *reinterpret_cast<Vec<T>*>(p[u]) = __ldg(reinterpret_cast<const Vec<T>*>(row));
+      } else {
+#pragma unroll
+        for (int c = 0; c < kVec<T>; ++c) p[u][c] = col + c < K ? __ldg(row + c) : neg_inf<T>();
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int k = i0 + u;
+      if (k >= n) break;
+      const T* vk = v + k * NB;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const T a = vk[b];
+#pragma unroll
+        for (int c = 0; c < kVec<T>; ++c) {
+          const T s = a + p[u][c];
+          if (s > best[b][c]) {
+            best[b][c] = s;
+            arg[b][c] = k0 + k;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (b >= nb) break;
+    const int64_t out = (int64_t(blockIdx.y) * B + b0 + b) * K + col;
+#pragma unroll
+    for (int c = 0; c < kVec<T>; ++c)
+      if (col + c < K) {
+        part_val[out + c] = best[b][c];
+        part_arg[out + c] = arg[b][c];
+      }
+  }
+}
+
+// alpha_t [b, j] from the spans' partial maxima (t ≥ 1) or the start scores (t = 0); one thread per (b, j).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    viterbi_finish_kernel(const T* __restrict__ part_val, const int* __restrict__ part_arg, int splits,
+                          const T* __restrict__ alpha, const T* __restrict__ start, const T* __restrict__ E,
+                          const int64_t* __restrict__ len, T* __restrict__ alpha_next, T* __restrict__ block_max_next,
+                          int* __restrict__ back, int B, int Tn, int K, int t) {
+  __shared__ T scratch[kWarps];
+  const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  T a = neg_inf<T>();
+  if (j < K) {
+    const int64_t row = int64_t(b) * K, position = (int64_t(b) * Tn + t) * K + j;
+    if (t == 0) {
+      a = start[j] + E[position];
+    } else if (t < len[b]) {
+      T best = part_val[row + j];
+      int arg = part_arg[row + j];
+      for (int q = 1; q < splits; ++q) {  // spans in row order: a tie keeps the lower row
+        const int64_t at = (int64_t(q) * B + b) * K + j;
+        const T s = part_val[at];
+        if (s > best) {
+          best = s;
+          arg = part_arg[at];
+        }
+      }
+      a = best + E[position];
+      back[position] = arg;
+    } else {
+      a = alpha[row + j];  // past the sequence's end: the message is kept
+    }
+    alpha_next[row + j] = a;
+  }
+  T m = a;
+  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
+    block_max_next[b * gridDim.x + blockIdx.x] = m;
+  }
+}
+
+// The better of two (value, label) candidates: the larger value, on a tie the lower label; label -1 is no candidate.
+template <class T>
+__device__ void keep_better(T& value, int& label, T other_value, int other_label) {
+  if (other_label >= 0 && (label < 0 || other_value > value || (other_value == value && other_label < label))) {
+    value = other_value;
+    label = other_label;
+  }
+}
+
+// One block per sequence: score = offset + max alpha + max_j (alpha_j − max alpha + end_j), and the backtrace.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    viterbi_end_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
+                       const T* __restrict__ end, const int* __restrict__ back, const int64_t* __restrict__ len,
+                       const double* __restrict__ offset, T* __restrict__ score, int64_t* __restrict__ path, int Tn,
+                       int K) {
+  __shared__ T values[kWarps];
+  __shared__ int labels[kWarps];
+  const int b = blockIdx.x;
+  const T m = row_max(block_max, max_blocks, b);
+  T best = neg_inf<T>();
+  int label = -1;
+  for (int j = threadIdx.x; j < K; j += kThreads) {
+    const T s = (alpha[int64_t(b) * K + j] - m) + end[j];
+    if (s > best || label < 0) {
+      best = s;
+      label = j;
+    }
+  }
+  for (int offset_lanes = 16; offset_lanes > 0; offset_lanes >>= 1) {
+    const T other = __shfl_xor_sync(0xffffffffu, best, offset_lanes);
+    const int other_label = __shfl_xor_sync(0xffffffffu, label, offset_lanes);
+    keep_better(best, label, other, other_label);
+  }
+  if (threadIdx.x % 32 == 0) {
+    values[threadIdx.x / 32] = best;
+    labels[threadIdx.x / 32] = label;
+  }
+  __syncthreads();
+  const int L = static_cast<int>(len[b]);
+  int64_t* p = path + int64_t(b) * Tn;
+  for (int u = L + threadIdx.x; u < Tn; u += kThreads) p[u] = -1;
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kWarps; ++w) keep_better(best, label, values[w], labels[w]);
+  score[b] = static_cast<T>(offset[b] + double(m) + double(best));
+  int y = label;
+  p[L - 1] = y;
+  for (int u = L - 1; u >= 1; --u) p[u - 1] = y = back[(int64_t(b) * Tn + u) * K + y];
+}
+
+// The step grid: column tiles × row spans × sequence groups. Enough spans to give every SM a block or two, but few
+// enough that the partial maxima written per step stay a small share of W's bytes, and long enough spans that the
+// messages of a span fit in shared memory.
+struct StepPlan {
+  int rows, splits;
+  std::size_t smem;
+};
+
+template <class T, int NB>
+StepPlan plan_step(int64_t B, int64_t K, int sms) {
+  const int64_t max_rows = (96 << 10) / (NB * sizeof(T));
+  const int64_t tiles = grid_dim(K, kBlockCols<T>) * grid_dim(B, NB);
+  const int64_t wanted = grid_dim(2 * sms, tiles);
+  const int64_t most = std::max<int64_t>(1, K / (4 * NB));
+  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::min(wanted, most));
+  const int rows = static_cast<int>(grid_dim(K, splits));
+  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * std::size_t(rows) * NB};
+}
+
+// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to kGroup.
+template <class F>
+void with_group(int64_t B, F&& f) {
+  if (B <= 1) f(std::integral_constant<int, 1>());
+  else if (B <= 2) f(std::integral_constant<int, 2>());
+  else if (B <= 4) f(std::integral_constant<int, 4>());
+  else if (B <= 8) f(std::integral_constant<int, 8>());
+  else f(std::integral_constant<int, kGroup>());
+}
+
+}  // namespace
+
+bool many_label_viterbi_supported(int64_t K) { return K >= 1 && K < (int64_t(1) << 24); }
+
+void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
+                        const at::Tensor& end, const at::Tensor& lengths, at::Tensor& path, at::Tensor& score) {
+  const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
+  if (B == 0) return;
+  const c10::cuda::CUDAGuard guard(emissions.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
+  at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
+  at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
+  const at::Tensor offset = at::zeros({B}, emissions.options().dtype(at::kDouble));
+  const at::Tensor back = at::empty({B, Tn, K}, emissions.options().dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "many_label_viterbi_cuda", [&] {
+    using T = scalar_t;
+    with_group(B, [&](auto group) {
+      constexpr int NB = decltype(group)::value;
+      const StepPlan plan = plan_step<T, NB>(B, K, sms);
+      check(cudaFuncSetAttribute(viterbi_step_kernel<T, NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(plan.smem)),
+            "many-label Viterbi step: shared memory");
+      const at::Tensor part_val = at::empty({plan.splits, B, K}, emissions.options());
+      const at::Tensor part_arg = at::empty({plan.splits, B, K}, emissions.options().dtype(at::kInt));
+      const int64_t* len = lengths.data_ptr<int64_t>();
+      // Rows as 16-byte vectors where each row starts on a vector boundary.
+      const bool vector_rows =
+          K % kVec<T> == 0 && reinterpret_cast<std::uintptr_t>(transitions.data_ptr<T>()) % sizeof(Vec<T>) == 0;
+      const dim3 step_grid(grid_dim(K, kBlockCols<T>), plan.splits, grid_dim(B, NB));
+      for (int t = 0; t < Tn; ++t) {
+        if (t > 0) {
+          viterbi_step_kernel<T, NB><<<step_grid, kThreads, plan.smem, stream>>>(
+              alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, transitions.data_ptr<T>(), len,
+              offset.data_ptr<double>(), part_val.data_ptr<T>(), part_arg.data_ptr<int>(), int(B), int(K), plan.rows,
+              t, vector_rows);
+          check_launch("many-label Viterbi step");
+        }
+        viterbi_finish_kernel<T><<<dim3(finish_blocks, B), kThreads, 0, stream>>>(
+            part_val.data_ptr<T>(), part_arg.data_ptr<int>(), plan.splits, alpha.data_ptr<T>(), start.data_ptr<T>(),
+            emissions.data_ptr<T>(), len, next.data_ptr<T>(), next_max.data_ptr<T>(), back.data_ptr<int>(), int(B),
+            int(Tn), int(K), t);
+        check_launch("many-label Viterbi finish");
+        std::swap(alpha, next);
+        std::swap(block_max, next_max);
+      }
+      viterbi_end_kernel<T><<<B, kThreads, 0, stream>>>(alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks,
+                                                         end.data_ptr<T>(), back.data_ptr<int>(), len,
+                                                         offset.data_ptr<double>(), score.data_ptr<T>(),
+                                                         path.data_ptr<int64_t>(), int(Tn), int(K));
+      check_launch("many-label Viterbi end");
+    });
+  });
+}
+
+}  // namespace trellis::cuda
