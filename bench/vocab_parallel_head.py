@@ -1,4 +1,5 @@
-"""Vocabulary-parallel LLM head, one process per GPU (torchrun): Trellis' vocab_parallel_linear_cross_entropy beside
+"""Vocabulary-parallel LLM head, one process per GPU (torchrun): Trellis' vocab_parallel_linear_cross_entropy (and
+vocab_parallel_token_logprobs, the log-probabilities with their gradients) beside
 Megatron-style vocab-parallel cross-entropy in plain PyTorch (local float32 logits, three all-reduces) and Liger's
 LigerVocabParallelCEFunction (on materialised local logits, when liger_kernel imports), each with the local
 half-vocabulary GEMM x·W_rᵀ as the unit. W's rows are split in rank order; x and the targets are the same everywhere.
@@ -170,6 +171,12 @@ def measure(name, loss_fn):
 measure("trellis", trellis)
 if world == 1:  # the process-group path's overhead: the same call without a group
     measure("trellis single-device linear_cross_entropy", lambda x, w: ops.linear_cross_entropy(x, w, targets))
+# The log-probabilities (RL's policy-gradient term): the vocabulary-parallel operator's backward beside the
+# single-device one's at world size 1.
+measure("trellis vocab_parallel_token_logprobs",
+        lambda x, w: ops.vocab_parallel_token_logprobs(x, w, targets, group.group_name)[0].mean())
+if world == 1:
+    measure("trellis single-device token_logprobs", lambda x, w: ops.token_logprobs(x, w, targets)[0].mean())
 measure("megatron-style (plain PyTorch)", megatron)
 if LigerVocabParallelCEFunction is not None and not args.cpu:
     measure("liger LigerVocabParallelCEFunction", liger)

@@ -37,7 +37,10 @@ Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
   if (!s.group) throw Error("vocabulary-parallel head: no process group");
   if (weight.dim() != 2) throw Error(message::text("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
   Slice out{s.group, s.offset, weight.size(0), s.vocabulary};
-  if (s.offset < 0 || s.vocabulary <= 0) {
+  if ((s.offset < 0 || s.vocabulary <= 0) && s.group->getSize() == 1) {
+    out.offset = 0;  // the only rank holds the whole vocabulary: nothing to gather (nor a device-to-host copy)
+    out.vocabulary = weight.size(0);
+  } else if (s.offset < 0 || s.vocabulary <= 0) {
     const at::Tensor sizes =
         all_gather(s.group, at::full({1}, weight.size(0), weight.options().dtype(at::kLong))).flatten().cpu();
     out.offset = sizes.narrow(0, 0, s.group->getRank()).sum().item<int64_t>();
@@ -70,6 +73,7 @@ at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t igno
 // weighted by its share of the probability e^(lse_r − lse).
 cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bool with_targets, bool want_sum,
                          bool want_expected) {
+  if (group->getSize() == 1) return local;  // one slice: its statistics are the whole vocabulary's
   std::vector<at::Tensor> columns{local.lse};
   if (with_targets) columns.push_back(local.target_logit);
   if (want_sum) columns.push_back(local.logit_sum);
@@ -87,6 +91,13 @@ cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bo
     out.expected_logit = at::where(share > 0, share * all.select(2, c), 0).sum(0);
   }
   return out;
+}
+
+// dx summed over the ranks in place (one all-reduce): each slice's gradient holds that slice's share of every row's.
+void sum_over_ranks(const Group& group, const at::Tensor& dx) {
+  if (group->getSize() == 1) return;
+  std::vector<at::Tensor> tensors{dx};
+  group->allreduce(tensors)->wait();
 }
 
 std::vector<int64_t> row_shape(const at::Tensor& x) {
@@ -157,7 +168,7 @@ struct ParallelHeadStatistics : torch::autograd::Function<ParallelHeadStatistics
     h.bias = bias ? *bias : at::Tensor();
     const at::Tensor t = targets.value_or(at::Tensor());
     ParallelHeadRows rows = head_statistics_forward(x, weight, t, h, with_entropy, *slice);
-    ctx->save_for_backward({x, weight, t, h.bias, rows.slice_share, rows.slice_expected_logit_excess});
+    ctx->save_for_backward({x, weight, t, h.bias, rows.lse, rows.slice_share, rows.slice_expected_logit_excess});
     ctx->saved_data["bias"] = bias.has_value();
     hold(ctx, "head", *head);
     hold(ctx, "slice", *slice);
@@ -176,8 +187,9 @@ struct ParallelHeadStatistics : torch::autograd::Function<ParallelHeadStatistics
     HeadOptions head = held<HeadOptions>(ctx, "head");
     head.bias = s[3];
     ParallelHeadRows rows;
-    rows.slice_share = s[4];
-    rows.slice_expected_logit_excess = s[5];
+    rows.lse = s[4];
+    rows.slice_share = s[5];
+    rows.slice_expected_logit_excess = s[6];
     const at::Tensor& targets = s[2];
     // needs_input_grad counts the tensor arguments given: bias is the fourth after targets, else the third.
     const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
@@ -246,6 +258,9 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   if (grad_entropy.defined() && !forward.slice_expected_logit_excess.defined())
     throw Error("vocabulary-parallel head_statistics_backward: an entropy gradient for a forward without entropies");
   const Slice slice = resolve(vs, weight);
+  // One rank holds the whole vocabulary (share 1, excess 0): the single-device backward.
+  if (slice.group->getSize() == 1)
+    return trellis::head_statistics_backward(x, weight, targets, head, grad_lse, grad_logprob, grad_entropy, want);
   const at::Tensor share = forward.slice_share.reshape({-1});
   const auto rows = [&](const at::Tensor& g, const char* name) {
     if (g.numel() != share.numel())
@@ -253,9 +268,21 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
                                 " entries for ", share.numel(), " rows"));
     return g.reshape({-1}).to(share.scalar_type());
   };
-  at::Tensor p_weight = grad_lse.defined() ? rows(grad_lse, "grad_lse") : at::zeros_like(share);
-  at::Tensor local, logprob_grad, in_slice, entropy_grad;
+  at::Tensor local;
   if (targets.defined()) local = local_targets(targets, slice, head.ignore_index, /*check=*/false);
+  if (grad_logprob.defined() && !grad_lse.defined() && !grad_entropy.defined()) {
+    // log p(t) = −(the unreduced loss), whose slice backward takes the whole vocabulary's lse (fused kernels and
+    // recompute_logits apply).
+    LossOptions unreduced;
+    unreduced.reduction = Reduction::none;
+    const at::Tensor g = -rows(grad_logprob, "grad_logprob") * (targets.reshape({-1}) != head.ignore_index);
+    auto grads = head_slice::gradients(x, weight, local, head, unreduced, forward.lse.reshape({-1}), g,
+                                       slice.vocabulary, want);
+    if (want[0]) sum_over_ranks(slice.group, grads[0]);
+    return grads;
+  }
+  at::Tensor p_weight = grad_lse.defined() ? rows(grad_lse, "grad_lse") : at::zeros_like(share);
+  at::Tensor logprob_grad, entropy_grad;
   if (grad_logprob.defined()) {
     logprob_grad = rows(grad_logprob, "grad_logprob") * (targets.reshape({-1}) != head.ignore_index);
     p_weight = p_weight - logprob_grad;
@@ -271,10 +298,7 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   local_head.ignore_index = -1;  // local targets: -1 where the target is another slice's or ignored
   auto grads = trellis::head_statistics_backward(x, weight, local, local_head, lse_grad, logprob_grad, entropy_grad,
                                                  want);
-  if (want[0]) {
-    std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
-    slice.group->allreduce(dx)->wait();
-  }
+  if (want[0]) sum_over_ranks(slice.group, grads[0]);
   return grads;
 }
 
@@ -293,10 +317,14 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
   LinearCrossEntropyForward f;
   cuda::HeadRowStats stats;
   Slice slice;
+  slice = resolve(vs, weight);
   if (loss.reduction != Reduction::none && !head.recompute_logits && (want[0] || want[1] || want[2])) {
+    // One rank holds the whole vocabulary: the single-device head, whose CUDA kernel forms each slab's log-sum-exp
+    // with its gradient in one read of the slab, where a slice's log-sum-exp is read first, to be merged across the
+    // ranks before the gradient.
+    if (slice.group->getSize() == 1) return trellis::linear_cross_entropy_forward(x, weight, targets, head, loss, want);
     // A reduced loss's row weights are known now (1, or 1/count), so its gradients form in the same pass as the
     // statistics, each slab's statistics merged across the ranks before its gradient: the logits are formed once.
-    slice = resolve(vs, weight);
     const at::Tensor w = valid.to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
     const at::Tensor g = loss.reduction == Reduction::mean ? w / valid.sum().clamp_min(1) : w;
     const head_slice::Merge exchange = [&](const cuda::HeadRowStats& local) {
@@ -304,13 +332,9 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     };
     auto d = head_slice::gradients_in_one_pass(x, weight, local_targets(targets, slice, head.ignore_index), head, loss,
                                                g, slice.vocabulary, want, exchange, stats);
-    if (want[0]) {
-      std::vector<at::Tensor> dx{d[0]};  // every slice's share: summed over the ranks
-      slice.group->allreduce(dx)->wait();
-    }
+    if (want[0]) sum_over_ranks(slice.group, d[0]);
     f.dx = d[0], f.dweight = d[1], f.dbias = d[2];
   } else {
-    slice = resolve(vs, weight);
     const cuda::HeadRowStats mine = head_slice::statistics(
         x, weight, local_targets(targets, slice, head.ignore_index), head, smoothing, false);
     stats = merge(slice.group, mine, true, smoothing, false);
@@ -347,10 +371,7 @@ std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, 
   want[2] = want[2] && head.bias.defined();
   auto grads = head_slice::gradients(x, weight, local_targets(t, slice, head.ignore_index, /*check=*/false), head, loss,
                                      forward.lse, g, slice.vocabulary, want);
-  if (want[0]) {
-    std::vector<at::Tensor> dx{grads[0]};  // every slice's share: summed over the ranks
-    slice.group->allreduce(dx)->wait();
-  }
+  if (want[0]) sum_over_ranks(slice.group, grads[0]);
   return grads;
 }
 

@@ -156,12 +156,13 @@ Tensors5 vp_head_statistics_forward(const at::Tensor& x, const at::Tensor& weigh
 Tensors3 vp_head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& targets, c10::string_view group_name,
                                      const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                                     int64_t ignore_index, int64_t chunk_bytes, const at::Tensor& slice_share,
-                                     const at::Tensor& slice_expected_logit_excess,
+                                     int64_t ignore_index, int64_t chunk_bytes, const at::Tensor& lse,
+                                     const at::Tensor& slice_share, const at::Tensor& slice_expected_logit_excess,
                                      const std::optional<at::Tensor>& grad_lse,
                                      const std::optional<at::Tensor>& grad_logprob,
                                      const std::optional<at::Tensor>& grad_entropy, Mask want) {
   trellis::ParallelHeadRows f;
+  f.lse = lse;
   f.slice_share = slice_share;
   if (grad_entropy) f.slice_expected_logit_excess = slice_expected_logit_excess;
   auto d = trellis::head_statistics_backward(x, weight, targets.value_or(at::Tensor()),
@@ -319,7 +320,7 @@ Tensors5 vp_head_statistics_forward_meta(const at::Tensor& x, const at::Tensor&,
 Tensors3 vp_head_statistics_backward_meta(const at::Tensor& x, const at::Tensor& weight,
                                           const std::optional<at::Tensor>&, c10::string_view,
                                           const std::optional<at::Tensor>& bias, std::optional<double>, int64_t,
-                                          int64_t, const at::Tensor&, const at::Tensor&,
+                                          int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                           const std::optional<at::Tensor>&, Mask want) {
   return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
@@ -569,7 +570,8 @@ struct VocabParallelHeadStatistics : torch::autograd::Function<VocabParallelHead
     at::AutoDispatchBelowADInplaceOrView below;
     auto [lse, logprobs, row_entropy, share, excess] =
         op.call(x, weight, targets, group_name, bias, softcap, ignore_index, entropy, chunk_bytes);
-    ctx->save_for_backward({x, weight, targets.value_or(at::Tensor()), bias.value_or(at::Tensor()), share, excess});
+    ctx->save_for_backward(
+        {x, weight, targets.value_or(at::Tensor()), bias.value_or(at::Tensor()), lse, share, excess});
     ctx->saved_data["group_name"] = std::string(group_name);
     ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -585,7 +587,8 @@ struct VocabParallelHeadStatistics : torch::autograd::Function<VocabParallelHead
                                                  torch::autograd::variable_list grad) {
     static const auto op =
         find<decltype(vp_head_statistics_backward)>("trellis::_vocab_parallel_head_statistics_backward");
-    const auto s = ctx->get_saved_variables();  // x, weight, targets, bias, slice_share, slice_expected_logit_excess
+    // x, weight, targets, bias, lse, slice_share, slice_expected_logit_excess
+    const auto s = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     // needs_input_grad counts the tensor arguments given: bias is the fourth after targets, else the third.
     const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
@@ -594,7 +597,7 @@ struct VocabParallelHeadStatistics : torch::autograd::Function<VocabParallelHead
     const at::Tensor grad_entropy = d.at("entropy").toBool() ? grad[2] : at::Tensor();
     auto [dx, dweight, dbias] =
         op.call(s[0], s[1], optional(s[2]), d.at("group_name").toStringRef(), optional(s[3]), saved_softcap(ctx),
-                d.at("ignore_index").toInt(), d.at("chunk_bytes").toInt(), s[4], s[5], optional(grad[0]),
+                d.at("ignore_index").toInt(), d.at("chunk_bytes").toInt(), s[4], s[5], s[6], optional(grad[0]),
                 optional(grad_logprob), optional(grad_entropy), want);
     return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), {}, {}, want[2] ? dbias : at::Tensor(),
             {}, {}, {}, {}};
@@ -702,7 +705,7 @@ TORCH_LIBRARY(trellis, m) {
         "Tensor? bias, float? softcap, int ignore_index, bool entropy, int chunk_bytes) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("_vocab_parallel_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
-        "Tensor? bias, float? softcap, int ignore_index, int chunk_bytes, Tensor slice_share, "
+        "Tensor? bias, float? softcap, int ignore_index, int chunk_bytes, Tensor lse, Tensor slice_share, "
         "Tensor slice_expected_logit_excess, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }

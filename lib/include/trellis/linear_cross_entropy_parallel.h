@@ -9,8 +9,10 @@
 // vocabulary's per-row statistics: dW and the bias need no communication, dx one all-reduce. Every rank calls the same
 // function with the same x, targets and options (collectives).
 //
-// On one rank the results are the single-device ones. Communication per call: the all-gather of N × (2 to 4) numbers
-// per rank, and for training the all-reduce of dx (N × D).
+// A group of one rank runs the single-device head itself: no collective, and the training pass reads each slab of
+// logits once, where more ranks read it twice (the slice's log-sum-exp first, merged across the ranks before the
+// slab's gradient). Communication per call on more ranks: the all-gather of N × (2 to 4) numbers per rank, and for
+// training the all-reduce of dx (N × D).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
@@ -54,7 +56,8 @@ ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& 
                                          const HeadOptions& head, bool with_entropy, const VocabularySlice& slice);
 // The gradients for x (all-reduced: the same on every rank), this rank's weight slice and bias slice (undefined
 // where not wanted) of Σ_i (grad_lse_i·lse_i + grad_logprob_i·log p_i(target_i) + grad_entropy_i·H_i), each grad [N]
-// or undefined (zero). The slice's logits are formed again a slab of rows at a time, as on one device.
+// or undefined (zero); forward.lse is needed for grad_logprob alone, slice_share always (on more than one rank). The
+// slice's logits are formed again a slab of rows at a time, as on one device.
 std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
                                                    const at::Tensor& targets, const HeadOptions& head,
                                                    const ParallelHeadRows& forward, const at::Tensor& grad_lse,
