@@ -1,6 +1,7 @@
 // train_crf's contract: options checked before any work, divergence an error, `converged` honest, and the optimum
 // reached being the one of the documented objective -log-likelihood + c2·‖θ‖² (full batch and minibatch alike).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,19 +23,22 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Random one-column sentences over a small vocabulary; each word leans to one label, so the weights are far from 0.
-LabeledSentences random_corpus(int sentences, uint64_t seed) {
-  const std::vector<std::string> words{"a", "b", "c", "d", "e", "f"}, labels{"X", "Y", "Z"};
+// Random sentences of min_length to max_length tokens over `vocabulary` words ("w0", "w1", ...); each word leans to
+// one label (the rest are drawn at random), so the weights are far from 0. With `tag_column`, a second input column
+// holds a coarse class of the word.
+LabeledSentences random_sentences(int sentences, uint64_t seed, uint64_t vocabulary, const std::vector<std::string>& labels,
+                                  int min_length, int max_length, bool tag_column) {
   std::mt19937_64 rng(seed);
   LabeledSentences d;
   d.source = "random";
   for (int s = 0; s < sentences; ++s) {
     TokenRows rows;
     std::vector<std::string> y;
-    const int length = 2 + rng() % 5;
+    const int length = min_length + rng() % (max_length - min_length + 1);
     for (int t = 0; t < length; ++t) {
-      const std::size_t w = rng() % words.size();
-      rows.push_back({words[w]});
+      const uint64_t w = rng() % vocabulary;
+      rows.push_back({"w" + std::to_string(w)});
+      if (tag_column) rows.back().push_back("p" + std::to_string(w % 40));
       y.push_back(labels[rng() % 4 == 0 ? rng() % labels.size() : w % labels.size()]);
     }
     d.inputs.push_back(rows);
@@ -42,6 +46,11 @@ LabeledSentences random_corpus(int sentences, uint64_t seed) {
     d.first_lines.push_back(1);
   }
   return d;
+}
+
+// One-column sentences over six words and three labels.
+LabeledSentences random_corpus(int sentences, uint64_t seed) {
+  return random_sentences(sentences, seed, 6, {"X", "Y", "Z"}, 2, 6, false);
 }
 
 // The same sentence `copies` times: every minibatch of a partition into equal batches is then the same.
@@ -275,5 +284,44 @@ TEST(CrfTrain, MinibatchOptimisersReachTheFullBatchOptimum) {
     for (std::size_t i = 0; i < theta.size(); ++i)
       distance = std::max(distance, (theta[i] - optimum[i]).abs().max().item<double>());
     EXPECT_LT(distance, 0.03 * max_abs(optimum)) << algorithm;
+  }
+}
+
+TEST(CrfTrain, FullBatchTrainingIsIndependentOfTheThreadCount) {
+  // The objective and its gradient are sums over blocks of sentences fixed by the data alone, reduced in a fixed
+  // order, and the optimisers' own reductions too: every iteration's objective and gradient norm, and the weights,
+  // are the same bits on 1, 2 or 3 threads (L2 L-BFGS and L1 OWL-QN).
+  // A vocabulary large enough that the weights (and the data) span many of the trainer's blocks and many of ATen's
+  // parallel grains: a reduction whose order followed the thread count would show in the last bits.
+  const LabeledSentences train =
+      random_sentences(1500, 11, 6000, {"P", "Q", "R", "S", "T", "U", "V", "W"}, 5, 34, true);
+  const int threads_before = at::get_num_threads();
+  for (const double c1 : {0.0, 0.5}) {
+    std::vector<std::vector<double>> objectives, norms;
+    std::vector<std::vector<at::Tensor>> weights;
+    for (const int threads : {1, 2, 3}) {
+      CrfTrainOptions o;
+      o.c1 = c1;
+      o.threads = threads;
+      o.max_iterations = 4;
+      objectives.emplace_back(), norms.emplace_back();
+      const CrfTagger m = train_crf(
+          train, nullptr, crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nU02:%x[1,0]\nU03:%x[0,1]\nB\n"), o,
+          [&](const CrfIteration& it) {
+            objectives.back().push_back(it.objective);
+            norms.back().push_back(it.gradient_norm);
+          });
+      weights.push_back(m.parameters());
+    }
+    at::set_num_threads(threads_before);
+    ASSERT_EQ(objectives[0].size(), 4u) << "c1 " << c1;
+    ASSERT_GT(weights[0][0].numel(), 100000) << "too few weights to split into grains";
+    for (std::size_t k = 1; k < objectives.size(); ++k) {
+      EXPECT_EQ(objectives[k], objectives[0]) << "c1 " << c1 << ", " << k + 1 << " threads";
+      EXPECT_EQ(norms[k], norms[0]) << "c1 " << c1 << ", " << k + 1 << " threads";
+      for (std::size_t i = 0; i < weights[0].size(); ++i)
+        EXPECT_TRUE(at::equal(weights[k][i], weights[0][i])) << "c1 " << c1 << ", parameter " << i << ", " << k + 1
+                                                             << " threads";
+    }
   }
 }

@@ -5,8 +5,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
-#include <torch/optim/lbfgs.h>
 #include <torch/optim/sgd.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,13 +22,19 @@
 #include "trellis/chunk_eval.h"
 #include "trellis/error.h"
 #include "encoded_batch.h"
+#include "fixed_order_sum.h"
 #include "owlqn.h"
 #include "string_index.h"
 
 namespace trellis {
 namespace {
 
-constexpr int64_t kTokensPerBatch = 16384;  // the objective is summed over length-sorted batches of about this size
+constexpr int64_t kTokensPerBatch = 16384;  // on a GPU the objective is summed over length-sorted batches of this size
+// On the CPU the objective is summed over blocks of about this many tokens, one thread per block: enough blocks to
+// keep 16 threads busy on a corpus of 200k tokens, each large enough that the fixed cost of its operations is small.
+constexpr int64_t kTokensPerBlock = 1024;
+// Features per task of the weight-gradient pass (a feature's row is summed by one thread whatever the split).
+constexpr int64_t kFeaturesPerTask = 1024;
 
 using Clock = std::chrono::steady_clock;
 
@@ -195,18 +201,122 @@ std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSenten
   return batches;
 }
 
-// Batches sorted by length, so padding stays small (full-batch objective, dev scoring): the sentences
-// [first, first + count), or all of them.
+// Batches of about `max_tokens` tokens sorted by length, so padding stays small (full-batch objective, dev scoring):
+// the sentences [first, first + count), or all of them.
 std::vector<EncodedBatch> length_sorted_batches(const CrfTagger& m, const LabeledSentences& data,
                                                 const IndexedTrainingSet* indexed, const at::Device& device,
-                                                std::size_t first = 0,
+                                                int64_t max_tokens, std::size_t first = 0,
                                                 std::size_t count = std::numeric_limits<std::size_t>::max()) {
   std::vector<std::size_t> order(std::min(count, data.inputs.size() - first));
   std::iota(order.begin(), order.end(), first);
   std::stable_sort(order.begin(), order.end(),
                    [&](std::size_t a, std::size_t b) { return data.inputs[a].size() < data.inputs[b].size(); });
-  return encode_batches(m, data, indexed, device, order, std::numeric_limits<std::size_t>::max(), kTokensPerBatch);
+  return encode_batches(m, data, indexed, device, order, std::numeric_limits<std::size_t>::max(), max_tokens);
 }
+
+// The full-batch objective -log-likelihood and its gradient on the CPU, the same bits on any number of threads.
+// The sentences are cut into blocks fixed by the data alone; each thread takes whole blocks and computes each one's
+// -log-likelihood and its gradient with respect to the block's token scores and the (small) transition, start and end
+// weights, all of it serially within the block. The blocks' values and small gradients are then added in block
+// order, and each feature's weight gradient is the sum of its tokens' score gradients, in token order, by one thread
+// per feature: no per-thread copies of the [features, labels] gradient to zero and reduce, and no reduction whose
+// order follows the thread count.
+class BlockedObjective {
+ public:
+  BlockedObjective(std::vector<EncodedBatch> blocks, int64_t num_features) : blocks_(std::move(blocks)) {
+    int64_t tokens = 0;
+    for (const EncodedBatch& b : blocks_) first_token_.push_back(tokens), tokens += b.offsets.numel();
+    tokens_ = tokens;
+    // Counting sort of every (feature, token) occurrence by feature; tokens stay in increasing order within one.
+    occurrence_start_.assign(num_features + 1, 0);
+    for (const EncodedBatch& b : blocks_) {
+      const int64_t* id = b.feature_ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < b.feature_ids.numel(); ++i) ++occurrence_start_[id[i] + 1];
+    }
+    for (int64_t f = 0; f < num_features; ++f) occurrence_start_[f + 1] += occurrence_start_[f];
+    occurrence_token_.resize(occurrence_start_.back());
+    std::vector<int64_t> next(occurrence_start_.begin(), occurrence_start_.end() - 1);
+    for (std::size_t k = 0; k < blocks_.size(); ++k) {
+      const EncodedBatch& b = blocks_[k];
+      const int64_t* id = b.feature_ids.data_ptr<int64_t>();
+      const int64_t* offset = b.offsets.data_ptr<int64_t>();
+      const int64_t n = b.offsets.numel(), nnz = b.feature_ids.numel();
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = offset[t]; i < (t + 1 < n ? offset[t + 1] : nnz); ++i)
+          occurrence_token_[next[id[i]]++] = first_token_[k] + t;
+    }
+  }
+
+  // -log-likelihood at the model's parameters; `gradients` gets its gradient for each of model.parameters().
+  double evaluate(const CrfTagger& model, std::vector<at::Tensor>& gradients) {
+    const int64_t K = model.transitions.size(0), blocks = static_cast<int64_t>(blocks_.size());
+    if (!score_gradients_.defined()) score_gradients_ = at::empty({tokens_, K}, model.weights.options());
+    std::vector<double> block_nll(blocks);
+    std::vector<std::vector<at::Tensor>> block_gradients(blocks);  // transitions, start, end
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      c10::AutoGradMode grad_on(true);  // grad mode is thread-local: on for this block's graph on any thread
+      for (int64_t k = b0; k < b1; ++k) {
+        const EncodedBatch& b = blocks_[k];
+        // The block's leaves: its token scores, and its own handles on the shared transition, start and end weights.
+        at::Tensor scores;
+        {
+          c10::NoGradGuard no_grad;
+          scores = std::get<0>(at::embedding_bag(model.weights.detach(), b.feature_ids, b.offsets));
+        }
+        scores.requires_grad_();
+        ChainPotentials p;
+        p.emissions = at::zeros({b.batch * b.max_length, K}, scores.options())
+                          .index_copy(0, b.positions, scores)
+                          .view({b.batch, b.max_length, K});
+        p.transitions = model.transitions.detach().requires_grad_();
+        p.start = model.start.detach().requires_grad_();
+        p.end = model.end.detach().requires_grad_();
+        p.lengths = b.lengths;
+        p.values_checked = true;  // the trainer encoded the block itself
+        // Summed in float64: the blocks' sums must not depend on which sentences share a block (with a process
+        // group, a rank's share is blocked on its own), as the line search compares values in their last digits.
+        const at::Tensor nll = -log_likelihood(p, b.tags).sum(at::kDouble);
+        std::vector<at::Tensor> g = torch::autograd::grad({nll}, {scores, p.transitions, p.start, p.end});
+        score_gradients_.narrow(0, first_token_[k], scores.size(0)).copy_(g[0]);
+        block_nll[k] = nll.item<double>();
+        block_gradients[k] = {g[1], g[2], g[3]};
+      }
+    });
+    double nll = 0;
+    for (int64_t k = 0; k < blocks; ++k) nll += block_nll[k];
+    gradients.assign(4, at::Tensor());
+    for (int i = 0; i < 3; ++i) {
+      gradients[i + 1] = block_gradients[0][i].clone();
+      for (int64_t k = 1; k < blocks; ++k) gradients[i + 1].add_(block_gradients[k][i]);
+    }
+    const int64_t F = model.weights.size(0);
+    gradients[0] = at::empty({F, K}, model.weights.options());
+    float* out = gradients[0].data_ptr<float>();
+    const float* score = score_gradients_.data_ptr<float>();
+    // Summed in float64: a frequent feature's gradient is a small difference of many large terms.
+    at::parallel_for(0, F, kFeaturesPerTask, [&](int64_t f0, int64_t f1) {
+      std::vector<double> sum(K);
+      for (int64_t f = f0; f < f1; ++f) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        for (int64_t i = occurrence_start_[f]; i < occurrence_start_[f + 1]; ++i) {
+          const float* s = score + occurrence_token_[i] * K;
+          for (int64_t y = 0; y < K; ++y) sum[y] += s[y];
+        }
+        std::copy(sum.begin(), sum.end(), out + f * K);
+      }
+    });
+    return nll;
+  }
+
+ private:
+  std::vector<EncodedBatch> blocks_;
+  std::vector<int64_t> first_token_;  // per block: the row of its first token in score_gradients_
+  int64_t tokens_ = 0;
+  // The tokens (rows of score_gradients_) in which feature f occurs: occurrence_token_[occurrence_start_[f] ..
+  // occurrence_start_[f + 1]), in increasing order.
+  std::vector<int64_t> occurrence_start_, occurrence_token_;
+  at::Tensor score_gradients_;  // [tokens, K]: ∂(-log-likelihood)/∂(token score), rewritten by every evaluation
+};
 
 // A minibatch: this rank's part of its sentences (none when the minibatch has fewer sentences than there are ranks),
 // and the whole minibatch's tokens (its share of the L2 term).
@@ -395,14 +505,20 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const DistributedContext* group = o.distributed && o.distributed->distributed() ? o.distributed : nullptr;
   std::mt19937_64 rng(o.seed);
   const TrainingShare share = training_share(train, group);
+  // Full batch on the CPU: blocks (BlockedObjective); on a GPU: large batches, one after another.
+  std::optional<BlockedObjective> blocked;
+  if (full_batch && device.is_cpu())
+    blocked.emplace(length_sorted_batches(model, train, &indexed, device, kTokensPerBlock, share.first, share.count),
+                    static_cast<int64_t>(model.features().size()));
   const std::vector<EncodedBatch> batches =
-      full_batch ? length_sorted_batches(model, train, &indexed, device, share.first, share.count)
-                 : std::vector<EncodedBatch>{};
+      full_batch && !blocked
+          ? length_sorted_batches(model, train, &indexed, device, kTokensPerBatch, share.first, share.count)
+          : std::vector<EncodedBatch>{};
   const std::vector<Minibatch> minibatches =
       full_batch ? std::vector<Minibatch>{} : random_minibatches(model, train, indexed, device, o.batch_size, rng, group);
   indexed = {};  // the batches hold the ids now
   const std::vector<EncodedBatch> dev_batches =
-      dev ? length_sorted_batches(model, *dev, nullptr, device) : std::vector<EncodedBatch>{};
+      dev ? length_sorted_batches(model, *dev, nullptr, device, kTokensPerBatch) : std::vector<EncodedBatch>{};
   const double total_tokens = static_cast<double>(train.num_tokens());
 
   std::vector<at::Tensor> params = model.parameters();
@@ -410,15 +526,15 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
 
   // c2·‖θ‖² (times `share`, a minibatch's share of the data) and its gradient, added in place: no autograd graph
-  // over millions of weights.
+  // over millions of weights, and a sum whose bits do not depend on the thread count.
   auto add_l2 = [&](double share) {
     c10::NoGradGuard no_grad;
-    at::Tensor penalty = at::zeros({}, params[0].options());
+    double squares = 0;
     for (auto& p : params) {
-      penalty += share * o.c2 * p.square().sum();
+      squares += fixed_order_dot(p, p);
       p.mutable_grad().add_(p, 2 * share * o.c2);
     }
-    return penalty;
+    return share * o.c2 * squares;
   };
   const std::unique_ptr<torch::optim::Optimizer> minibatch_opt =
       full_batch ? nullptr : make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
@@ -440,11 +556,12 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
     group->all_reduce_sum(tensors, failure);
   };
   // One pass over the data in shuffled minibatches; returns the summed objective.
-  auto epoch = [&]() -> at::Tensor {
+  auto epoch = [&]() -> double {
     std::vector<std::size_t> order(minibatches.size());
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
     at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
+    double l2 = 0;
     for (std::size_t i : order) {
       const Minibatch& b = minibatches[i];
       minibatch_opt->zero_grad();
@@ -457,25 +574,25 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
             nll = nll.detach();
           },
           nll);
-      total += nll + add_l2(static_cast<double>(b.tokens) / total_tokens);  // no sync
+      total += nll;  // no sync
+      l2 += add_l2(static_cast<double>(b.tokens) / total_tokens);
       minibatch_opt->step();
     }
-    return total;
+    return total.item<double>() + l2;
   };
 
-  torch::optim::LBFGS lbfgs(params, torch::optim::LBFGSOptions(1.0)
-                                        .max_iter(1)
-                                        .max_eval(25)
-                                        .history_size(6)
-                                        .tolerance_grad(1e-12)
-                                        .tolerance_change(0)
-                                        .line_search_fn("strong_wolfe"));
   // The full-batch objective -log-likelihood + L2, its gradient left in the parameters' .grad().
-  auto full_objective = [&]() -> at::Tensor {
+  auto full_objective = [&]() -> double {
     for (auto& p : params) p.mutable_grad() = at::Tensor();
-    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
+    at::Tensor total = at::zeros({}, params[0].options().dtype(at::kDouble).requires_grad(false));
     summed_over_ranks(
         [&] {
+          if (blocked) {
+            std::vector<at::Tensor> gradients;
+            total.fill_(blocked->evaluate(model, gradients));
+            for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradients[i];
+            return;
+          }
           for (const EncodedBatch& b : batches) {
             const at::Tensor nll = -log_likelihood(trusted_potentials(model, b), b.tags).sum();
             nll.backward();
@@ -483,34 +600,13 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
           }
         },
         total);
-    return total + add_l2(1.0);
+    return total.item<double>() + add_l2(1.0);
   };
-  // LibTorch's L-BFGS re-evaluates the objective at the start of every step(), at the point where the previous line
-  // search ended (after restoring and re-adding the step, so only the values tell): answer it from a cache.
-  std::vector<at::Tensor> cached_params, cached_grads;
-  at::Tensor cached_value;
-  auto objective = [&]() -> at::Tensor {
-    if (cached_value.defined()) {
-      bool same = true;
-      for (std::size_t i = 0; i < params.size() && same; ++i) same = at::equal(params[i], cached_params[i]);
-      if (same) {
-        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = cached_grads[i].clone();
-        return cached_value;
-      }
-    }
-    cached_value = full_objective();
-    cached_params.clear();
-    cached_grads.clear();
-    for (auto& p : params) {
-      cached_params.push_back(p.detach().clone());
-      cached_grads.push_back(p.grad().clone());
-    }
-    return cached_value;
-  };
-
-  // With L1 the full-batch optimiser is OWL-QN over the same smooth objective (-log-likelihood + L2).
+  // The full-batch optimiser: OWL-QN with L1, L-BFGS without, over the same smooth objective (-log-likelihood + L2).
   std::optional<OwlQn> owlqn;
-  if (full_batch && o.c1 > 0) owlqn.emplace(params, o.c1, [&] { return full_objective().item<double>(); });
+  std::optional<Lbfgs> lbfgs;
+  if (full_batch && o.c1 > 0) owlqn.emplace(params, o.c1, full_objective);
+  if (full_batch && o.c1 == 0) lbfgs.emplace(params, full_objective);
 
   CrfTrainSummary sum;
   sum.setup_seconds = elapsed();
@@ -520,14 +616,15 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   std::vector<at::Tensor> best;
   double best_score = -1;
   for (int it = 1; it <= o.max_iterations; ++it) {
-    const double f = owlqn ? owlqn->step() : (full_batch ? lbfgs.step(objective) : epoch()).item<double>();
+    const double f = owlqn ? owlqn->step() : lbfgs ? lbfgs->step() : epoch();
     double gnorm = 0;  // of the pseudo-gradient with L1
     if (owlqn) {
       gnorm = owlqn->pseudo_gradient_norm();
+    } else if (lbfgs) {
+      gnorm = lbfgs->gradient_norm();
     } else {
       // In float64, so that only a gradient that is itself inf or NaN gives a non-finite norm.
-      for (auto& p : params)
-        gnorm += at::linalg_vector_norm(p.grad(), 2, std::nullopt, false, at::kDouble).square().item<double>();
+      for (auto& p : params) gnorm += fixed_order_dot(p.grad(), p.grad());
       gnorm = std::sqrt(gnorm);
     }
     if (!std::isfinite(f) || !std::isfinite(gnorm))
