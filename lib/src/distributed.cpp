@@ -105,16 +105,13 @@ DistributedContext DistributedContext::from_environment(const std::string& devic
   try {
     impl.store = c10::make_intrusive<c10d::PrefixStore>(
         "trellis/", c10::make_intrusive<c10d::TCPStore>(*host, so));
-    impl.group = c10::make_intrusive<c10d::ProcessGroup>(impl.store, rank, world);
-    c10::intrusive_ptr<c10d::Backend> backend;
     if (device == "cpu") {
-      backend = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo/", impl.store), rank, world, ctx.timeout_);
+      impl.group = make_gloo_process_group(impl.store, rank, world, ctx.timeout_);
       impl.backend = "gloo";
-      impl.group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
-      impl.group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
     } else {
-      backend = make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("nccl/", impl.store), rank, world,
-                                  ctx.timeout_, local_rank);
+      impl.group = c10::make_intrusive<c10d::ProcessGroup>(impl.store, rank, world);
+      const c10::intrusive_ptr<c10d::Backend> backend = make_nccl_backend(
+          c10::make_intrusive<c10d::PrefixStore>("nccl/", impl.store), rank, world, ctx.timeout_, local_rank);
       impl.backend = "nccl";
       impl.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
       impl.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, backend);
@@ -250,6 +247,16 @@ void DistributedContext::receive(const at::Tensor& tensor, int source) const {
   wait([&] { return impl_->group->recv(buffers, source, 0); }, describe(), "receive", timeout_);
   at::NoGradGuard no_grad;
   if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, std::chrono::milliseconds timeout) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  const c10::intrusive_ptr<c10d::Backend> backend =
+      make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo/", store), rank, size, timeout);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  return group;
 }
 
 std::optional<std::string> failure_of(const std::function<void()>& work) {

@@ -22,7 +22,8 @@
 
 namespace c10d {
 class ProcessGroup;
-}
+class Store;
+}  // namespace c10d
 
 namespace trellis {
 
@@ -84,6 +85,12 @@ class DistributedContext {
   int rank_ = 0, world_size_ = 1;
   std::chrono::milliseconds timeout_{0};
 };
+
+// A Gloo process group (CPU tensors) of `size` ranks meeting through `store`, for programs that build their groups
+// themselves instead of reading torchrun's environment (DistributedContext::from_environment does for --device cpu);
+// the ranks may be threads of one process sharing a c10d::HashStore. A build without Gloo's headers throws Error.
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, std::chrono::milliseconds timeout);
 
 // Runs `work` and returns nullopt, or the message of the exception it threw (for DistributedContext::check_all).
 std::optional<std::string> failure_of(const std::function<void()>& work);
