@@ -74,6 +74,7 @@ int train(const std::vector<std::string>& args) {
   std::string train_path, dev_path, model_path, template_path, input_columns;
   int label_column = -1;
   int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
+  std::string feature_pairs;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
@@ -84,6 +85,9 @@ int train(const std::vector<std::string>& args) {
        "the columns the features read, e.g. 0,1 (default: those before the label column; the others are ignored)")
       ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
+      ("feature-pairs", po::value(&feature_pairs)->default_value("all"),
+       "which (feature, label) pairs get a weight: all, or seen (only those in the training data, as CRFsuite: "
+       "far fewer weights and less memory)")
       ("c2", po::value(&o.c2)->default_value(1.0), "L2 coefficient: objective = -log-likelihood + c2*|w|^2")
       ("c1", po::value(&o.c1)->default_value(0.0),
        "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")
@@ -104,6 +108,7 @@ int train(const std::vector<std::string>& args) {
     return rc;
 
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
+  o.feature_pairs = parse_feature_pairs(feature_pairs);
   o.batch_size = static_cast<std::size_t>(batch_size);
   // Under torchrun every rank reads the data; one that cannot stops every rank with its message (docs/distributed.md).
   const DistributedContext dist = DistributedContext::from_environment(o.device);
@@ -324,7 +329,8 @@ int dump(const std::vector<std::string>& args) {
   std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec() << "\ncolumns: "
             << m.layout().describe() << "\nlabels (" << K << "):";
   for (const auto& l : L) std::cout << ' ' << l;
-  std::cout << "\nfeatures: " << m.features().size() << "\nparameters: " << m.weights.numel() + K * K + 2 * K << "\n";
+  std::cout << "\nfeatures: " << m.features().size() << " (feature pairs: " << feature_pairs_name(m.feature_pairs())
+            << ")\nparameters: " << m.weights.numel() + K * K + 2 * K << "\n";
   const auto list = [&](const at::Tensor& w, const std::function<std::string(int64_t)>& name) {
     const at::Tensor flat = w.flatten();
     const int64_t n = std::min<int64_t>(top, flat.numel());
@@ -337,7 +343,10 @@ int dump(const std::vector<std::string>& args) {
   std::cout << "strongest transitions:\n";
   list(m.transitions, [&](int64_t j) { return L[j / K] + " -> " + L[j % K]; });
   std::cout << "strongest features:\n";
-  list(m.weights, [&](int64_t j) { return m.features()[j / K] + " => " + L[j % K]; });
+  list(m.weights, [&](int64_t j) {
+    const auto [feature, label] = m.weight_pair(j);
+    return m.features()[feature] + " => " + L[label];
+  });
   return 0;
 }
 

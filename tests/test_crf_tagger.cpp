@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 #include <random>
+#include <set>
 #include <unordered_map>
 
 #include "trellis/crf_train.h"
@@ -438,4 +439,52 @@ TEST(CrfTagger, KBestStaysWithinItsMemoryBound) {
     EXPECT_NE(std::string(e.what()).find("ask for fewer"), std::string::npos) << e.what();
   }
   EXPECT_THROW(m.tag_kbest(pointers(dev), 0), Error);
+}
+
+TEST(CrfTagger, SeenFeaturePairsGiveFewerWeightsThatRoundTripAndTagAlike) {
+  CrfTrainOptions o;
+  o.max_iterations = 25;
+  o.c2 = 0.01;
+  o.feature_pairs = FeaturePairs::Seen;
+  const LabeledSentences train = toy_corpus(60, 5), dev = toy_corpus(20, 6);
+  const std::string features = "U00:%x[0,0]\nU01:%x[-1,0]\nU02:%x[0,1]\nB\n";
+  const CrfTagger m = train_crf(train, &dev, crfpp_template_features(features), o);
+  ASSERT_EQ(m.feature_pairs(), FeaturePairs::Seen);
+  // The (feature, label) pairs of the training data, counted here from the extractor's strings.
+  std::unordered_map<std::string, int64_t> feature_id;
+  for (std::size_t f = 0; f < m.features().size(); ++f) feature_id.emplace(m.features()[f], f);
+  std::set<std::pair<int64_t, int64_t>> seen;
+  for (std::size_t s = 0; s < train.inputs.size(); ++s)
+    for (std::size_t t = 0; t < train.inputs[s].size(); ++t) {
+      FeatureList list;
+      m.extractor().extract(train.inputs[s], t, list);
+      for (const std::string_view f : list) seen.emplace(feature_id.at(std::string(f)), m.label_id(train.labels[s][t]));
+    }
+  const int64_t K = static_cast<int64_t>(m.labels().size()), F = static_cast<int64_t>(m.features().size());
+  EXPECT_EQ(m.weights.numel(), static_cast<int64_t>(seen.size()));
+  EXPECT_LT(m.weights.numel(), F * K / 2);
+  for (int64_t j = 0; j < m.weights.numel(); ++j) EXPECT_EQ(seen.count(m.weight_pair(j)), 1u) << "weight " << j;
+  o.feature_pairs = FeaturePairs::All;
+  EXPECT_EQ(train_crf(train, &dev, crfpp_template_features(features), o).weights.numel(), F * K);
+
+  const std::string path = temp_path("seen.crf");
+  m.save(path);
+  const CrfTagger l = CrfTagger::load(path);
+  std::remove(path.c_str());
+  EXPECT_EQ(l.feature_pairs(), FeaturePairs::Seen);
+  EXPECT_TRUE(at::equal(l.pair_offsets(), m.pair_offsets()));
+  EXPECT_TRUE(at::equal(l.pair_labels(), m.pair_labels()));
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(l.parameters()[i], m.parameters()[i]));
+  const auto before = m.tag(pointers(dev), true), after = l.tag(pointers(dev), true);
+  for (std::size_t s = 0; s < dev.inputs.size(); ++s) {
+    EXPECT_EQ(after[s].labels, dev.labels[s]);  // the toy task is learnt
+    EXPECT_EQ(after[s].labels, before[s].labels);
+    EXPECT_EQ(after[s].marginals, before[s].marginals);
+  }
+  try {
+    parse_feature_pairs("some");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--feature-pairs must be all"), std::string::npos) << e.what();
+  }
 }

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "encoded_batch.h"
@@ -20,7 +21,8 @@ namespace {
 
 constexpr char kMagic[8] = {'T', 'R', 'E', 'L', 'C', 'R', 'F', '\n'};
 constexpr uint32_t kFirstFormatVersion = 1;  // no column layout: inputs first, the label last
-constexpr uint32_t kFormatVersion = 2;
+constexpr uint32_t kDensePairsVersion = 2;    // every feature with every label: written for such models
+constexpr uint32_t kFormatVersion = 3;        // version 2 with the seen (feature, label) pairs before the weights
 constexpr int64_t kTagChunk = 1024;  // sentences decoded per batch
 
 uint64_t fnv1a(const char* data, std::size_t n) {
@@ -195,8 +197,18 @@ ConllCorpus ColumnLayout::project(const ConllCorpus& corpus, bool* has_labels) c
   return out;
 }
 
+FeaturePairs parse_feature_pairs(const std::string& name) {
+  if (name == "all") return FeaturePairs::All;
+  if (name == "seen") return FeaturePairs::Seen;
+  throw Error("--feature-pairs must be all (every feature with every label) or seen (the pairs seen in training), not '" +
+              name + "'");
+}
+
+std::string feature_pairs_name(FeaturePairs pairs) { return pairs == FeaturePairs::Seen ? "seen" : "all"; }
+
 CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
-                     std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns)
+                     std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns,
+                     const std::vector<std::vector<int64_t>>* seen_labels)
     : labels_(std::move(labels)),
       features_(std::make_shared<const StringIndex>(std::move(features), "feature")),
       extractor_(std::move(extractor)),
@@ -206,13 +218,39 @@ CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> f
   for (std::size_t i = 0; i < labels_.size(); ++i)
     if (!label_ids_.emplace(labels_[i], i).second) throw Error("duplicate label '" + labels_[i] + "'");
   const int64_t K = labels_.size(), F = features_->size();
-  weights = at::zeros({F, K}, at::kFloat);
+  if (seen_labels) {
+    if (static_cast<int64_t>(seen_labels->size()) != F)
+      throw Error("seen feature pairs for " + std::to_string(seen_labels->size()) + " features, not " + std::to_string(F));
+    std::vector<int64_t> offsets{0}, pair_labels;
+    for (int64_t f = 0; f < F; ++f) {
+      for (std::size_t i = 0; i < (*seen_labels)[f].size(); ++i) {
+        const int64_t y = (*seen_labels)[f][i];
+        if (y < 0 || y >= K || (i > 0 && y <= (*seen_labels)[f][i - 1]))
+          throw Error("feature " + std::to_string(f) + ": seen label ids must increase within [0, " + std::to_string(K) + ")");
+        pair_labels.push_back(y);
+      }
+      offsets.push_back(static_cast<int64_t>(pair_labels.size()));
+    }
+    pair_offsets_ = at::tensor(offsets, at::kLong);
+    pair_labels_ = at::tensor(pair_labels, at::kLong);
+    weights = at::zeros({static_cast<int64_t>(pair_labels.size())}, at::kFloat);
+  } else {
+    weights = at::zeros({F, K}, at::kFloat);
+  }
   transitions = at::zeros({K, K}, at::kFloat);
   start = at::zeros({K}, at::kFloat);
   end = at::zeros({K}, at::kFloat);
 }
 
 const std::vector<std::string>& CrfTagger::features() const { return features_->keys(); }
+
+std::pair<int64_t, int64_t> CrfTagger::weight_pair(int64_t j) const {
+  const int64_t K = static_cast<int64_t>(labels_.size());
+  if (!pair_labels_.defined()) return {j / K, j % K};
+  const int64_t* offsets = pair_offsets_.data_ptr<int64_t>();
+  const int64_t f = std::upper_bound(offsets, offsets + pair_offsets_.numel(), j) - offsets - 1;
+  return {f, pair_labels_.data_ptr<int64_t>()[j]};
+}
 
 int64_t CrfTagger::label_id(const std::string& label) const {
   const auto it = label_ids_.find(label);
@@ -300,8 +338,29 @@ EncodedBatch assemble_batch(const std::vector<const std::vector<int64_t>*>& ids,
 ChainPotentials CrfTagger::potentials(const EncodedBatch& e) const {
   const at::Device dev = weights.device();
   const int64_t K = static_cast<int64_t>(labels_.size());
-  // Σ of each token's feature weights: one embedding_bag over the whole batch.
-  const at::Tensor token_scores = std::get<0>(at::embedding_bag(weights, e.feature_ids.to(dev), e.offsets.to(dev)));
+  at::Tensor token_scores;
+  if (pair_labels_.defined()) {
+    // Each feature occurrence adds its pairs' weights to its token's scores for their labels: one index_add of the
+    // pairs' weights over the batch, differentiable in them.
+    const at::Tensor ids = e.feature_ids.cpu(), offsets = e.offsets.cpu();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* offset = offsets.data_ptr<int64_t>();
+    const int64_t* pair_offset = pair_offsets_.data_ptr<int64_t>();
+    const int64_t* pair_label = pair_labels_.data_ptr<int64_t>();
+    const int64_t tokens = offsets.numel(), nnz = ids.numel();
+    std::vector<int64_t> pairs, targets;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = offset[t]; i < (t + 1 < tokens ? offset[t + 1] : nnz); ++i)
+        for (int64_t p = pair_offset[id[i]]; p < pair_offset[id[i] + 1]; ++p)
+          pairs.push_back(p), targets.push_back(t * K + pair_label[p]);
+    token_scores = at::zeros({tokens * K}, weights.options())
+                       .index_add(0, at::tensor(targets, at::kLong).to(dev),
+                                  weights.index_select(0, at::tensor(pairs, at::kLong).to(dev)))
+                       .view({tokens, K});
+  } else {
+    // Σ of each token's feature weights: one embedding_bag over the whole batch.
+    token_scores = std::get<0>(at::embedding_bag(weights, e.feature_ids.to(dev), e.offsets.to(dev)));
+  }
   ChainPotentials p;
   p.emissions = at::zeros({e.batch * e.max_length, K}, weights.options())
                     .index_copy(0, e.positions.to(dev), token_scores)
@@ -395,7 +454,7 @@ std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<
 void CrfTagger::save(const std::string& path) const {
   Writer w;
   w.buffer().append(kMagic, sizeof kMagic);
-  w.pod<uint32_t>(kFormatVersion);
+  w.pod<uint32_t>(pair_labels_.defined() ? kFormatVersion : kDensePairsVersion);
   w.pod<uint64_t>(input_columns_);
   w.pod<uint64_t>(layout_.columns);
   w.pod<uint64_t>(layout_.label);
@@ -405,6 +464,13 @@ void CrfTagger::save(const std::string& path) const {
   for (const auto& l : labels_) w.str(l);
   w.pod<uint64_t>(features_->size());
   for (const auto& f : features_->keys()) w.str(f);
+  if (pair_labels_.defined()) {  // the pairs: their count, each feature's number of them, their labels
+    w.pod<uint64_t>(pair_labels_.numel());
+    const int64_t* offsets = pair_offsets_.data_ptr<int64_t>();
+    for (int64_t f = 0; f + 1 < pair_offsets_.numel(); ++f) w.pod<uint32_t>(static_cast<uint32_t>(offsets[f + 1] - offsets[f]));
+    const int64_t* labels = pair_labels_.data_ptr<int64_t>();
+    for (int64_t p = 0; p < pair_labels_.numel(); ++p) w.pod<uint32_t>(static_cast<uint32_t>(labels[p]));
+  }
   for (const at::Tensor& t : parameters()) w.floats(t);
   w.pod<uint64_t>(fnv1a(w.buffer().data(), w.buffer().size()));
   write_file_atomically(path, [&](std::ostream& out) { out.write(w.buffer().data(), w.buffer().size()); });
@@ -423,7 +489,7 @@ CrfTagger CrfTagger::load(const std::string& path) {
   if (data.size() < sizeof kMagic + sizeof(uint32_t) + sizeof(uint64_t)) r.corrupt("truncated");
   r.skip(sizeof kMagic);
   const auto version = r.pod<uint32_t>();
-  if (version != kFormatVersion && version != kFirstFormatVersion)
+  if (version < kFirstFormatVersion || version > kFormatVersion)
     throw Error("'" + path + "': model format version " + std::to_string(version) + " is not supported (this Trellis reads versions " +
                 std::to_string(kFirstFormatVersion) + " to " + std::to_string(kFormatVersion) + ")");
   uint64_t stored;
@@ -447,13 +513,32 @@ CrfTagger CrfTagger::load(const std::string& path) {
   const uint64_t F = r.count(sizeof(uint64_t), "feature");
   std::vector<std::string> features(F);
   for (auto& f : features) f = r.str();
+  const int64_t K = static_cast<int64_t>(labels.size());
+  std::optional<std::vector<std::vector<int64_t>>> seen_labels;
+  if (version >= 3) {
+    const uint64_t pairs = r.count(sizeof(uint32_t), "feature pair");
+    seen_labels.emplace(F);
+    uint64_t listed = 0;
+    for (auto& l : *seen_labels) {
+      const uint32_t n = r.pod<uint32_t>();
+      if (n > static_cast<uint64_t>(K) || n > pairs - listed) r.corrupt("feature pair counts");
+      l.resize(n);
+      listed += n;
+    }
+    if (listed != pairs) r.corrupt("feature pair counts");
+    for (auto& l : *seen_labels)
+      for (std::size_t i = 0; i < l.size(); ++i) {
+        l[i] = r.pod<uint32_t>();
+        if (l[i] >= K || (i > 0 && l[i] <= l[i - 1])) r.corrupt("feature pair labels");
+      }
+  }
   auto extractor = FeatureExtractor::from_spec(spec);
   // The feature set must read only columns the model has (a template naming column 5 of 2 would read past the rows).
   extractor->validate(columns, path);
-  CrfTagger m(std::move(labels), std::move(features), std::move(extractor), columns);
+  CrfTagger m(std::move(labels), std::move(features), std::move(extractor), columns,
+              seen_labels ? &*seen_labels : nullptr);
   m.set_layout(std::move(layout));
-  const int64_t K = m.labels_.size();
-  m.weights = r.floats({static_cast<int64_t>(F), K}, "weights");
+  m.weights = seen_labels ? r.floats({m.weights.numel()}, "weights") : r.floats({static_cast<int64_t>(F), K}, "weights");
   m.transitions = r.floats({K, K}, "transitions");
   m.start = r.floats({K}, "start weights");
   m.end = r.floats({K}, "end weights");

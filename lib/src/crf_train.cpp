@@ -154,6 +154,33 @@ IndexedTrainingSet index_features(const LabeledSentences& train, const FeatureEx
   return out;
 }
 
+// Per feature, the ids of the labels it occurs with in the training data, increasing.
+std::vector<std::vector<int64_t>> seen_labels(const LabeledSentences& train, const IndexedTrainingSet& indexed,
+                                              const std::vector<std::string>& labels) {
+  std::unordered_map<std::string, int64_t> label_id;
+  for (std::size_t y = 0; y < labels.size(); ++y) label_id.emplace(labels[y], y);
+  const int64_t K = static_cast<int64_t>(labels.size());
+  // One bit per (feature, label): F·K bits, an eighth of a byte per weight of the dense model.
+  std::vector<uint64_t> seen((indexed.features.size() * K + 63) / 64, 0);
+  for (std::size_t s = 0; s < indexed.ids.size(); ++s) {
+    std::size_t i = 0;
+    for (std::size_t t = 0; t < indexed.counts[s].size(); ++t) {
+      const int64_t y = label_id.at(train.labels[s][t]);
+      for (int64_t n = 0; n < indexed.counts[s][t]; ++n, ++i) {
+        const uint64_t bit = static_cast<uint64_t>(indexed.ids[s][i] * K + y);
+        seen[bit / 64] |= uint64_t{1} << (bit % 64);
+      }
+    }
+  }
+  std::vector<std::vector<int64_t>> out(indexed.features.size());
+  for (std::size_t f = 0; f < out.size(); ++f)
+    for (int64_t y = 0; y < K; ++y) {
+      const uint64_t bit = f * K + y;
+      if (seen[bit / 64] >> (bit % 64) & 1) out[f].push_back(y);
+    }
+  return out;
+}
+
 // Labels in first-seen order.
 std::vector<std::string> collect_labels(const LabeledSentences& train) {
   std::vector<std::string> labels;
@@ -223,6 +250,23 @@ std::vector<EncodedBatch> length_sorted_batches(const CrfTagger& m, const Labele
 // order follows the thread count.
 class BlockedObjective {
  public:
+  // The token scores [tokens, K] of a block under a model with seen pairs: each feature occurrence adds its pairs'
+  // weights to its token's labels (serially, as everything within a block).
+  static at::Tensor seen_pair_scores(const CrfTagger& model, const EncodedBatch& b) {
+    const int64_t K = model.transitions.size(0), tokens = b.offsets.numel(), nnz = b.feature_ids.numel();
+    at::Tensor scores = at::zeros({tokens, K}, model.weights.options());
+    float* out = scores.data_ptr<float>();
+    const float* w = model.weights.data_ptr<float>();
+    const int64_t* id = b.feature_ids.data_ptr<int64_t>();
+    const int64_t* offset = b.offsets.data_ptr<int64_t>();
+    const int64_t* pair_offset = model.pair_offsets().data_ptr<int64_t>();
+    const int64_t* pair_label = model.pair_labels().data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = offset[t]; i < (t + 1 < tokens ? offset[t + 1] : nnz); ++i)
+        for (int64_t p = pair_offset[id[i]]; p < pair_offset[id[i] + 1]; ++p) out[t * K + pair_label[p]] += w[p];
+    return scores;
+  }
+
   BlockedObjective(std::vector<EncodedBatch> blocks, int64_t num_features) : blocks_(std::move(blocks)) {
     int64_t tokens = 0;
     for (const EncodedBatch& b : blocks_) first_token_.push_back(tokens), tokens += b.offsets.numel();
@@ -261,7 +305,9 @@ class BlockedObjective {
         at::Tensor scores;
         {
           c10::NoGradGuard no_grad;
-          scores = std::get<0>(at::embedding_bag(model.weights.detach(), b.feature_ids, b.offsets));
+          scores = model.feature_pairs() == FeaturePairs::All
+                       ? std::get<0>(at::embedding_bag(model.weights.detach(), b.feature_ids, b.offsets))
+                       : seen_pair_scores(model, b);
         }
         scores.requires_grad_();
         ChainPotentials p;
@@ -289,10 +335,13 @@ class BlockedObjective {
       gradients[i + 1] = block_gradients[0][i].clone();
       for (int64_t k = 1; k < blocks; ++k) gradients[i + 1].add_(block_gradients[k][i]);
     }
-    const int64_t F = model.weights.size(0);
-    gradients[0] = at::empty({F, K}, model.weights.options());
+    const int64_t F = static_cast<int64_t>(occurrence_start_.size()) - 1;
+    gradients[0] = at::empty_like(model.weights);
     float* out = gradients[0].data_ptr<float>();
     const float* score = score_gradients_.data_ptr<float>();
+    const bool seen = model.feature_pairs() == FeaturePairs::Seen;
+    const int64_t* pair_offset = seen ? model.pair_offsets().data_ptr<int64_t>() : nullptr;
+    const int64_t* pair_label = seen ? model.pair_labels().data_ptr<int64_t>() : nullptr;
     // Summed in float64: a frequent feature's gradient is a small difference of many large terms.
     at::parallel_for(0, F, kFeaturesPerTask, [&](int64_t f0, int64_t f1) {
       std::vector<double> sum(K);
@@ -302,7 +351,11 @@ class BlockedObjective {
           const float* s = score + occurrence_token_[i] * K;
           for (int64_t y = 0; y < K; ++y) sum[y] += s[y];
         }
-        std::copy(sum.begin(), sum.end(), out + f * K);
+        if (seen) {
+          for (int64_t p = pair_offset[f]; p < pair_offset[f + 1]; ++p) out[p] = static_cast<float>(sum[pair_label[p]]);
+        } else {
+          std::copy(sum.begin(), sum.end(), out + f * K);
+        }
       }
     });
     return nll;
@@ -497,7 +550,12 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const std::size_t columns = train.inputs.front().front().size();
   extractor->validate(columns, train.source);
   IndexedTrainingSet indexed = index_features(train, *extractor, o.min_feature_count);
-  CrfTagger model(collect_labels(train), std::move(indexed.features), std::move(extractor), columns);
+  std::vector<std::string> labels = collect_labels(train);
+  std::optional<std::vector<std::vector<int64_t>>> pairs;
+  if (o.feature_pairs == FeaturePairs::Seen) pairs = seen_labels(train, indexed, labels);
+  CrfTagger model(std::move(labels), std::move(indexed.features), std::move(extractor), columns,
+                  pairs ? &*pairs : nullptr);
+  pairs.reset();
   if (dev) check_known_labels(model, *dev);
   device_ready.get();
   model.to(device);

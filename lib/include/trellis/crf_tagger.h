@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "trellis/conll.h"
@@ -48,14 +49,23 @@ struct TaggedSentence {
   double probability = 0;            // P(labels | x), when marginals were asked for
 };
 
+// Which (feature, label) pairs have a weight: every feature with every label (weights [F,K]), or only the pairs seen
+// in the training data, CRFsuite's default (weights [P]: far fewer, as most features occur with one or two labels;
+// a feature then scores nothing for the labels it was never seen with).
+enum class FeaturePairs { All, Seen };
+FeaturePairs parse_feature_pairs(const std::string& name);  // "all" or "seen"; an Error naming --feature-pairs
+std::string feature_pairs_name(FeaturePairs pairs);         // "all" or "seen"
+
 // A trained (or zero-initialised) CRF tagger: labels, feature dictionary, feature extractor and weights. Move-only.
 // tag() and tag_kbest() may run on one tagger from several threads at once; to(), set_layout() and writes to the
 // parameter tensors need it to themselves.
 class CrfTagger {
  public:
-  // A model with zero weights over the given labels and features.
+  // A model with zero weights over the given labels and features: one per feature and label, or, with
+  // `seen_labels` (per feature, the ids of the labels it has a weight for, increasing), one per listed pair.
   CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
-            std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns);
+            std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns,
+            const std::vector<std::vector<int64_t>>* seen_labels = nullptr);
 
   const std::vector<std::string>& labels() const { return labels_; }  // label names, in id order
   const std::vector<std::string>& features() const;                    // feature strings, in id order (rows of weights)
@@ -66,8 +76,17 @@ class CrfTagger {
   void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
   int64_t label_id(const std::string& label) const;  // -1 when unknown
 
-  // Parameters, float32 on CPU unless moved with to(): weights [F,K], transitions [K,K], start [K], end [K].
-  at::Tensor weights;      // [F,K]: each feature's score for each label
+  FeaturePairs feature_pairs() const { return pair_labels_.defined() ? FeaturePairs::Seen : FeaturePairs::All; }
+  // With FeaturePairs::Seen: feature f's weights are weights[pair_offsets()[f] .. pair_offsets()[f + 1]), for the
+  // labels pair_labels() at the same places (int64 CPU tensors [F+1] and [P]). Undefined with FeaturePairs::All.
+  const at::Tensor& pair_offsets() const { return pair_offsets_; }
+  const at::Tensor& pair_labels() const { return pair_labels_; }
+  // The feature and label of weights.flatten()[j].
+  std::pair<int64_t, int64_t> weight_pair(int64_t j) const;
+
+  // Parameters, float32 on CPU unless moved with to(): weights [F,K] (or [P] with seen pairs), transitions [K,K],
+  // start [K], end [K].
+  at::Tensor weights;      // [F,K]: each feature's score for each label; [P] with seen pairs
   at::Tensor transitions;  // [K,K]: transitions[i][j] scores label i followed by label j
   at::Tensor start;        // [K]: score of the first label
   at::Tensor end;          // [K]: score of the last label
@@ -105,6 +124,7 @@ class CrfTagger {
   std::unique_ptr<FeatureExtractor> extractor_;
   std::size_t input_columns_;
   ColumnLayout layout_;
+  at::Tensor pair_offsets_, pair_labels_;  // seen pairs only
 };
 
 }  // namespace trellis

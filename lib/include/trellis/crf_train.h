@@ -39,6 +39,8 @@ struct CrfTrainOptions {
   double tolerance = 1e-5;    // stop when the objective improved by less than this fraction over `period` iterations
   int period = 10;
   int min_feature_count = 1;  // features seen fewer times in training are dropped
+  // Which (feature, label) pairs get a weight: all of them, or those seen in the training data (CRFsuite's default).
+  FeaturePairs feature_pairs = FeaturePairs::All;
   std::string device = "cpu";
   int threads = 0;            // CPU threads; 0 keeps LibTorch's default
   int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
