@@ -4,7 +4,9 @@
   (``from trellis import CRF``), with marginals, k-best decoding and constraints beyond it.
 - :func:`log_matmul`, :func:`max_matmul`: matrix products in the log and max-plus semirings.
 - :func:`linear_cross_entropy`, :func:`token_logprobs`, :func:`linear_logsumexp`: an LLM output head's loss and
-  statistics without materialising the logits.
+  statistics without materialising the logits; :func:`vocab_parallel_linear_cross_entropy`,
+  :func:`vocab_parallel_token_logprobs`, :func:`vocab_parallel_linear_logsumexp`: the same with the vocabulary split
+  over the ranks of a ``torch.distributed`` process group.
 - :mod:`trellis.hmm`: ``CategoricalHMM`` and ``GaussianHMM`` estimators with hmmlearn's interface (CPU and CUDA), and
   the command line's HDF5 model files (``trellis.hmm.load``/``save``); imported on first use (it needs numpy).
 
@@ -17,7 +19,8 @@ import torch  # noqa: F401
 
 from . import _library
 from .crf import CRF
-from .ops import linear_cross_entropy, linear_logsumexp, log_matmul, max_matmul, token_logprobs
+from .ops import (linear_cross_entropy, linear_logsumexp, log_matmul, max_matmul, token_logprobs,
+                  vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logsumexp, vocab_parallel_token_logprobs)
 
 __version__: str = _library.load() or "0+build.tree"
 

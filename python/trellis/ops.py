@@ -1,11 +1,16 @@
 """Functions over Trellis' PyTorch operators (``torch.ops.trellis``): semiring matrix products and the fused LLM
-output head. Each is a thin call of one operator, so it works under ``torch.compile`` and on CPU and CUDA tensors."""
+output head, on one device or with the vocabulary split over a process group's ranks. Each is a thin call of one
+operator, so it works under ``torch.compile`` and on CPU and CUDA tensors."""
 from typing import Literal, Optional, Tuple, Union, overload
 
 import torch
 from torch import Tensor
 
-__all__ = ["log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp"]
+__all__ = ["log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp",
+           "vocab_parallel_linear_cross_entropy", "vocab_parallel_token_logprobs", "vocab_parallel_linear_logsumexp"]
+
+#: A process group, or its ``group_name`` (the form torch.compile traces: pass the name inside compiled code).
+GroupLike = Union[str, "torch.distributed.ProcessGroup"]
 
 
 def log_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -132,3 +137,75 @@ def linear_logsumexp(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *
         and ``bias``.
     """
     return torch.ops.trellis.linear_logsumexp(x, weight, bias, softcap, chunk_bytes, temperature)
+
+
+def _group_name(group: GroupLike) -> str:
+    return group if isinstance(group, str) else group.group_name
+
+
+def vocab_parallel_linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, group: GroupLike,
+                                        bias: Optional[Tensor] = None, *, ignore_index: int = -100,
+                                        reduction: str = "mean", label_smoothing: float = 0.0,
+                                        softcap: Optional[float] = None, z_loss: float = 0.0, chunk_bytes: int = 0,
+                                        recompute_logits: bool = False, temperature: float = 1.0) -> Tensor:
+    """:func:`linear_cross_entropy` with the vocabulary split over the ranks of ``group`` (tensor parallelism).
+
+    Every rank of ``group`` calls it with the same ``x`` and ``targets`` (ids of the whole vocabulary) and its own
+    contiguous slice of the output layer's rows, ranks in order, slices of any sizes. The loss and ``x``'s gradient
+    (one all-reduce) are the single-device ones on the whole weight, on every rank; ``weight``'s and ``bias``'s
+    gradients are this rank's rows of the whole ones. docs/distributed.md describes the communication.
+
+    Args:
+        x, targets: As in :func:`linear_cross_entropy`, the same on every rank.
+        weight: This rank's rows of the output embedding, ``(V_r, D)``.
+        group: A ``torch.distributed`` process group (NCCL for CUDA tensors, Gloo for CPU ones) or its
+            ``group_name``; inside torch.compile pass the name, which it traces.
+        bias: This rank's entries of the bias, ``(V_r,)``, or None.
+        ignore_index, reduction, label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits, temperature: As in
+            :func:`linear_cross_entropy`.
+
+    Returns:
+        The loss, as :func:`linear_cross_entropy` returns it.
+    """
+    return torch.ops.trellis.vocab_parallel_linear_cross_entropy(
+        x, weight, targets, _group_name(group), bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
+        chunk_bytes, recompute_logits, temperature)
+
+
+def vocab_parallel_token_logprobs(x: Tensor, weight: Tensor, targets: Tensor, group: GroupLike,
+                                  bias: Optional[Tensor] = None, *, softcap: Optional[float] = None,
+                                  ignore_index: int = -100, entropy: bool = False, chunk_bytes: int = 0,
+                                  temperature: float = 1.0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`token_logprobs` (and the entropies) with the vocabulary split over the ranks of ``group``.
+
+    Args:
+        x, targets: As in :func:`token_logprobs`, the same on every rank.
+        weight, group, bias: As in :func:`vocab_parallel_linear_cross_entropy`: this rank's slice, the group.
+        softcap, ignore_index, entropy, chunk_bytes, temperature: As in :func:`token_logprobs`.
+
+    Returns:
+        The whole vocabulary's log-probabilities (and entropies) as :func:`token_logprobs` returns them, on every rank;
+        differentiable with respect to ``x`` (one all-reduce in the backward), this rank's ``weight`` rows and
+        ``bias`` entries.
+    """
+    logprobs, row_entropy = torch.ops.trellis.vocab_parallel_token_logprobs(
+        x, weight, targets, _group_name(group), bias, softcap, ignore_index, entropy, chunk_bytes, temperature)
+    return (logprobs, row_entropy) if entropy else logprobs
+
+
+def vocab_parallel_linear_logsumexp(x: Tensor, weight: Tensor, group: GroupLike, bias: Optional[Tensor] = None, *,
+                                    softcap: Optional[float] = None, chunk_bytes: int = 0,
+                                    temperature: float = 1.0) -> Tensor:
+    """:func:`linear_logsumexp` over the whole vocabulary, split over the ranks of ``group``.
+
+    Args:
+        x: As in :func:`linear_logsumexp`, the same on every rank.
+        weight, group, bias: As in :func:`vocab_parallel_linear_cross_entropy`: this rank's slice, the group.
+        softcap, chunk_bytes, temperature: As in :func:`linear_logsumexp`.
+
+    Returns:
+        The whole vocabulary's log-sum-exp of each row, on every rank; differentiable as
+        :func:`vocab_parallel_token_logprobs`.
+    """
+    return torch.ops.trellis.vocab_parallel_linear_logsumexp(x, weight, _group_name(group), bias, softcap,
+                                                             chunk_bytes, temperature)
