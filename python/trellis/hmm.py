@@ -421,7 +421,8 @@ class _BaseHMM:
         ``monitor_`` records the log-likelihood before each update.
 
         Data parallelism: with ``group`` (a ``torch.distributed`` process group, e.g. ``torch.distributed.group.WORLD``)
-        every rank of the group calls ``fit`` with its own share of the sequences and the same estimator settings.
+        every rank of the group calls ``fit`` with its own share of the sequences (at least one) and the same
+        estimator settings.
         Each iteration sums the ranks' expected statistics and log-likelihoods in one ``all_reduce`` over the group
         (on the estimator's ``device``: a Gloo group for ``"cpu"``, NCCL for ``"cuda"``), so every rank runs the same
         M-step on the same sums, holds the same model after every iteration, and stops at the same one; ``monitor_``
