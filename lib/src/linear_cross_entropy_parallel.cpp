@@ -314,15 +314,17 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
   const bool smoothing = loss.label_smoothing != 0;
   const at::Tensor valid = targets.reshape({-1}) != head.ignore_index;
   want[2] = want[2] && head.bias.defined();
+  const bool formed = loss.reduction != Reduction::none && !head.recompute_logits && (want[0] || want[1] || want[2]);
+  const Slice slice = resolve(vs, weight);
+  // One rank holds the whole vocabulary: the single-device head, asked for the gradients where this function forms
+  // them. In training its CUDA kernel forms each slab's log-sum-exp with the slab's gradient from one read of the slab,
+  // where a slice's log-sum-exp is read first, to be merged across the ranks before the gradient.
+  if (slice.group->getSize() == 1)
+    return trellis::linear_cross_entropy_forward(x, weight, targets, head, loss,
+                                                 formed ? want : std::array<bool, 3>{false, false, false});
   LinearCrossEntropyForward f;
   cuda::HeadRowStats stats;
-  Slice slice;
-  slice = resolve(vs, weight);
-  if (loss.reduction != Reduction::none && !head.recompute_logits && (want[0] || want[1] || want[2])) {
-    // One rank holds the whole vocabulary: the single-device head, whose CUDA kernel forms each slab's log-sum-exp
-    // with its gradient in one read of the slab, where a slice's log-sum-exp is read first, to be merged across the
-    // ranks before the gradient.
-    if (slice.group->getSize() == 1) return trellis::linear_cross_entropy_forward(x, weight, targets, head, loss, want);
+  if (formed) {
     // A reduced loss's row weights are known now (1, or 1/count), so its gradients form in the same pass as the
     // statistics, each slab's statistics merged across the ranks before its gradient: the logits are formed once.
     const at::Tensor w = valid.to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
