@@ -36,14 +36,23 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
+namespace {
+
+// The number at the start of `text`; *used gets how many characters it took (0: none).
+double leading_number(const std::string& text, std::size_t* used) {
+  try {
+    return std::stod(text, used);
+  } catch (const std::exception&) {
+    *used = 0;
+    return 0;
+  }
+}
+
+}  // namespace
+
 int64_t parse_bytes(const std::string& text) {
   std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
+  const double v = leading_number(text, &used);
   const std::string unit = text.substr(used);
   const double scale = unit.empty() ? 1 : unit == "k" || unit == "K" ? 1e3 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
   if (used == 0 || scale < 0 || !(v > 0) || !std::isfinite(v))
@@ -69,6 +78,13 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& opti
     if (end == text.size()) return values;
     begin = end + 1;
   }
+}
+
+double parse_number(const std::string& text, const std::string& option) {
+  std::size_t used = 0;
+  const double value = leading_number(text, &used);
+  if (used == 0 || used != text.size()) throw Error(option + " '" + text + "' is not a number");
+  return value;
 }
 
 Progress::Progress(std::string label, int64_t total, std::string unit, double interval)

@@ -20,6 +20,10 @@ int64_t parse_bytes(const std::string& text);
 // "1,2" or "-1": a comma-separated list of integers; `option` names the option in the error.
 std::vector<int> parse_int_list(const std::string& text, const std::string& option);
 
+// A floating-point number, the whole of `text` (nan and inf too: the option's own check rejects them by name);
+// `option` names the option in the error.
+double parse_number(const std::string& text, const std::string& option);
+
 // Prints "label: done/total unit, rate/s" to stderr at most once per interval, and once at the end.
 class Progress {
  public:

@@ -53,5 +53,24 @@ awk 'BEGIN { for (i = 0; i < 10000; i++) print (i % 2 ? "cat NN I-NP" : "the DT 
   "$trellis" crf tag --model long.crf long.txt -o long.out && [ "$(grep -c . long.out)" = 10000 ] && ok ||
   fail "10k-token sentence"
 
+# --c2 auto trains once per value of its grid, reports each one's dev score and keeps the model of the best one (the
+# first of equals), whose score the summary repeats; without --dev it is an error. Few sentences of noisy labels (each
+# word leans to one label, 60% are drawn at random): a small c2 fits the noise, a large one underfits, and the best
+# value is neither the first nor the last.
+awk 'BEGIN { srand(7); for (s = 0; s < 40; s++) { for (t = 0; t < 8; t++) { w = int(rand() * 150)
+         l = rand() < 0.6 ? int(rand() * 4) : w % 4; print "w" w, "L" l } print "" } }' >auto-train.txt
+awk 'BEGIN { srand(8); for (s = 0; s < 60; s++) { for (t = 0; t < 8; t++) { w = int(rand() * 150); print "w" w, "L" w % 4 }
+         print "" } }' >auto-dev.txt
+"$trellis" crf train --train auto-train.txt --dev auto-dev.txt --model auto.crf --c2 auto --max-iter 15 2>auto.log &&
+  awk '/^c2 [0-9.]*: best dev acc / { n++; s[$2] = $6 + 0; if (n == 1 || $6 + 0 > best) { best = $6 + 0; at = $2 } }
+       /^c2 auto: / { chosen = $3 ":" } /best dev \(iteration/ { final = $NF + 0 }
+       END { distinct = 0; for (k in s) if (s[k] != best) distinct = 1
+             exit !(n == 4 && distinct && chosen == at && final == best) }' auto.log && [ -s auto.crf ] && ok ||
+  fail "--c2 auto: $(grep -v '^iter' auto.log)"
+expect_error "--c2 auto without --dev" "--c2 auto chooses c2 by the dev score: it needs --dev" m8.crf \
+  "$trellis" crf train --train train.txt --model m8.crf --c2 auto
+expect_error "--c2 not a number" "--c2 (a number, or auto) 'often' is not a number" m9.crf \
+  "$trellis" crf train --train train.txt --model m9.crf --c2 often
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" = 0 ]
