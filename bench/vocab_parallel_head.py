@@ -8,8 +8,8 @@ half-vocabulary GEMM x·W_rᵀ as the unit. W's rows are split in rank order; x 
 
 Method (docs/benchmarks.md): CUDA events around each call, a 256 MB buffer zeroed before every call to flush L2, one
 untimed warm-up, the median of up to 25 timed calls within about 400 ms (at least 3); memory is the peak allocated
-during one call beyond what was allocated before it (gradients included). Agreement: the loss and dx against the
-single-device Trellis head on the whole W, computed on every rank.
+during one call beyond what was allocated before it (gradients included). Agreement: the loss and dx, and the
+log-probabilities, entropies and their dx, against the single-device Trellis head on the whole W, on every rank.
 """
 import argparse
 import json
@@ -26,7 +26,8 @@ parser.add_argument("--rows", type=int, default=16384)
 parser.add_argument("--hidden", type=int, default=4096)
 parser.add_argument("--vocabulary", type=int, default=128256)
 parser.add_argument("--commit", default=os.environ.get("TRELLIS_COMMIT", "unknown"))
-parser.add_argument("--cpu", action="store_true", help="a check of the script itself: Gloo, float32, CPU, no timings")
+parser.add_argument("--cpu", action="store_true",
+                    help="a check of the script itself: Gloo, float32, CPU, no timings; fails where a result disagrees")
 args = parser.parse_args()
 
 if args.cpu:
@@ -188,9 +189,29 @@ loss.backward()
 xr = x0.detach().clone().requires_grad_()
 reference = ops.linear_cross_entropy(xr, w_full, targets)
 reference.backward()
+
+
+def relative(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
 agreement = {"world_size": world, "loss": loss.item(), "reference_loss": reference.item(),
              "loss_relative_error": abs(loss.item() - reference.item()) / abs(reference.item()),
-             "dx_relative_error": ((x.grad.float() - xr.grad.float()).abs().max() / xr.grad.float().abs().max()).item()}
+             "dx_relative_error": relative(x.grad, xr.grad)}
+# The log-probabilities and entropies with their gradient for x (the policy-gradient and entropy-bonus terms).
+x, w = leaves(True)
+logprobs, entropy = ops.vocab_parallel_token_logprobs(x, w, targets, group.group_name, entropy=True)
+(logprobs.sum() - 0.01 * entropy.sum()).backward()
+xr = x0.detach().clone().requires_grad_()
+reference_logprobs, reference_entropy = ops.token_logprobs(xr, w_full, targets, entropy=True)
+(reference_logprobs.sum() - 0.01 * reference_entropy.sum()).backward()
+agreement.update(logprobs_relative_error=relative(logprobs, reference_logprobs),
+                 entropy_relative_error=relative(entropy, reference_entropy),
+                 token_logprobs_dx_relative_error=relative(x.grad, xr.grad))
+if args.cpu:  # float32 on the CPU: the single-device results within 1e-5 relative
+    wrong = {k: v for k, v in agreement.items() if k.endswith("_error") and not v <= 1e-5}
+    if wrong:
+        raise SystemExit(f"rank {rank}: the vocabulary-parallel head disagrees with one device: {wrong}")
 
 gathered = [None] * world
 dist.all_gather_object(gathered, rows)
