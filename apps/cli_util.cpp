@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 
+#include "trellis/atomic_file.h"
 #include "trellis/error.h"
 
 namespace po = boost::program_options;
@@ -85,6 +87,100 @@ double parse_number(const std::string& text, const std::string& option) {
   const double value = leading_number(text, &used);
   if (used == 0 || used != text.size()) throw Error(option + " '" + text + "' is not a number");
   return value;
+}
+
+ConllCorpus read_input(const std::string& path) {
+  return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
+}
+
+std::vector<TokenRows> model_inputs(const ConllCorpus& projected, std::size_t input_columns) {
+  std::vector<TokenRows> rows;
+  rows.reserve(projected.sentences.size());
+  for (const ConllSentence& s : projected.sentences) {
+    TokenRows r = s.rows;
+    for (auto& row : r) row.resize(input_columns);
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& sentences) {
+  std::vector<const TokenRows*> p;
+  for (const auto& r : sentences) p.push_back(&r);
+  return p;
+}
+
+void write_output(const std::string& path, const std::function<void(std::ostream&)>& write) {
+  if (path == "-") {
+    write(std::cout);
+    std::cout.flush();
+  } else {
+    write_file_atomically(path, write);
+  }
+}
+
+void write_tagged(const std::string& output, const ConllCorpus& corpus, const std::vector<TaggedSentence>& tagged,
+                  bool with_marginals, bool with_probability) {
+  write_output(output, [&](std::ostream& out) {
+    for (std::size_t s = 0; s < tagged.size(); ++s) {
+      if (with_probability) out << "@probability\t" << fixed(tagged[s].probability, 6) << "\n";
+      for (std::size_t t = 0; t < tagged[s].labels.size(); ++t) {
+        for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+        out << tagged[s].labels[t];
+        if (with_marginals) out << ':' << fixed(tagged[s].marginals[t], 6);
+        out << '\n';
+      }
+      out << '\n';
+    }
+  });
+}
+
+void write_kbest(const std::string& output, const ConllCorpus& corpus,
+                 const std::vector<std::vector<TaggedSentence>>& alternatives) {
+  write_output(output, [&](std::ostream& out) {
+    for (std::size_t s = 0; s < alternatives.size(); ++s)
+      for (std::size_t n = 0; n < alternatives[s].size(); ++n) {
+        out << "@kbest\t" << n << '\t' << fixed(alternatives[s][n].probability, 6) << '\n';
+        for (std::size_t t = 0; t < alternatives[s][n].labels.size(); ++t) {
+          for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
+          out << alternatives[s][n].labels[t] << '\n';
+        }
+        out << '\n';
+      }
+  });
+}
+
+LabeledSentences gold_sentences(const ColumnLayout& layout, const std::string& path) {
+  bool has_labels = false;
+  const ConllCorpus c = layout.project(read_input(path), &has_labels);
+  if (!has_labels)
+    throw Error("'" + c.source + "' has no label column to evaluate against (the model's columns: " +
+                layout.describe() + ")");
+  return split_labels(c, -1);
+}
+
+ChunkEvaluation score_tagged(const LabeledSentences& gold, const std::vector<TaggedSentence>& tagged,
+                             const std::function<bool(const std::string&)>& known_label) {
+  ChunkEvaluation ev;
+  std::map<std::string, std::size_t> unseen;
+  for (std::size_t s = 0; s < tagged.size(); ++s) {
+    for (const auto& label : gold.labels[s])
+      if (!known_label(label)) ++unseen[label];
+    ev.add_sentence(gold.labels[s], tagged[s].labels);
+  }
+  if (!unseen.empty()) {
+    std::size_t tokens = 0;
+    std::string list;
+    for (const auto& [label, n] : unseen) tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
+    std::cerr << "note: " << tokens << " gold tokens have labels the model was not trained on, counted as errors: "
+              << list << "\n";
+  }
+  return ev;
+}
+
+void print_evaluation(const ChunkEvaluation& ev) {
+  std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
+  if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();  // chunk labels: conlleval's report
 }
 
 Progress::Progress(std::string label, int64_t total, std::string unit, double interval)

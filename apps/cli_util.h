@@ -1,9 +1,17 @@
-// Pieces every subcommand shares: option parsing with usage errors, number formatting, progress lines.
+// Pieces every subcommand shares: option parsing with usage errors, number formatting, progress lines, and the
+// tagged output and scores of `trellis crf tag` and `eval` (feature and neural taggers alike).
 #pragma once
 #include <boost/program_options.hpp>
 #include <chrono>
+#include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
+
+#include "trellis/chunk_eval.h"
+#include "trellis/conll.h"
+#include "trellis/crf_tagger.h"
+#include "trellis/crf_train.h"
 
 namespace trellis::cli {
 
@@ -23,6 +31,33 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& opti
 // A floating-point number, the whole of `text` (nan and inf too: the option's own check rejects them by name);
 // `option` names the option in the error.
 double parse_number(const std::string& text, const std::string& option);
+
+// A CoNLL file, or standard input for "-".
+ConllCorpus read_input(const std::string& path);
+// A file's input columns as a model reads them (the file projected onto the model's layout, with or without its
+// label): each row cut to the model's `input_columns`.
+std::vector<TokenRows> model_inputs(const ConllCorpus& projected, std::size_t input_columns);
+std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& sentences);
+// Calls `write` on standard output for "-", otherwise on a file written atomically.
+void write_output(const std::string& path, const std::function<void(std::ostream&)>& write);
+
+// `crf tag` output: each token's columns and its label (with ":P", its marginal, when with_marginals), a blank line
+// after each sentence, and with_probability an "@probability P" line before it.
+void write_tagged(const std::string& output, const ConllCorpus& corpus, const std::vector<TaggedSentence>& tagged,
+                  bool with_marginals, bool with_probability);
+// `crf tag --kbest` output: each alternative after an "@kbest RANK P" line.
+void write_kbest(const std::string& output, const ConllCorpus& corpus,
+                 const std::vector<std::vector<TaggedSentence>>& alternatives);
+
+// `crf eval --gold`: the gold file in the model's layout, split into inputs and labels; a file without the label
+// column is an Error naming it and the layout.
+LabeledSentences gold_sentences(const ColumnLayout& layout, const std::string& path);
+// Scores tagged sentences against gold ones. Gold labels the model never saw (I-LST in the CoNLL-2000 test set, say)
+// cannot be predicted: they count as errors, as in conlleval, and a note on stderr lists them.
+ChunkEvaluation score_tagged(const LabeledSentences& gold, const std::vector<TaggedSentence>& tagged,
+                             const std::function<bool(const std::string&)>& known_label);
+// Token accuracy, and for chunk labels conlleval's report, on stdout.
+void print_evaluation(const ChunkEvaluation& evaluation);
 
 // Prints "label: done/total unit, rate/s" to stderr at most once per interval, and once at the end.
 class Progress {

@@ -36,39 +36,6 @@ commands:
 'trellis crf <command> --help' describes each command's options.
 )";
 
-ConllCorpus read_input(const std::string& path) {
-  return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
-}
-
-// A file's input columns as the model reads them (the file laid out as in training, with or without its label).
-std::vector<TokenRows> model_inputs(const ConllCorpus& projected, const CrfTagger& m) {
-  const std::size_t want = m.input_columns();
-  std::vector<TokenRows> rows;
-  rows.reserve(projected.sentences.size());
-  for (const ConllSentence& s : projected.sentences) {
-    TokenRows r = s.rows;
-    for (auto& row : r) row.resize(want);
-    rows.push_back(std::move(r));
-  }
-  return rows;
-}
-
-std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& v) {
-  std::vector<const TokenRows*> p;
-  for (const auto& r : v) p.push_back(&r);
-  return p;
-}
-
-void write_output(const std::string& path, const std::function<void(std::ostream&)>& write) {
-  if (path == "-") {
-    write(std::cout);
-    std::cout.flush();
-  } else {
-    write_file_atomically(path, write);
-  }
-}
-
-
 int train(const std::vector<std::string>& args) {
   CrfTrainOptions o;
   std::string train_path, dev_path, model_path, template_path, input_columns;
@@ -241,7 +208,7 @@ int tag(const std::vector<std::string>& args) {
   model.to(at::Device(device));
   const double load_seconds = seconds(t0);
   const ConllCorpus corpus = read_input(input);
-  const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model);
+  const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model.input_columns());
   const auto t1 = std::chrono::steady_clock::now();
   const auto report = [&] {
     if (!timing) return;
@@ -254,34 +221,12 @@ int tag(const std::vector<std::string>& args) {
   };
   if (kbest > 0) {
     if (with_marginals) throw Error("--kbest and --marginals cannot be combined");
-    const auto alternatives = model.tag_kbest(pointers(rows), kbest);
-    write_output(output, [&](std::ostream& out) {
-      for (std::size_t s = 0; s < alternatives.size(); ++s)
-        for (std::size_t n = 0; n < alternatives[s].size(); ++n) {
-          out << "@kbest\t" << n << '\t' << fixed(alternatives[s][n].probability, 6) << '\n';
-          for (std::size_t t = 0; t < alternatives[s][n].labels.size(); ++t) {
-            for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
-            out << alternatives[s][n].labels[t] << '\n';
-          }
-          out << '\n';
-        }
-    });
+    write_kbest(output, corpus, model.tag_kbest(pointers(rows), kbest));
     report();
     return 0;
   }
-  const auto tagged = model.tag(pointers(rows), with_marginals || with_probability);
-  write_output(output, [&](std::ostream& out) {
-    for (std::size_t s = 0; s < tagged.size(); ++s) {
-      if (with_probability) out << "@probability\t" << fixed(tagged[s].probability, 6) << "\n";
-      for (std::size_t t = 0; t < tagged[s].labels.size(); ++t) {
-        for (const auto& col : corpus.sentences[s].rows[t]) out << col << '\t';
-        out << tagged[s].labels[t];
-        if (with_marginals) out << ':' << fixed(tagged[s].marginals[t], 6);
-        out << '\n';
-      }
-      out << '\n';
-    }
-  });
+  write_tagged(output, corpus, model.tag(pointers(rows), with_marginals || with_probability), with_marginals,
+               with_probability);
   report();
   return 0;
 }
@@ -311,31 +256,11 @@ int eval(const std::vector<std::string>& args) {
     }
   } else {
     const CrfTagger model = CrfTagger::load(model_path);
-    bool has_labels = false;
-    const ConllCorpus c = model.layout().project(read_input(gold_path), &has_labels);
-    if (!has_labels)
-      throw Error("'" + c.source + "' has no label column to evaluate against (the model's columns: " +
-                  model.layout().describe() + ")");
-    const LabeledSentences gold = split_labels(c, -1);
-    const auto tagged = model.tag(pointers(model_inputs(c, model)));
-    // Gold labels the model never saw (I-LST in the CoNLL-2000 test set, say) cannot be predicted: they count as
-    // errors, as in conlleval, and are listed.
-    std::map<std::string, std::size_t> unseen;
-    for (std::size_t s = 0; s < tagged.size(); ++s) {
-      for (const auto& label : gold.labels[s])
-        if (model.label_id(label) < 0) ++unseen[label];
-      ev.add_sentence(gold.labels[s], tagged[s].labels);
-    }
-    if (!unseen.empty()) {
-      std::size_t tokens = 0;
-      std::string list;
-      for (const auto& [label, n] : unseen) tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
-      std::cerr << "note: " << tokens << " gold tokens have labels the model was not trained on, counted as errors: "
-                << list << "\n";
-    }
+    const LabeledSentences gold = gold_sentences(model.layout(), gold_path);
+    ev = score_tagged(gold, model.tag(pointers(gold.inputs)),
+                      [&](const std::string& label) { return model.label_id(label) >= 0; });
   }
-  std::cout << "token accuracy: " << fixed(ev.accuracy(), 2) << "% (" << ev.correct_tokens << "/" << ev.tokens << ")\n";
-  if (ev.overall.gold + ev.overall.guessed > 0) std::cout << ev.report();  // chunk labels: conlleval's report
+  print_evaluation(ev);
   return 0;
 }
 
