@@ -222,4 +222,5 @@ if rank == 0:
     if args.json:
         previous = json.load(open(args.json)) if os.path.exists(args.json) else []
         json.dump(previous + everything, open(args.json, "w"), indent=1)
+dist.barrier()  # no rank tears its connections down while rank 0 still writes
 dist.destroy_process_group()
