@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 namespace trellis::cuda {
 
 // Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared memory).
@@ -49,12 +51,14 @@ void scaled_chain_crf_backward(const at::Tensor& grad_score, const at::Tensor& t
                                at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 
 // cuda/scaled_chain_forward.cu's streamed forward (see scaled_chain_forward in cuda/semiring_kernels.h for the
-// arguments), with each step's messages rebased by the previous step's largest entry: returns alpha [B,K] and sets
-// offset [B] (float64) such that the messages at each sequence's end are alpha + offset. float32 then keeps its
-// precision on long sequences, whose unshifted messages would grow to about −T.
+// arguments) for a batch longest first (lengths non-increasing, and `longest_first` the same lengths on the host: each
+// step launches only the sequences still running), with each step's messages rebased by the previous step's largest
+// entry: returns alpha [B,K] and sets offset [B] (float64) such that the messages at each sequence's end are
+// alpha + offset. float32 then keeps its precision on long sequences, whose unshifted messages would grow to about −T.
 at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
-                                        const at::Tensor& lengths, double threshold, at::Tensor& offset);
+                                        const at::Tensor& lengths, const std::vector<int64_t>& longest_first,
+                                        double threshold, at::Tensor& offset);
 
 // Viterbi for many labels (cuda/many_label_viterbi.cu), any number of sequences: whether it takes K labels, and the
 // best label sequences path [B,T] (int64, -1 at padding) with their scores [B], given emissions [B,T,K], transitions

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(kThreads)
                          const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
                          const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ len,
                          T* __restrict__ alpha_next, T* __restrict__ block_max_next, double* __restrict__ offset,
-                         int B, int Tn, int K, int t, T threshold) {
+                         T* __restrict__ last, int B, int Tn, int K, int t, T threshold) {
   __shared__ T scratch[kWarps];
   allow_next_launch();
   // What no kernel of the chain writes is read before waiting for the step kernel.
@@ -238,6 +239,7 @@ __global__ void __launch_bounds__(kThreads)
       a = alpha[row + j];
     }
     alpha_next[row + j] = a;
+    if (last && t == len[b] - 1) last[row + j] = a;
   }
   T m = a;
   for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
@@ -291,9 +293,9 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cu
 }
 
 template <class T, int NB>
-void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int K,
+void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int running, int K,
                  const StepPlan& plan, cudaStream_t stream, bool pdl, bool reverse, int keep_permille) {
-  const dim3 grid(grid_dim(K, kCols<T>), plan.splits, grid_dim(B, NB));
+  const dim3 grid(grid_dim(K, kCols<T>), plan.splits, grid_dim(running, NB));
   launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial,
                    B, K, plan.rows, reverse, keep_permille);
 }
@@ -308,10 +310,12 @@ void with_group(int64_t B, F&& f) {
   else f(std::integral_constant<int, kGroup>());
 }
 
-// The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step.
+// The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step. Given
+// the lengths on the host, non-increasing (the batch longest first), each step launches only the sequences still
+// running, a prefix of the batch, and every sequence's message is kept apart at its last position.
 at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
                             const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
-                            double threshold, double* offset_data) {
+                            double threshold, double* offset_data, const std::vector<int64_t>* longest_first) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
   const c10::cuda::CUDAGuard guard(emissions.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -325,6 +329,14 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
       std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(scaled.nbytes())));
   at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
   at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
+  const at::Tensor last = longest_first ? at::empty({B, K}, emissions.options()) : at::Tensor();
+  const int64_t steps = longest_first ? std::min<int64_t>(Tn, longest_first->front()) : Tn;
+  const auto running = [&](int64_t t) {
+    if (!longest_first) return B;
+    const auto& l = *longest_first;
+    return int64_t(std::upper_bound(l.begin(), l.end(), t, [](int64_t u, int64_t length) { return length <= u; }) -
+                   l.begin());
+  };
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "scaled_chain_forward_cuda", [&] {
     using T = scalar_t;
     with_group(B, [&](auto group) {
@@ -334,21 +346,23 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
       const T *W = transitions.data_ptr<T>(), *P = scaled.data_ptr<T>(), *cmax = colmax.data_ptr<T>();
       const T *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
       const int64_t* len = lengths.data_ptr<int64_t>();
-      for (int t = 0; t < Tn; ++t) {
+      T* kept = last.defined() ? last.data_ptr<T>() : nullptr;
+      for (int t = 0; t < steps; ++t) {
+        const int active = static_cast<int>(running(t));
         if (t > 0) {
           launch_step<T, NB>(alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(),
-                             int(B), int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
+                             int(B), active, int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
-        launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, B), 0, stream, pdl && t > 0,
+        launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
                          partial.data_ptr<T>(), plan.splits, alpha.data_ptr<T>(), block_max.data_ptr<T>(), W, cmax,
-                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), offset_data, int(B), int(Tn),
+                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn),
                          int(K), t, static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);
       }
     });
   });
-  return alpha;
+  return longest_first ? last : alpha;
 }
 
 }  // namespace
@@ -358,14 +372,16 @@ bool scaled_chain_supported(int64_t B, int64_t K) { return B >= 1 && B <= 2 * kG
 at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
                                 const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
                                 double threshold) {
-  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, nullptr);
+  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, nullptr, nullptr);
 }
 
 at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
-                                        const at::Tensor& lengths, double threshold, at::Tensor& offset) {
+                                        const at::Tensor& lengths, const std::vector<int64_t>& longest_first,
+                                        double threshold, at::Tensor& offset) {
   offset = at::zeros({emissions.size(0)}, emissions.options().dtype(at::kDouble));
-  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, offset.data_ptr<double>());
+  return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, offset.data_ptr<double>(),
+                          &longest_first);
 }
 
 }  // namespace trellis::cuda

@@ -52,23 +52,22 @@ fit() {  # K TOKENS DEVICE PRECISION: one EM iteration from the sampling model
   row "hmm fit" "$1" "$3" "$4" "$(awk '/^data:/ {print $4}' <<<"$log")" "$(awk '/^iter 0/ {print $(NF-1)}' <<<"$log")"
   rm -f "$work/f$1.h5"
 }
-run() {  # K INFER_TOKENS POSTERIOR_TOKENS DEVICES...
-  local K=$1 tokens=$2 small=$3 dev precision
-  shift 3
-  data "$K" "$tokens"
-  [ "$small" = "$tokens" ] || data "$K" "$small"
+run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
+  local K=$1 tokens=$2 small=$3 fit_tokens=$4 dev precision size
+  shift 4
+  for size in $(printf '%s\n' "$tokens" "$small" "$fit_tokens" | sort -u); do data "$K" "$size"; done
   for dev in "$@"; do
     for precision in float32 float64; do infer "$K" "$tokens" "$dev" "$precision"; done
     infer "$K" "$small" "$dev" float32 --posteriors
-    fit "$K" "$small" "$dev" float32
+    fit "$K" "$fit_tokens" "$dev" float32
   done
-  rm -f "$work/d$K-$tokens.h5" "$work/d$K-$small.h5"
+  rm -f "$work/d$K-"*.h5
 }
-# The posteriors written out are K floats per token: the --posteriors and fit runs take fewer tokens.
-run 64 10000000 1000000 "${devices[@]}"
-run 1024 1000000 100000 cuda  # the CPU would take minutes here
-run 4096 200000 20000 cuda
-[ "${TRELLIS_HMM_BENCH_LARGE:-0}" = 1 ] && run 16384 20000 5000 cuda
+# The posteriors written out are K floats per token (compressed): the --posteriors runs take fewer tokens.
+run 64 10000000 500000 2000000 "${devices[@]}"
+run 1024 2000000 50000 1000000 cuda  # the CPU would take minutes here
+run 4096 1000000 10000 200000 cuda
+[ "${TRELLIS_HMM_BENCH_LARGE:-0}" = 1 ] && run 16384 50000 2000 20000 cuda
 {
   echo "["
   for ((i = 0; i < ${#rows[@]}; ++i)); do echo "  ${rows[i]}$([ $((i + 1)) -lt ${#rows[@]} ] && echo ,)"; done

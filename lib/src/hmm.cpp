@@ -7,9 +7,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <type_traits>
+#include <vector>
 
 #include "message.h"
 #include "scaled_log_matmul.h"
@@ -306,9 +308,9 @@ GaussianHMM GaussianHMM::maximise(const Statistics& s, const MStepOptions& o) co
 namespace {
 
 // From this many states on, the transitions no longer fit the shared-memory chain kernels: on CUDA the streamed
-// forward kernel takes the log-likelihoods, for at most kStreamedSequences sequences per call (its sequence groups of
-// 16 each read the transitions once per step), and posteriors and expected counts come from one scaled GEMM per step.
-constexpr int64_t kStreamedMinStates = 128, kStreamedSequences = 32;
+// forward kernel takes the log-likelihoods (its sequence groups of 16 each read the transitions once per step), and
+// posteriors and expected counts come from one scaled GEMM per step.
+constexpr int64_t kStreamedMinStates = 128;
 
 bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
   if (!c10::GradMode::is_enabled()) return false;
@@ -349,6 +351,24 @@ at::Tensor state_vector(const at::Tensor& t, const at::Tensor& emissions) {
 
 at::Tensor finite_or_zero(const at::Tensor& m) { return at::where(m.isinf(), at::zeros({}, m.options()), m); }
 
+// The batch longest first: the sequences still running at step t are then the first running(t) of that order, and
+// the steps past a sequence's end cost nothing.
+struct LongestFirst {
+  at::Tensor order;          // [B] positions in the batch, on the emissions' device
+  at::Tensor sorted;         // [B] their lengths, on the device
+  std::vector<int64_t> host;  // the same lengths on the host
+  int64_t running(int64_t t) const {
+    return std::upper_bound(host.begin(), host.end(), t, [](int64_t u, int64_t length) { return length <= u; }) -
+           host.begin();
+  }
+};
+
+LongestFirst longest_first(const at::Tensor& lengths) {
+  const auto [sorted, order] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
+  const int64_t* l = sorted.data_ptr<int64_t>();
+  return {order.to(lengths.device()), sorted.to(lengths.device()), std::vector<int64_t>(l, l + sorted.size(0))};
+}
+
 // Posteriors, log-likelihoods and (optionally) expected start and transition counts of many-state potentials, without
 // autograd. Forward and backward messages [T,B,K] are each one scaled GEMM per step (detail::scaled_log_matmul, exact
 // for any input range) and are kept minus their largest entry, so float32 keeps its precision on long sequences:
@@ -363,37 +383,44 @@ StreamedExpectations streamed_expectations(const ChainPotentials& p, bool with_c
   c10::NoGradGuard no_grad;
   const at::Tensor& em = p.emissions;
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
-  const at::Tensor lengths = checked_lengths(p);
+  const LongestFirst batch = longest_first(checked_lengths(p));
+  const at::Tensor& lengths = batch.sorted;
+  const int64_t longest = batch.host[0];
   const at::Tensor start = state_vector(p.start, em), end = state_vector(p.end, em);
-  const at::Tensor E = em.transpose(0, 1).contiguous();  // [T,B,K]
+  const at::Tensor E = em.index_select(0, batch.order).transpose(0, 1).contiguous();  // [T,B,K], longest first
   const detail::ScaledRight forward = detail::scale_right(p.transitions.unsqueeze(0));
   const detail::ScaledRight backward = detail::scale_right(p.transitions.t().contiguous().unsqueeze(0));
-  at::Tensor A = at::empty({Tn, B, K}, em.options()), shift = at::empty({Tn, B, 1}, em.options());
-  for (int64_t t = 0; t < Tn; ++t) {
-    const at::Tensor a = t == 0 ? E[0] + start : detail::scaled_log_matmul(A[t - 1].unsqueeze(0), forward)[0] + E[t];
+  // Messages of the positions past a sequence's end stay 0 (its posteriors there are masked out).
+  at::Tensor A = at::zeros({Tn, B, K}, em.options()), shift = at::zeros({Tn, B, 1}, em.options());
+  for (int64_t t = 0; t < longest; ++t) {
+    const int64_t n = batch.running(t);
+    const at::Tensor a = t == 0 ? E[0] + start
+                                : detail::scaled_log_matmul(A[t - 1].slice(0, 0, n).unsqueeze(0), forward)[0] +
+                                      E[t].slice(0, 0, n);
     const at::Tensor m = finite_or_zero(a.amax(1, true));
-    at::Tensor rebased = A[t];
+    at::Tensor rebased = A[t].slice(0, 0, n);
     at::sub_out(rebased, a, m);
-    shift[t].copy_(m);
+    shift[t].slice(0, 0, n).copy_(m);
   }
   const at::Tensor steps = at::arange(Tn, lengths.options()).unsqueeze(1);  // [T,1]
   const at::Tensor live = steps < lengths.unsqueeze(0);                     // [T,B]
   const at::Tensor last = A.transpose(0, 1).gather(1, (lengths - 1).view({B, 1, 1}).expand({B, 1, K})).squeeze(1);
   const at::Tensor offset = (shift.squeeze(2).to(at::kDouble) * live.to(at::kDouble)).sum(0);
   StreamedExpectations r;
-  r.log_likelihood = (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type());
-  at::Tensor Bt = at::empty({Tn, B, K}, em.options());
-  Bt[Tn - 1].copy_(end.expand({B, K}));
-  for (int64_t t = Tn - 2; t >= 0; --t) {
-    const at::Tensor next = E[t + 1] + Bt[t + 1];
-    const at::Tensor beta = detail::scaled_log_matmul((next - finite_or_zero(next.amax(1, true))).unsqueeze(0), backward)[0];
-    // A sequence's last position (and its padding) has the end scores as beta.
-    at::Tensor out = Bt[t];
-    at::where_out(out, (lengths > t + 1).unsqueeze(1), beta, end.expand({B, K}));
+  r.log_likelihood = at::empty({B}, em.options()).index_copy_(
+      0, batch.order, (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type()));
+  // A sequence's last position (and its padding) has the end scores as beta.
+  at::Tensor Bt = end.expand({Tn, B, K}).clone();
+  for (int64_t t = longest - 2; t >= 0; --t) {
+    const int64_t n = batch.running(t + 1);
+    const at::Tensor next = E[t + 1].slice(0, 0, n) + Bt[t + 1].slice(0, 0, n);
+    Bt[t].slice(0, 0, n).copy_(
+        detail::scaled_log_matmul((next - finite_or_zero(next.amax(1, true))).unsqueeze(0), backward)[0]);
   }
-  r.nodes = (at::softmax(A + Bt, -1) * live.unsqueeze(2).to(em.scalar_type())).transpose(0, 1).contiguous();
+  const at::Tensor nodes = (at::softmax(A + Bt, -1) * live.unsqueeze(2).to(em.scalar_type())).transpose(0, 1);
+  r.nodes = at::empty({B, Tn, K}, em.options()).index_copy_(0, batch.order, nodes);
   if (!with_counts) return r;
-  r.start = r.nodes.select(1, 0).sum(0);
+  r.start = nodes.select(1, 0).sum(0);
   r.transitions = at::zeros({K, K}, em.options());
   if (Tn < 2) return r;
   const at::Tensor P = forward.scaled[0];
@@ -415,20 +442,16 @@ at::Tensor chain_log_likelihood(const ChainPotentials& p) {
     c10::NoGradGuard no_grad;
     const at::Tensor& e = p.emissions;
     const int64_t B = e.size(0), K = e.size(2);
-    const at::Tensor lengths = checked_lengths(p);
+    const LongestFirst batch = longest_first(checked_lengths(p));
     const at::Tensor start = state_vector(p.start, e), end = state_vector(p.end, e);
     const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
     const double threshold = detail::underflow_threshold(e.scalar_type(), K);
-    std::vector<at::Tensor> parts;
-    for (int64_t b0 = 0; b0 < B; b0 += kStreamedSequences) {
-      const int64_t b1 = std::min(B, b0 + kStreamedSequences);
-      at::Tensor offset;
-      const at::Tensor alpha = cuda::rebased_scaled_chain_forward(
-          e.slice(0, b0, b1).contiguous(), w.original[0].contiguous(), w.scaled[0].contiguous(), w.colmax.view({K}),
-          start, lengths.slice(0, b0, b1).contiguous(), threshold, offset);
-      parts.push_back((at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
-    }
-    return at::cat(parts);
+    at::Tensor offset;
+    const at::Tensor alpha = cuda::rebased_scaled_chain_forward(
+        e.slice(1, 0, batch.host[0]).index_select(0, batch.order), w.original[0].contiguous(), w.scaled[0].contiguous(),
+        w.colmax.view({K}), start, batch.sorted, batch.host, threshold, offset);
+    return at::empty({B}, e.options())
+        .index_copy_(0, batch.order, (at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
   }
 #endif
   c10::NoGradGuard no_grad;
