@@ -172,7 +172,9 @@ at::Tensor CategoricalHMM::emission_scores(const at::Tensor& observations, const
                 " is outside the vocabulary [0, " + std::to_string(V) + ")");
   }
   const at::Tensor ids = obs.masked_fill(~mask, 0).flatten();
-  return log_emissions.t().index_select(0, ids).view({obs.size(0), obs.size(1), num_states()});
+  // Rows of the transposed table, made contiguous first: each position then copies K consecutive scores instead of
+  // gathering K scores V apart (which, once the table outgrows the cache, reads a memory sector per score).
+  return log_emissions.t().contiguous().index_select(0, ids).view({obs.size(0), obs.size(1), num_states()});
 }
 
 ChainPotentials CategoricalHMM::potentials(const at::Tensor& observations, const at::Tensor& lengths) const {
