@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads)
     if (last && t == len[b] - 1) last[row + j] = a;
   }
   T m = a;
-  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  for (int lanes = 16; lanes > 0; lanes >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = m;
   __syncthreads();
   if (threadIdx.x == 0) {
