@@ -12,6 +12,7 @@
 
 #include "encoded_batch.h"
 #include "input_file.h"
+#include "model_file.h"
 #include "string_index.h"
 #include "trellis/atomic_file.h"
 #include "trellis/error.h"
@@ -24,84 +25,6 @@ constexpr uint32_t kFirstFormatVersion = 1;  // no column layout: inputs first, 
 constexpr uint32_t kDensePairsVersion = 2;    // every feature with every label: written for such models
 constexpr uint32_t kFormatVersion = 3;        // version 2 with the seen (feature, label) pairs before the weights
 constexpr int64_t kTagChunk = 1024;  // sentences decoded per batch
-
-uint64_t fnv1a(const char* data, std::size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ull;
-  return h;
-}
-
-class Writer {
- public:
-  template <class T>
-  void pod(T v) { buf_.append(reinterpret_cast<const char*>(&v), sizeof v); }
-  void str(const std::string& s) {
-    pod<uint64_t>(s.size());
-    buf_ += s;
-  }
-  void floats(const at::Tensor& t) {
-    const at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-    buf_.append(reinterpret_cast<const char*>(c.data_ptr<float>()), c.numel() * sizeof(float));
-  }
-  std::string& buffer() { return buf_; }
-
- private:
-  std::string buf_;
-};
-
-class Reader {
- public:
-  Reader(const std::string& data, std::size_t end, std::string source) : d_(data), end_(end), src_(std::move(source)) {}
-  template <class T>
-  T pod() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, d_.data() + pos_, sizeof v);
-    pos_ += sizeof v;
-    return v;
-  }
-  std::string str() {
-    const uint64_t n = pod<uint64_t>();
-    need(n);
-    std::string s = d_.substr(pos_, n);
-    pos_ += n;
-    return s;
-  }
-  // Finite float32 values: a NaN or infinite weight is corrupt (it would make every probability NaN).
-  at::Tensor floats(std::vector<int64_t> shape, const char* what) {
-    uint64_t n = 1;
-    for (int64_t s : shape) {
-      if (s != 0 && n > (end_ - pos_) / static_cast<uint64_t>(s)) corrupt("truncated");
-      n *= static_cast<uint64_t>(s);
-    }
-    need(n * sizeof(float));
-    at::Tensor t = at::empty(shape, at::kFloat);
-    if (n > 0) std::memcpy(t.data_ptr<float>(), d_.data() + pos_, n * sizeof(float));
-    pos_ += n * sizeof(float);
-    const at::Tensor bad = ~at::isfinite(t).flatten();
-    if (bad.any().item<bool>())
-      corrupt(std::string(what) + " entry " + std::to_string(bad.nonzero()[0][0].item<int64_t>()) + " is not finite");
-    return t;
-  }
-  // A count of items that take at least `item_bytes` each: more than the rest of the file can hold is corrupt
-  // (checked before anything is allocated for them).
-  uint64_t count(std::size_t item_bytes, const char* what) {
-    const uint64_t n = pod<uint64_t>();
-    if (n > (end_ - pos_) / item_bytes) corrupt(std::string(what) + " count " + std::to_string(n) + " exceeds the file");
-    return n;
-  }
-  void skip(std::size_t n) { pos_ += n; }
-  bool done() const { return pos_ == end_; }
-  [[noreturn]] void corrupt(const std::string& why) const { throw Error("'" + src_ + "': corrupt model file (" + why + ")"); }
-
- private:
-  void need(uint64_t n) const {
-    if (n > end_ - pos_) corrupt("truncated");
-  }
-  const std::string& d_;
-  std::size_t end_, pos_ = 0;
-  std::string src_;
-};
 
 // Weights of -inf (set through the API; model files hold finite ones) can forbid every label sequence of a sentence:
 // its probabilities would be NaN, so it is an error instead. best_scores [B] of the sentences first, first + 1, ...
@@ -452,7 +375,7 @@ std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<
 }
 
 void CrfTagger::save(const std::string& path) const {
-  Writer w;
+  ModelWriter w;
   w.buffer().append(kMagic, sizeof kMagic);
   w.pod<uint32_t>(pair_labels_.defined() ? kFormatVersion : kDensePairsVersion);
   w.pod<uint64_t>(input_columns_);
@@ -485,9 +408,9 @@ CrfTagger CrfTagger::load(const std::string& path) {
   char chunk[1 << 16];
   while (in.read(chunk, sizeof chunk) || in.gcount() > 0) data.append(chunk, in.gcount());
   if (in.bad()) throw Error("error reading model '" + path + "': " + std::strerror(errno));
-  Reader r(data, data.size() - sizeof(uint64_t), path);
-  if (data.size() < sizeof kMagic + sizeof(uint32_t) + sizeof(uint64_t)) r.corrupt("truncated");
-  r.skip(sizeof kMagic);
+  if (data.size() < sizeof kMagic + sizeof(uint32_t) + sizeof(uint64_t))
+    throw Error("'" + path + "': corrupt model file (truncated)");
+  ModelReader r(data, sizeof kMagic, data.size() - sizeof(uint64_t), path, "model file");
   const auto version = r.pod<uint32_t>();
   if (version < kFirstFormatVersion || version > kFormatVersion)
     throw Error("'" + path + "': model format version " + std::to_string(version) + " is not supported (this Trellis reads versions " +

@@ -29,6 +29,7 @@
 #include <unordered_map>
 
 #include "input_file.h"
+#include "model_file.h"
 #include "trellis/atomic_file.h"
 #include "trellis/chunk_eval.h"
 #include "trellis/error.h"
@@ -317,94 +318,6 @@ struct EncodedSentence {
   std::vector<int64_t> words, shapes, chars, char_counts, tags, feature_ids, feature_counts;
   std::vector<std::vector<int64_t>> extra;  // [column][token]
   std::size_t size() const { return words.size(); }
-};
-
-// ---------------------------------------------------------------------------------------------------------------
-// Model files.
-
-uint64_t fnv1a(const char* data, std::size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ull;
-  return h;
-}
-
-class Writer {
- public:
-  template <class T>
-  void pod(T v) { buf_.append(reinterpret_cast<const char*>(&v), sizeof v); }
-  void str(const std::string& s) {
-    pod<uint64_t>(s.size());
-    buf_ += s;
-  }
-  void strings(const std::vector<std::string>& v) {
-    pod<uint64_t>(v.size());
-    for (const auto& s : v) str(s);
-  }
-  void floats(const at::Tensor& t) {
-    const at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-    buf_.append(reinterpret_cast<const char*>(c.data_ptr<float>()), c.numel() * sizeof(float));
-  }
-  std::string& buffer() { return buf_; }
-
- private:
-  std::string buf_;
-};
-
-class Reader {
- public:
-  Reader(const std::string& data, std::size_t begin, std::size_t end, std::string source)
-      : d_(data), end_(end), pos_(begin), src_(std::move(source)) {}
-  template <class T>
-  T pod() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, d_.data() + pos_, sizeof v);
-    pos_ += sizeof v;
-    return v;
-  }
-  std::string str() {
-    const uint64_t n = pod<uint64_t>();
-    need(n);
-    std::string s = d_.substr(pos_, n);
-    pos_ += n;
-    return s;
-  }
-  // A count of items that take at least `item_bytes` each: more than the rest of the file can hold is corrupt.
-  uint64_t count(std::size_t item_bytes, const std::string& what) {
-    const uint64_t n = pod<uint64_t>();
-    if (n > (end_ - pos_) / item_bytes) corrupt(what + " count " + std::to_string(n) + " exceeds the file");
-    return n;
-  }
-  std::vector<std::string> strings(const std::string& what) {
-    std::vector<std::string> v(count(sizeof(uint64_t), what));
-    for (auto& s : v) s = str();
-    return v;
-  }
-  void floats_into(at::Tensor& t, const std::string& what) {
-    const uint64_t n = static_cast<uint64_t>(t.numel());
-    if (n > (end_ - pos_) / sizeof(float)) corrupt("truncated in " + what);
-    at::Tensor values = at::empty(t.sizes(), at::kFloat);
-    if (n > 0) std::memcpy(values.data_ptr<float>(), d_.data() + pos_, n * sizeof(float));
-    pos_ += n * sizeof(float);
-    const at::Tensor bad = ~at::isfinite(values).flatten();
-    if (bad.any().item<bool>())
-      corrupt(what + " entry " + std::to_string(bad.nonzero()[0][0].item<int64_t>()) + " is not finite");
-    c10::NoGradGuard no_grad;
-    t.copy_(values);
-  }
-  bool done() const { return pos_ == end_; }
-  std::size_t remaining() const { return end_ - pos_; }
-  [[noreturn]] void corrupt(const std::string& why) const {
-    throw Error("'" + src_ + "': corrupt neural CRF model file (" + why + ")");
-  }
-
- private:
-  void need(uint64_t n) const {
-    if (n > end_ - pos_) corrupt("truncated");
-  }
-  const std::string& d_;
-  std::size_t end_, pos_;
-  std::string src_;
 };
 
 }  // namespace
@@ -872,7 +785,7 @@ std::vector<std::vector<TaggedSentence>> NeuralTagger::tag_kbest(const std::vect
 
 void NeuralTagger::save(const std::string& path) const {
   const Impl& m = *impl_;
-  Writer w;
+  ModelWriter w;
   w.buffer().append(kMagic, sizeof kMagic);
   w.pod<uint32_t>(kFormatVersion);
   w.str(kKind);
@@ -914,7 +827,8 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
   char chunk[1 << 16];
   while (in.read(chunk, sizeof chunk) || in.gcount() > 0) data.append(chunk, in.gcount());
   if (in.bad()) throw Error("error reading model '" + path + "': " + std::strerror(errno));
-  Reader r(data, sizeof kMagic, data.size() >= sizeof kMagic + sizeof(uint64_t) ? data.size() - sizeof(uint64_t) : sizeof kMagic, path);
+  ModelReader r(data, sizeof kMagic, data.size() >= sizeof kMagic + sizeof(uint64_t) ? data.size() - sizeof(uint64_t) : sizeof kMagic, path,
+                "neural CRF model file");
   const auto version = r.pod<uint32_t>();
   if (version != kFormatVersion)
     throw Error("'" + path + "': neural CRF model format version " + std::to_string(version) +
