@@ -328,10 +328,10 @@ TEST(GaussianHMM, SamplesRecoverTheModelAndEmNeverDecreases) {
 
 TEST(HMMCuda, ManyStatesFloat32LongSequences) {
   TRELLIS_REQUIRE_CUDA();
-  // 300 states (past the shared-memory kernels), sequences of up to 10000 observations, log-likelihoods near -4e4:
-  // an unshifted float32 message there keeps about 4e-3, and its rounding over 10^4 steps misses by about 5e-6
-  // relative. The streamed forward and the many-label Viterbi rebase each step: float32 log-likelihoods stay within
-  // 1e-6 of float64 and the Viterbi paths equal the CPU's float32 paths. Masked transitions and padding included.
+  // 300 states (past the shared-memory kernels), sequences of up to 10000 observations, log-likelihoods near -4e4,
+  // where an unshifted float32 message keeps about 4e-3 absolutely and its rounding accumulates step after step. The
+  // streamed forward and the many-label Viterbi rebase each step: float32 log-likelihoods stay within 1e-6 of float64
+  // and the Viterbi paths equal the CPU's float32 paths. Masked transitions and padding included.
   CategoricalHMM m = CategoricalHMM::random(300, 50, 50);
   m.log_transitions.select(1, 3).fill_(-kInf);
   m.log_transitions = at::log_softmax(m.log_transitions, 1);
