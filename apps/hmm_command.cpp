@@ -132,18 +132,24 @@ int sample_cmd(const std::vector<std::string>& args) {
 int infer(const std::vector<std::string>& args) {
   std::string model_path, data_path, output;
   bool with_posteriors = false;
+  int compression = 1;
   RunFlags flags;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("model,m", po::value(&model_path)->required(), "model file")
       ("data,d", po::value(&data_path)->required(), "dataset")
       ("output,o", po::value(&output)->required(), "results file (written to a temporary file, then renamed)")
-      ("posteriors", po::bool_switch(&with_posteriors), "also write state posteriors [total_T, K] (float32, compressed)");
+      ("posteriors", po::bool_switch(&with_posteriors), "also write state posteriors [total_T, K] (float32)")
+      ("compression", po::value(&compression)->default_value(1),
+       "gzip level of the posteriors, 0 (none: fastest, 4·K bytes per token) to 9");
   flags.add(desc);
   po::variables_map vm;
   if (int rc = parse("hmm infer", args, desc, vm, "usage: trellis hmm infer --model MODEL.h5 --data DATA.h5 --output OUT.h5 [options]"); rc >= 0)
     return rc;
   HMMRunOptions run = flags.resolve();
+  if (compression < 0 || compression > 9)
+    throw Error("--compression must be a gzip level from 0 (none) to 9, not " + std::to_string(compression));
+  run.posteriors_compression = compression;
   const DistributedContext dist = DistributedContext::from_environment(run.device);
   run.distributed = &dist;
   // Every rank opens the files; one that cannot stops every rank with its message.

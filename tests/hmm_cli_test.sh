@@ -26,6 +26,21 @@ for k in ("offsets", "log_likelihood", "viterbi_log_prob", "states", "posteriors
     assert np.allclose(a[k][:], b[k][:], rtol=1e-12, atol=1e-7), k
 EOF
 grep -q "batches of up to [0-9]* positions" small.log && ok || fail "infer does not report its batch size"
+# Posteriors uncompressed (--compression 0) and at gzip 9: the same values, the filter as asked.
+"$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o raw.h5 --posteriors --compression 0 >/dev/null 2>&1 &&
+  "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o gz9.h5 --posteriors --compression 9 >/dev/null 2>&1 &&
+  "$py" - <<'EOF' && ok || fail "posteriors compression"
+import h5py, numpy as np
+a, raw, gz9 = h5py.File("big.h5"), h5py.File("raw.h5"), h5py.File("gz9.h5")
+assert raw["posteriors"].compression is None, raw["posteriors"].compression
+assert a["posteriors"].compression == "gzip" and a["posteriors"].compression_opts == 1, a["posteriors"].compression_opts
+assert gz9["posteriors"].compression == "gzip" and gz9["posteriors"].compression_opts == 9
+for f in (raw, gz9):
+    assert np.array_equal(a["posteriors"][:], f["posteriors"][:])
+EOF
+"$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o bad.h5 --posteriors --compression 10 >/dev/null 2>err.txt
+[ $? -ne 0 ] && grep -q -- "--compression must be a gzip level from 0 (none) to 9, not 10" err.txt && [ ! -e bad.h5 ] &&
+  ok || fail "a bad --compression is an error"
 "$trellis" hmm fit -d cat_data.h5 -o em.h5 --states 3 --restarts 2 --max-iterations 5 2>fit.log && grep -q "restart 1" fit.log &&
   ok || fail "EM with restarts"
 "$trellis" hmm fit -d cat_data.h5 -o sup.h5 --supervised --smoothing 0.1 2>/dev/null && ok || fail "supervised fit"

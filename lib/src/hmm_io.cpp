@@ -465,10 +465,18 @@ at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths) {
   return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).contiguous();
 }
 
+// A gzip level, 0 (none) to 9, checked before any file is made.
+int gzip_level(int level, const char* what) {
+  if (level < 0 || level > 9)
+    throw Error(std::string(what) + " must be a gzip level from 0 (none) to 9, not " + std::to_string(level));
+  return level;
+}
+
 // A dataset of rows [n, width...] that grows as rows are appended.
 class Appendable {
  public:
-  Appendable(H5::Group& file, const std::string& name, const H5::PredType& file_type, hsize_t width, bool compress)
+  // deflate: gzip level 1-9, 0 for none.
+  Appendable(H5::Group& file, const std::string& name, const H5::PredType& file_type, hsize_t width, int deflate)
       : width_(width) {
     const int rank = width ? 2 : 1;
     const hsize_t dims[2] = {0, width}, max[2] = {H5S_UNLIMITED, width};
@@ -476,9 +484,9 @@ class Appendable {
     const hsize_t chunk[2] = {std::max<hsize_t>(1, (1 << 20) / row_bytes), width};
     H5::DSetCreatPropList props;
     props.setChunk(rank, chunk);
-    if (compress) {
+    if (deflate > 0) {
       props.setShuffle();
-      props.setDeflate(4);
+      props.setDeflate(deflate);
     }
     ds_ = file.createDataSet(name, file_type, H5::DataSpace(rank, dims, max), props);
   }
@@ -897,8 +905,7 @@ struct HMMDatasetWriter::Impl {
   Impl(const std::string& path, int64_t f, bool with_labels)
       : out(path),
         observations(out.write([&] {
-          return Appendable(out.root(), "observations", f ? H5::PredType::IEEE_F32LE : H5::PredType::STD_I32LE, f,
-                            false);
+          return Appendable(out.root(), "observations", f ? H5::PredType::IEEE_F32LE : H5::PredType::STD_I32LE, f, 0);
         })),
         features(f) {
     if (with_labels)
@@ -946,17 +953,18 @@ struct HMMInferenceWriter::Impl {
   at::Tensor state_labels;
 
   Impl(const std::string& path, const std::vector<int64_t>& offsets, int64_t k, bool with_posteriors,
-       const std::vector<int64_t>& state_label_ids)
+       const std::vector<int64_t>& state_label_ids, int posteriors_compression)
       : out(path),
-        log_likelihood(out.write([&] { return Appendable(out.root(), "log_likelihood", H5::PredType::IEEE_F64LE, 0, false); })),
-        viterbi(out.write([&] { return Appendable(out.root(), "viterbi_log_prob", H5::PredType::IEEE_F64LE, 0, false); })),
-        states(out.write([&] { return Appendable(out.root(), "states", H5::PredType::STD_I32LE, 0, false); })) {
+        log_likelihood(out.write([&] { return Appendable(out.root(), "log_likelihood", H5::PredType::IEEE_F64LE, 0, 0); })),
+        viterbi(out.write([&] { return Appendable(out.root(), "viterbi_log_prob", H5::PredType::IEEE_F64LE, 0, 0); })),
+        states(out.write([&] { return Appendable(out.root(), "states", H5::PredType::STD_I32LE, 0, 0); })) {
     out.write_void([&] {
       write_int64s(out.root(), "offsets", offsets);
       if (with_posteriors)
-        posteriors = std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k, true);
+        posteriors = std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k,
+                                                  posteriors_compression);
       if (!state_label_ids.empty()) {
-        labels = std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, false);
+        labels = std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, 0);
         state_labels = at::tensor(state_label_ids, at::kLong);
       }
     });
@@ -964,8 +972,10 @@ struct HMMInferenceWriter::Impl {
 };
 
 HMMInferenceWriter::HMMInferenceWriter(const std::string& path, const std::vector<int64_t>& offsets, int64_t K,
-                                       bool with_posteriors, const std::vector<int64_t>& state_labels)
-    : impl_(std::make_unique<Impl>(path, offsets, K, with_posteriors, state_labels)) {}
+                                       bool with_posteriors, const std::vector<int64_t>& state_labels,
+                                       int posteriors_compression)
+    : impl_(std::make_unique<Impl>(path, offsets, K, with_posteriors, state_labels,
+                                   gzip_level(posteriors_compression, "posteriors compression"))) {}
 HMMInferenceWriter::~HMMInferenceWriter() = default;
 
 void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob,

@@ -343,7 +343,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
           m = for_computation(stored, opt);
           if (rank == 0)
             out = std::make_unique<HMMInferenceWriter>(output, data.offsets(), m->num_states(), with_posteriors,
-                                                       model.state_labels);
+                                                       model.state_labels, o.posteriors_compression);
         });
         // One batch's results as written: log-likelihoods and Viterbi scores [2,B] (float64), paths [B,T] (int32),
         // posteriors [B,T,K] (float32). Rank 0 writes its own as they come; the others keep theirs for rank 0.

@@ -86,9 +86,11 @@ class HMMDatasetWriter {
 // Writes what `trellis hmm infer` computes, in the dataset's order.
 class HMMInferenceWriter {
  public:
-  // With state_labels (see HMMModelFile), /labels gets the label of each Viterbi state as well.
+  // With state_labels (see HMMModelFile), /labels gets the label of each Viterbi state as well. Posteriors are
+  // gzip-compressed at posteriors_compression (0: not compressed, to 9).
   HMMInferenceWriter(const std::string& path, const std::vector<int64_t>& offsets, int64_t num_states,
-                     bool with_posteriors, const std::vector<int64_t>& state_labels = {});
+                     bool with_posteriors, const std::vector<int64_t>& state_labels = {},
+                     int posteriors_compression = 1);
   ~HMMInferenceWriter();
   // One batch: log_likelihood and viterbi_log_prob [B], paths [B,T], lengths [B], posteriors [B,T,K].
   void append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,

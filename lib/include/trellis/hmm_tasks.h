@@ -20,6 +20,9 @@ struct HMMRunOptions {
   at::ScalarType dtype = at::kDouble;  // precision of the computation (the model is kept in float64)
   int64_t memory_budget = int64_t(1) << 30;  // bytes for one batch's working tensors
   int threads = 0;                     // CPU threads (0: LibTorch's default)
+  // gzip level of infer's posteriors, 0 (none) to 9. Posteriors are K float32 per token: gzip, single-threaded in
+  // HDF5, writes some tens of MB/s, so at thousands of states it, not the computation, sets infer's pace.
+  int posteriors_compression = 1;
   // Data parallelism (docs/distributed.md): with a process group, each rank works on its share of the sequences
   // (dataset_share) and the ranks combine their results; null or a single process: the whole dataset here.
   const DistributedContext* distributed = nullptr;
