@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Throughput of the HMM commands on sampled categorical data, V = 10000, lengths uniform in [100, 1000]:
 #   hmm infer               log-likelihood + Viterbi (float32 and float64)
-#   hmm infer --posteriors  the same and the state posteriors, written out (float32)
+#   hmm infer --posteriors  the same and the state posteriors, written out (float32, uncompressed: --compression 0)
 #   hmm fit                 one EM iteration from the sampling model (float32)
 # at K = 64, 1024 and 4096 (and 16384 with TRELLIS_HMM_BENCH_LARGE=1), on fewer tokens as K grows. Prints one line
 # per run and writes every run as a JSON row {workload, shape, device, precision, tokens, seconds, tokens_per_s} to
@@ -30,7 +30,7 @@ data() {  # K TOKENS: model m$K.h5 and data d$K-$TOKENS.h5
   [ -f "$work/m$1.h5" ] || "$trellis" hmm init --states "$1" --symbols 10000 --seed 1 -o "$work/m$1.h5" 2>/dev/null
   "$trellis" hmm sample -m "$work/m$1.h5" -o "$work/d$1-$2.h5" -n "$n" -l 1000 --min-length 100 --seed 2 2>/dev/null
 }
-infer() {  # K TOKENS DEVICE PRECISION [--posteriors]
+infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0"]
   local out workload="hmm infer${5:+ $5}"
   if ! out=$(timeout "$limit" "$trellis" hmm infer -m "$work/m$1.h5" -d "$work/d$1-$2.h5" -o "$work/o$1.h5" \
     --device "$3" --precision "$4" --memory-budget 8G ${5:-} 2>/dev/null); then
@@ -58,7 +58,7 @@ run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
   for size in $(printf '%s\n' "$tokens" "$small" "$fit_tokens" | sort -u); do data "$K" "$size"; done
   for dev in "$@"; do
     for precision in float32 float64; do infer "$K" "$tokens" "$dev" "$precision"; done
-    infer "$K" "$small" "$dev" float32 --posteriors
+    infer "$K" "$small" "$dev" float32 "--posteriors --compression 0"
     fit "$K" "$fit_tokens" "$dev" float32
   done
   rm -f "$work/d$K-"*.h5
