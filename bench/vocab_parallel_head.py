@@ -222,5 +222,7 @@ if rank == 0:
     if args.json:
         previous = json.load(open(args.json)) if os.path.exists(args.json) else []
         json.dump(previous + everything, open(args.json, "w"), indent=1)
-dist.barrier()  # no rank tears its connections down while rank 0 still writes
+# The group goes with destroy_process_group, not later at the interpreter's exit, when the other ranks are gone and
+# Gloo's teardown aborts the process.
+del group
 dist.destroy_process_group()
