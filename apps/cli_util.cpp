@@ -119,6 +119,43 @@ void write_output(const std::string& path, const std::function<void(std::ostream
   }
 }
 
+po::options_description tag_options(TagArguments& a) {
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")
+      ("model,m", po::value(&a.model_path)->required(), "trained model")
+      ("input,i", po::value(&a.input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
+      ("output,o", po::value(&a.output)->default_value("-"), "output file (- for stdout), written atomically")
+      ("marginals", po::bool_switch(&a.with_marginals), "append ':P' (the predicted label's marginal) to each label")
+      ("probability", po::bool_switch(&a.with_probability), "print '@probability P' before each sentence")
+      ("kbest,n", po::value(&a.kbest)->default_value(0),
+       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
+      ("device", po::value(&a.device)->default_value("cpu"), "cpu or cuda")
+      ("timing", po::bool_switch(&a.timing), "print load and tagging times and tokens/s to stderr");
+  return desc;
+}
+
+int parse_tag_arguments(const std::vector<std::string>& args, const po::options_description& desc, TagArguments& a) {
+  po::positional_options_description pos;
+  pos.add("input", 1);
+  po::variables_map vm;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
+  if (a.kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(a.kbest));
+  if (a.kbest > 0 && a.with_marginals) throw Error("--kbest and --marginals cannot be combined");
+  if (a.output != "-") check_writable_location(a.output);
+  return -1;
+}
+
+int parse_dump_arguments(const std::vector<std::string>& args, const std::string& top_description,
+                         const std::string& usage, std::string& model_path, int& top) {
+  po::options_description desc("options");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
+      ("top", po::value(&top)->default_value(20), top_description.c_str());
+  po::positional_options_description pos;
+  pos.add("model", 1);
+  po::variables_map vm;
+  return parse("crf", args, desc, vm, usage, &pos);
+}
+
 void write_tagged(const std::string& output, const ConllCorpus& corpus, const std::vector<TaggedSentence>& tagged,
                   bool with_marginals, bool with_probability) {
   write_output(output, [&](std::ostream& out) {

@@ -41,6 +41,23 @@ std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& sentences);
 // Calls `write` on standard output for "-", otherwise on a file written atomically.
 void write_output(const std::string& path, const std::function<void(std::ostream&)>& write);
 
+// The options of `crf tag`, for feature and neural models alike.
+struct TagArguments {
+  std::string model_path, input, output, device;
+  bool with_marginals = false, with_probability = false, timing = false;
+  int64_t kbest = 0;
+};
+// Their descriptions, filled into `a` by parse_tag_arguments; a caller may add options of its own.
+boost::program_options::options_description tag_options(TagArguments& a);
+// Parses args (as parse()) and checks them: --kbest >= 0, not with --marginals, an output location that can be
+// written. Returns -1 to go on, or the exit code.
+int parse_tag_arguments(const std::vector<std::string>& args, const boost::program_options::options_description& desc,
+                        TagArguments& a);
+
+// `crf dump [--model] FILE [--top N]` (`top_description` says what --top lists): as parse(), -1 to go on.
+int parse_dump_arguments(const std::vector<std::string>& args, const std::string& top_description,
+                         const std::string& usage, std::string& model_path, int& top);
+
 // `crf tag` output: each token's columns and its label (with ":P", its marginal, when with_marginals), a blank line
 // after each sentence, and with_probability an "@probability P" line before it.
 void write_tagged(const std::string& output, const ConllCorpus& corpus, const std::vector<TaggedSentence>& tagged,
@@ -48,6 +65,18 @@ void write_tagged(const std::string& output, const ConllCorpus& corpus, const st
 // `crf tag --kbest` output: each alternative after an "@kbest RANK P" line.
 void write_kbest(const std::string& output, const ConllCorpus& corpus,
                  const std::vector<std::vector<TaggedSentence>>& alternatives);
+
+// Tags `rows` (the corpus's sentences as the model reads them) with a CrfTagger or a NeuralTagger and writes what
+// --kbest, --marginals and --probability ask for.
+template <class Tagger>
+void tag_and_write(const Tagger& model, const TagArguments& a, const ConllCorpus& corpus,
+                   const std::vector<TokenRows>& rows) {
+  if (a.kbest > 0)
+    write_kbest(a.output, corpus, model.tag_kbest(pointers(rows), a.kbest));
+  else
+    write_tagged(a.output, corpus, model.tag(pointers(rows), a.with_marginals || a.with_probability),
+                 a.with_marginals, a.with_probability);
+}
 
 // `crf eval --gold`: the gold file in the model's layout, split into inputs and labels; a file without the label
 // column is an Error naming it and the layout.

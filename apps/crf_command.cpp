@@ -181,37 +181,18 @@ int train(const std::vector<std::string>& args) {
 }
 
 int tag(const std::vector<std::string>& args) {
-  std::string model_path, input, output, device;
-  bool with_marginals = false, with_probability = false, timing = false;
-  int64_t kbest = 0;
-  po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path)->required(), "trained model")
-      ("input,i", po::value(&input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
-      ("output,o", po::value(&output)->default_value("-"), "output file (- for stdout), written atomically")
-      ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
-      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence")
-      ("kbest,n", po::value(&kbest)->default_value(0),
-       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
-      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
-      ("timing", po::bool_switch(&timing), "print load and tagging times and tokens/s to stderr");
-  po::positional_options_description pos;
-  pos.add("input", 1);
-  po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
-
-  if (kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(kbest));
-  if (output != "-") check_writable_location(output);
+  TagArguments a;
+  if (int rc = parse_tag_arguments(args, tag_options(a), a); rc >= 0) return rc;
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
-  CrfTagger model = CrfTagger::load(model_path);
-  model.to(at::Device(device));
+  CrfTagger model = CrfTagger::load(a.model_path);
+  model.to(at::Device(a.device));
   const double load_seconds = seconds(t0);
-  const ConllCorpus corpus = read_input(input);
+  const ConllCorpus corpus = read_input(a.input);
   const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model.input_columns());
   const auto t1 = std::chrono::steady_clock::now();
   const auto report = [&] {
-    if (!timing) return;
+    if (!a.timing) return;
     int64_t tokens = 0;
     for (const auto& r : rows) tokens += static_cast<int64_t>(r.size());
     const double s = seconds(t1);
@@ -219,14 +200,7 @@ int tag(const std::vector<std::string>& args) {
               << " tokens in " << fixed(s, 3) << " s (" << fixed(tokens / std::max(s, 1e-9), 0)
               << " tokens/s, features, decoding and output)\n";
   };
-  if (kbest > 0) {
-    if (with_marginals) throw Error("--kbest and --marginals cannot be combined");
-    write_kbest(output, corpus, model.tag_kbest(pointers(rows), kbest));
-    report();
-    return 0;
-  }
-  write_tagged(output, corpus, model.tag(pointers(rows), with_marginals || with_probability), with_marginals,
-               with_probability);
+  tag_and_write(model, a, corpus, rows);
   report();
   return 0;
 }
@@ -267,13 +241,10 @@ int eval(const std::vector<std::string>& args) {
 int dump(const std::vector<std::string>& args) {
   std::string model_path;
   int top = 20;
-  po::options_description desc("options");
-  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
-      ("top", po::value(&top)->default_value(20), "how many transitions and features to list");
-  po::positional_options_description pos;
-  pos.add("model", 1);
-  po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf dump [--model] FILE [--top N]", &pos); rc >= 0) return rc;
+  if (int rc = parse_dump_arguments(args, "how many transitions and features to list",
+                                    "usage: trellis crf dump [--model] FILE [--top N]", model_path, top);
+      rc >= 0)
+    return rc;
   const CrfTagger m = CrfTagger::load(model_path);
   const auto& L = m.labels();
   const int64_t K = L.size();

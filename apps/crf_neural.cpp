@@ -148,45 +148,28 @@ int train(const std::vector<std::string>& args) {
 }
 
 int tag(const std::vector<std::string>& args) {
-  std::string model_path, input, output, device, precision;
-  bool with_marginals = false, with_probability = false, timing = false;
-  int64_t kbest = 0;
-  po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path)->required(), "trained model")
-      ("input,i", po::value(&input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
-      ("output,o", po::value(&output)->default_value("-"), "output file (- for stdout), written atomically")
-      ("marginals", po::bool_switch(&with_marginals), "append ':P' (the predicted label's marginal) to each label")
-      ("probability", po::bool_switch(&with_probability), "print '@probability P' before each sentence")
-      ("kbest,n", po::value(&kbest)->default_value(0),
-       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
-      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
-      ("precision", po::value(&precision)->default_value("auto"), "neural models: auto (bf16 encoder on CUDA), bf16 or fp32")
-      ("timing", po::bool_switch(&timing), "print load and tagging times and tokens/s to stderr");
-  po::positional_options_description pos;
-  pos.add("input", 1);
-  po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
-
-  if (kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(kbest));
-  if (kbest > 0 && with_marginals) throw Error("--kbest and --marginals cannot be combined");
-  if (output != "-") check_writable_location(output);
+  TagArguments a;
+  std::string precision;
+  po::options_description desc = tag_options(a);
+  desc.add_options()("precision", po::value(&precision)->default_value("auto"),
+                     "neural models: auto (bf16 encoder on CUDA), bf16 or fp32");
+  if (int rc = parse_tag_arguments(args, desc, a); rc >= 0) return rc;
   const auto t0 = Clock::now();
-  NeuralTagger model = NeuralTagger::load(model_path);
-  model.to(at::Device(device), precision);
+  NeuralTagger model = NeuralTagger::load(a.model_path);
+  model.to(at::Device(a.device), precision);
   const double load_seconds = seconds_since(t0);
-  const ConllCorpus corpus = read_input(input);
+  const ConllCorpus corpus = read_input(a.input);
   const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model.input_columns());
   // The first batch on a GPU starts its libraries (cuDNN, cuBLAS): with --timing that start is timed apart.
   double warmup_seconds = 0;
-  if (timing && !rows.empty()) {
+  if (a.timing && !rows.empty()) {
     const auto w0 = Clock::now();
     model.tag({&rows.front()});
     warmup_seconds = seconds_since(w0);
   }
   const auto t1 = Clock::now();
   const auto report = [&] {
-    if (!timing) return;
+    if (!a.timing) return;
     int64_t tokens = 0;
     for (const auto& r : rows) tokens += static_cast<int64_t>(r.size());
     const double s = seconds_since(t1);
@@ -194,13 +177,7 @@ int tag(const std::vector<std::string>& args) {
               << " s; tagged " << rows.size() << " sentences, " << tokens << " tokens in " << fixed(s, 3) << " s ("
               << fixed(tokens / std::max(s, 1e-9), 0) << " tokens/s, encoding, decoding and output)\n";
   };
-  if (kbest > 0) {
-    write_kbest(output, corpus, model.tag_kbest(pointers(rows), kbest));
-    report();
-    return 0;
-  }
-  write_tagged(output, corpus, model.tag(pointers(rows), with_marginals || with_probability), with_marginals,
-               with_probability);
+  tag_and_write(model, a, corpus, rows);
   report();
   return 0;
 }
@@ -226,13 +203,10 @@ int eval(const std::vector<std::string>& args) {
 int dump(const std::vector<std::string>& args) {
   std::string model_path;
   int top = 20;
-  po::options_description desc("options");
-  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
-      ("top", po::value(&top)->default_value(20), "(feature models only)");
-  po::positional_options_description pos;
-  pos.add("model", 1);
-  po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf dump [--model] FILE", &pos); rc >= 0) return rc;
+  if (int rc = parse_dump_arguments(args, "(feature models only)", "usage: trellis crf dump [--model] FILE", model_path,
+                                    top);
+      rc >= 0)
+    return rc;
   const NeuralTagger m = NeuralTagger::load(model_path);
   std::cout << "model: " << model_path << "\nkind: neural CRF\n" << m.describe() << "columns: " << m.layout().describe()
             << "\nlabels (" << m.labels().size() << "):";

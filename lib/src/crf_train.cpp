@@ -25,6 +25,7 @@
 #include "fixed_order_sum.h"
 #include "owlqn.h"
 #include "string_index.h"
+#include "training_start.h"
 
 namespace trellis {
 namespace {
@@ -539,8 +540,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const auto t0 = Clock::now();
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   check_options(o);
-  if (train.inputs.empty()) throw Error("'" + train.source + "': no training sentences");
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  start_training(train, o.threads);
   const at::Device device(o.device);
   // Starting CUDA (0.1-0.2 s) overlaps the feature pass on the CPU.
   std::future<void> device_ready = std::async(std::launch::async, [device] {

@@ -30,6 +30,7 @@
 
 #include "input_file.h"
 #include "model_file.h"
+#include "training_start.h"
 #include "trellis/atomic_file.h"
 #include "trellis/chunk_eval.h"
 #include "trellis/error.h"
@@ -957,8 +958,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   const auto t0 = Clock::now();
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   check_options(o);
-  if (train.inputs.empty()) throw Error("'" + train.source + "': no training sentences");
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  start_training(train, o.threads);
   const at::Device device(o.device);
   at::manual_seed(o.seed);  // the CPU generator and every CUDA one
   std::mt19937_64 rng(o.seed);
