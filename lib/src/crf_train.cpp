@@ -34,8 +34,10 @@ constexpr int64_t kTokensPerBatch = 16384;  // on a GPU the objective is summed 
 // On the CPU the objective is summed over blocks of about this many tokens, one thread per block: enough blocks to
 // keep 16 threads busy on a corpus of 200k tokens, each large enough that the fixed cost of its operations is small.
 constexpr int64_t kTokensPerBlock = 1024;
-// Features per task of the weight-gradient pass (a feature's row is summed by one thread whatever the split).
-constexpr int64_t kFeaturesPerTask = 1024;
+// Tasks of the weight-gradient pass, each about as many feature occurrences: features are numbered in first-seen
+// order, so the frequent ones crowd the low numbers, and equal ranges of features would leave one thread most of the
+// work. (A feature's row is summed by one thread whatever the split, so the split does not change the result.)
+constexpr int64_t kGradientTasks = 512;
 
 using Clock = std::chrono::steady_clock;
 
@@ -290,6 +292,13 @@ class BlockedObjective {
         for (int64_t i = offset[t]; i < (t + 1 < n ? offset[t + 1] : nnz); ++i)
           occurrence_token_[next[id[i]]++] = first_token_[k] + t;
     }
+    // A feature costs its occurrences and its row.
+    const int64_t cost = static_cast<int64_t>(occurrence_token_.size()) + num_features;
+    task_start_.push_back(0);
+    for (int64_t f = 0; f < num_features; ++f)
+      if ((occurrence_start_[f + 1] + f + 1) * kGradientTasks >= cost * static_cast<int64_t>(task_start_.size()))
+        task_start_.push_back(f + 1);
+    if (task_start_.back() != num_features) task_start_.push_back(num_features);
   }
 
   // -log-likelihood at the model's parameters; `gradients` gets its gradient for each of model.parameters().
@@ -336,7 +345,6 @@ class BlockedObjective {
       gradients[i + 1] = block_gradients[0][i].clone();
       for (int64_t k = 1; k < blocks; ++k) gradients[i + 1].add_(block_gradients[k][i]);
     }
-    const int64_t F = static_cast<int64_t>(occurrence_start_.size()) - 1;
     gradients[0] = at::empty_like(model.weights);
     float* out = gradients[0].data_ptr<float>();
     const float* score = score_gradients_.data_ptr<float>();
@@ -344,9 +352,10 @@ class BlockedObjective {
     const int64_t* pair_offset = seen ? model.pair_offsets().data_ptr<int64_t>() : nullptr;
     const int64_t* pair_label = seen ? model.pair_labels().data_ptr<int64_t>() : nullptr;
     // Summed in float64: a frequent feature's gradient is a small difference of many large terms.
-    at::parallel_for(0, F, kFeaturesPerTask, [&](int64_t f0, int64_t f1) {
+    const int64_t tasks = static_cast<int64_t>(task_start_.size()) - 1;
+    at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
       std::vector<double> sum(K);
-      for (int64_t f = f0; f < f1; ++f) {
+      for (int64_t f = task_start_[task0]; f < task_start_[task1]; ++f) {
         std::fill(sum.begin(), sum.end(), 0.0);
         for (int64_t i = occurrence_start_[f]; i < occurrence_start_[f + 1]; ++i) {
           const float* s = score + occurrence_token_[i] * K;
@@ -369,6 +378,7 @@ class BlockedObjective {
   // The tokens (rows of score_gradients_) in which feature f occurs: occurrence_token_[occurrence_start_[f] ..
   // occurrence_start_[f + 1]), in increasing order.
   std::vector<int64_t> occurrence_start_, occurrence_token_;
+  std::vector<int64_t> task_start_;  // the weight-gradient pass's tasks: features task_start_[i] .. task_start_[i + 1]
   at::Tensor score_gradients_;  // [tokens, K]: ∂(-log-likelihood)/∂(token score), rewritten by every evaluation
 };
 
