@@ -426,12 +426,13 @@ StreamedExpectations streamed_expectations(const ChainPotentials& p, bool with_c
   r.transitions = at::zeros({K, K}, em.options());
   if (Tn < 2) return r;
   const at::Tensor P = forward.scaled[0];
-  const at::Tensor u = A.slice(0, 0, Tn - 1).exp().view({-1, K});
-  at::Tensor v = E.slice(0, 1) + Bt.slice(0, 1) + forward.colmax.view({1, 1, K});
-  v = (v - finite_or_zero(v.amax(-1, true))).exp().view({-1, K});
+  // Only the positions t with a step t + 1 enter the GEMMs: with sequences of uneven lengths most of [T−1,B] is padding.
+  const at::Tensor pairs = (steps.slice(0, 1) < lengths.unsqueeze(0)).flatten().nonzero().squeeze(1);
+  const at::Tensor u = A.slice(0, 0, Tn - 1).reshape({-1, K}).index_select(0, pairs).exp_();
+  at::Tensor v = (E.slice(0, 1) + Bt.slice(0, 1)).reshape({-1, K}).index_select(0, pairs).add_(forward.colmax.view({1, K}));
+  v = v.sub_(finite_or_zero(v.amax(-1, true))).exp_();
   const at::Tensor total = (u * at::mm(v, P.t())).sum(1);  // uᵀ P v per position
-  const at::Tensor used = (steps.slice(0, 1) < lengths.unsqueeze(0)).flatten() & (total > 0);
-  const at::Tensor weight = at::where(used, total.reciprocal(), at::zeros({}, total.options()));
+  const at::Tensor weight = at::where(total > 0, total.reciprocal(), at::zeros({}, total.options()));
   r.transitions = P * at::mm(u.t(), v * weight.unsqueeze(1));
   return r;
 }
