@@ -211,8 +211,9 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
   T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * ld(K);
   int* bs = best + s * K;
-  // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G.
-  const T gb = b < B ? (tags ? -G[b] : G[b]) : T(0);
+  // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G. A sequence the forward pass
+  // scored NaN (a length or tag out of range) gets NaN gradients: S::weight would take its NaN score for a zero one.
+  const T gb = b < B ? (isnan(score[b]) ? T(NAN) : tags ? -G[b] : G[b]) : T(0);
   const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
   T g_end = T(0);
   if (owner) {
