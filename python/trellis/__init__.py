@@ -24,7 +24,8 @@ from .ops import (linear_cross_entropy, linear_logsumexp, log_matmul, max_matmul
 
 __version__: str = _library.load() or "0+build.tree"
 
-__all__ = ["CRF", "log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp"]
+__all__ = ["CRF", "log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp",
+           "vocab_parallel_linear_cross_entropy", "vocab_parallel_token_logprobs", "vocab_parallel_linear_logsumexp"]
 
 
 def __getattr__(name: str):

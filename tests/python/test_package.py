@@ -13,7 +13,8 @@ import torch
 import trellis
 from trellis import _library
 
-PUBLIC = ["CRF", "log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp"]
+PUBLIC = ["CRF", "log_matmul", "max_matmul", "linear_cross_entropy", "token_logprobs", "linear_logsumexp",
+          "vocab_parallel_linear_cross_entropy", "vocab_parallel_token_logprobs", "vocab_parallel_linear_logsumexp"]
 
 
 def import_trellis(**environment):
