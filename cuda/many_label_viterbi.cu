@@ -27,33 +27,21 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/streamed_chain.cuh"
 #include "trellis/semiring.h"
 
 namespace trellis::cuda {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kGroup = 16;        // sequences per pass over W
+using namespace streamed;
 constexpr int kFinishCols = kThreads;
 
-template <class T>
-using Vec = std::conditional_t<sizeof(T) == 4, float4, double2>;
-template <class T>
-constexpr int kVec = sizeof(Vec<T>) / sizeof(T);
 template <class T>
 constexpr int kBlockCols = kThreads * kVec<T>;  // a thread's 16 bytes of each row
 // Rows of W a thread loads before using them, and a chunk of the max (fewer in float64, whose terms take twice the
 // registers).
 template <class T>
 constexpr int kRowsInFlight = sizeof(T) == 4 ? 8 : 4;
-
-// max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
-template <class T>
-__device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {
-  T m = neg_inf<T>();
-  for (int q = 0; q < blocks; ++q) m = max(m, block_max[b * blocks + q]);
-  return isinf(m) ? T(0) : m;
-}
 
 template <class T, int NB>
 __global__ void __launch_bounds__(kThreads)
@@ -193,14 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     alpha_next[row + j] = a;
     if (t == len[sequence] - 1) last[row + j] = a;
   }
-  T m = a;
-  for (int offset = 16; offset > 0; offset >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
-    block_max_next[b * gridDim.x + blockIdx.x] = m;
-  }
+  write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
 }
 
 // The better of two (value, label) candidates: the larger value, on a tie the lower label; label -1 is no candidate.
@@ -282,16 +263,6 @@ StepPlan plan_step(int64_t B, int64_t K, int sms) {
   const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::min(wanted, most));
   const int rows = static_cast<int>(grid_dim(K, splits));
   return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * std::size_t(rows) * NB};
-}
-
-// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to kGroup.
-template <class F>
-void with_group(int64_t B, F&& f) {
-  if (B <= 1) f(std::integral_constant<int, 1>());
-  else if (B <= 2) f(std::integral_constant<int, 2>());
-  else if (B <= 4) f(std::integral_constant<int, 4>());
-  else if (B <= 8) f(std::integral_constant<int, 8>());
-  else f(std::integral_constant<int, kGroup>());
 }
 
 }  // namespace

@@ -30,22 +30,18 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/streamed_chain.cuh"
 #include "cuda/semiring_kernels.h"
 #include "trellis/semiring.h"
 
 namespace trellis::cuda {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kGroup = 16;        // sequences per pass over P
+using namespace streamed;
 constexpr int kFinishCols = 256;  // columns per block of the finish kernel (one per thread)
 constexpr int kStages = 16;       // rows of P in flight per lane
 constexpr double kL2KeepShare = 0.3;  // of L2's size, for rows of P kept there from step to step
 
-template <class T>
-using Vec = std::conditional_t<sizeof(T) == 4, float4, double2>;
-template <class T>
-constexpr int kVec = sizeof(Vec<T>) / sizeof(T);
 template <class T>
 constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
 
@@ -61,14 +57,6 @@ __device__ __forceinline__ void wait_for_previous() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-// max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
-template <class T>
-__device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {
-  T m = neg_inf<T>();
-  for (int q = 0; q < blocks; ++q) m = max(m, block_max[b * blocks + q]);
-  return isinf(m) ? T(0) : m;
 }
 
 // Row stride of the scaled messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
@@ -241,14 +229,7 @@ __global__ void __launch_bounds__(kThreads)
     alpha_next[row + j] = a;
     if (last && t == len[b] - 1) last[row + j] = a;
   }
-  T m = a;
-  for (int lanes = 16; lanes > 0; lanes >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
-    block_max_next[b * gridDim.x + blockIdx.x] = m;
-  }
+  write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
 }
 
 // The step grid: column tiles × row spans × sequence groups. Row spans are as long as the messages' shared memory
@@ -298,16 +279,6 @@ void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P,
   const dim3 grid(grid_dim(K, kCols<T>), plan.splits, grid_dim(running, NB));
   launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial,
                    B, K, plan.rows, reverse, keep_permille);
-}
-
-// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to kGroup.
-template <class F>
-void with_group(int64_t B, F&& f) {
-  if (B <= 1) f(std::integral_constant<int, 1>());
-  else if (B <= 2) f(std::integral_constant<int, 2>());
-  else if (B <= 4) f(std::integral_constant<int, 4>());
-  else if (B <= 8) f(std::integral_constant<int, 8>());
-  else f(std::integral_constant<int, kGroup>());
 }
 
 // The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step. Given
