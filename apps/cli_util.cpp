@@ -6,7 +6,7 @@
 #include <iostream>
 #include <map>
 
-#include "trellis/atomic_file.h"
+#include "trellis/io/atomic_file.h"
 #include "trellis/error.h"
 
 namespace po = boost::program_options;

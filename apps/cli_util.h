@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "trellis/chunk_eval.h"
-#include "trellis/conll.h"
-#include "trellis/crf_tagger.h"
-#include "trellis/crf_train.h"
+#include "trellis/io/chunk_eval.h"
+#include "trellis/io/conll.h"
+#include "trellis/crf/crf_tagger.h"
+#include "trellis/train/crf_train.h"
 
 namespace trellis::cli {
 

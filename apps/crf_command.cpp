@@ -13,11 +13,11 @@
 #include "cli_util.h"
 #include "crf_neural.h"
 #include "commands.h"
-#include "trellis/atomic_file.h"
-#include "trellis/chunk_eval.h"
-#include "trellis/distributed.h"
-#include "trellis/conll.h"
-#include "trellis/crf_train.h"
+#include "trellis/io/atomic_file.h"
+#include "trellis/io/chunk_eval.h"
+#include "trellis/distributed/distributed.h"
+#include "trellis/io/conll.h"
+#include "trellis/train/crf_train.h"
 #include "trellis/error.h"
 
 namespace po = boost::program_options;

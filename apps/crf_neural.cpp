@@ -1,5 +1,5 @@
 // trellis crf train --encoder bilstm|cnn, and tag/eval/dump of neural models: option parsing and output formatting
-// only; the work is in the library (trellis/neural_tagger.h).
+// only; the work is in the library (trellis/train/neural_tagger.h).
 #include "crf_neural.h"
 
 #include <boost/program_options.hpp>
@@ -9,11 +9,11 @@
 #include <map>
 
 #include "cli_util.h"
-#include "trellis/atomic_file.h"
-#include "trellis/chunk_eval.h"
-#include "trellis/conll.h"
+#include "trellis/io/atomic_file.h"
+#include "trellis/io/chunk_eval.h"
+#include "trellis/io/conll.h"
 #include "trellis/error.h"
-#include "trellis/neural_tagger.h"
+#include "trellis/train/neural_tagger.h"
 
 namespace po = boost::program_options;
 

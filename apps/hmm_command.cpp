@@ -9,11 +9,11 @@
 
 #include "cli_util.h"
 #include "commands.h"
-#include "trellis/atomic_file.h"
-#include "trellis/conll.h"
-#include "trellis/distributed.h"
+#include "trellis/io/atomic_file.h"
+#include "trellis/io/conll.h"
+#include "trellis/distributed/distributed.h"
 #include "trellis/error.h"
-#include "trellis/hmm_tasks.h"
+#include "trellis/hmm/hmm_tasks.h"
 
 namespace po = boost::program_options;
 

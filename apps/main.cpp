@@ -10,7 +10,7 @@
 #include <new>
 
 #include "commands.h"
-#include "trellis/atomic_file.h"
+#include "trellis/io/atomic_file.h"
 #include "trellis/error.h"
 #include "trellis/version.h"
 

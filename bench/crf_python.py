@@ -54,7 +54,7 @@ args = parser.parse_args()
 
 if args.library:
     os.environ["TRELLIS_OPS_LIBRARY"] = str(Path(args.library).resolve())
-    sys.path.insert(0, str(REPOSITORY / "python"))
+    sys.path.insert(0, str(REPOSITORY / "bindings" / "python"))
 import trellis  # noqa: E402  (after the library's path is set)
 
 device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))

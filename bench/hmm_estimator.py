@@ -1,7 +1,8 @@
 """HMM estimators from Python: trellis.hmm (CPU, and CUDA where there is a GPU) beside hmmlearn on the same models and
 data, score + predict (log-likelihood and Viterbi states of every sequence), categorical and diagonal-Gaussian.
 
-    PYTHONPATH=python TRELLIS_OPS_LIBRARY=build/lib/libtrellis_ops.so python bench/hmm_estimator.py --out hmm.json
+    PYTHONPATH=bindings/python TRELLIS_OPS_LIBRARY=build/lib/libtrellis_ops.so \
+        python bench/hmm_estimator.py --out hmm.json
     ... --quick          # small sizes: a check of the script itself
 
 Method: one random model per kind (K states; V symbols or F features; Dirichlet(1) start and transition rows), data
@@ -45,7 +46,7 @@ if args.quick:
     args.tokens = min(args.tokens, 50_000)
 if args.library:
     os.environ["TRELLIS_OPS_LIBRARY"] = args.library
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bindings" / "python"))
 
 import torch  # noqa: E402
 

@@ -25,7 +25,7 @@ if(NOT rc EQUAL 0 OR NOT version MATCHES "^trellis [0-9]+\\.[0-9]+\\.[0-9]+ \\(L
 endif()
 run("${prefix}/bin/trellis" crf train --train "${SOURCE_DIR}/data/ud-en-ewt-sample/train.txt"
     --model "${ex_build}/cli.crf" --max-iter 2)
-foreach(header version.h crf_tagger.h)
+foreach(header version.h crf/crf_tagger.h)
   if(NOT EXISTS "${prefix}/include/trellis/${header}")
     message(FATAL_ERROR "trellis/${header} is not installed")
   endif()

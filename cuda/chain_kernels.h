@@ -1,5 +1,5 @@
 // Launchers of the fused linear-chain kernels (cuda/linear_chain_crf.cu). Tensors are contiguous CUDA tensors of one
-// dtype (lengths int64); outputs are preallocated by the caller. See lib/src/chain_fused.h for the semantics.
+// dtype (lengths int64); outputs are preallocated by the caller. See lib/src/crf/chain_fused.h for the semantics.
 #pragma once
 #include <ATen/core/Tensor.h>
 

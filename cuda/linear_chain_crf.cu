@@ -13,7 +13,7 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {

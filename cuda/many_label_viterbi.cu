@@ -13,7 +13,7 @@
 // Then viterbi_end_kernel adds the end scores, picks the best last label and follows the back-pointers.
 //
 // Every message is rebased by its largest entry before the next step, the offsets summed in float64, exactly as the
-// CPU recursion (lib/src/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32 stays
+// CPU recursion (lib/src/crf/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32 stays
 // exact on long sequences and the paths match the CPU's, ties going to the lowest label as MaxSemiring's accumulator
 // sends them.
 #include <ATen/ATen.h>
@@ -28,7 +28,7 @@
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
 #include "cuda/streamed_chain.cuh"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {

@@ -1,6 +1,6 @@
 // The fused linear-chain kernels for many labels (LogSemiring, K past what cuda/linear_chain_crf.cu keeps in shared
 // memory): the forward recursion with its messages in ONE launch for the whole batch and every position, and its exact
-// reverse mode in one more, in scaled probability space like the CPU path (lib/src/chain_fused.cpp, ScaledLogStep):
+// reverse mode in one more, in scaled probability space like the CPU path (lib/src/crf/chain_fused.cpp, ScaledLogStep):
 //   forward  s = v·P, v = exp(alpha − max alpha), P = exp(W − colmax);  pre = log s + max alpha + colmax
 //   backward q = adj / s (per column), adj' = v ⊙ (P·q), and the transitions' gradient Σ v·qᵀ ⊙ P
 // where every column whose scaled sum is below the underflow threshold is done exactly in log space instead, in both
@@ -19,7 +19,7 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {
@@ -91,7 +91,7 @@ struct Smem {
 
 struct Chain {
   int B, Tn, K, Kc, pairs, splits;
-  float log_threshold;  // log of the underflow threshold (lib/src/scaled_log_matmul.h)
+  float log_threshold;  // log of the underflow threshold (lib/src/semiring/scaled_log_matmul.h)
 };
 
 // Loads this block's share of P: forward, columns c0.. of P as [k][o]; backward, rows c0.. of P transposed, so that

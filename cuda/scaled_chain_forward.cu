@@ -1,6 +1,6 @@
 // The forward recursion of a chain with many labels and few sequences (HMMs with thousands of states), without
 // gradients. Each step is the skinny product s = v·P of the scaled messages v = exp(alpha − max alpha) [B,K] with the
-// scaled transitions P = exp(W − colmax) [K,K] (see lib/src/scaled_log_matmul.h), followed by
+// scaled transitions P = exp(W − colmax) [K,K] (see lib/src/semiring/scaled_log_matmul.h), followed by
 // alpha' = log s + max alpha + colmax + emission. With B ≤ 16 rows per pass the product does 2·B flops per element of
 // P it reads, so the step costs one read of P from memory: these kernels stream P once per step at the memory's
 // speed, where a GEMM with M = B leaves its tensor-core tiles mostly empty and runs well below it.
@@ -32,7 +32,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/streamed_chain.cuh"
 #include "cuda/semiring_kernels.h"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {

@@ -1,11 +1,11 @@
 // Exact batched semiring matmul C = A ⊗ B and the gradient of its left operand, tiled through shared memory with
-// one online accumulator per output element. Generic over the semiring policy (trellis/semiring.h).
+// one online accumulator per output element. Generic over the semiring policy (trellis/semiring/semiring.h).
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 
 #include "cuda/cuda_check.h"
 #include "cuda/semiring_kernels.h"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/semiring_kernels.h"
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
 namespace {

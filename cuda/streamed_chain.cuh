@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "trellis/semiring.h"
+#include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda::streamed {
 

@@ -8,7 +8,7 @@
 // --check exits with status 1 unless the training loss fell and the dev accuracy beats always predicting the most
 // frequent training label (how the test suite runs it).
 #include <torch/torch.h>
-#include <trellis/conll.h>
+#include <trellis/io/conll.h>
 #include <trellis/nn/crf.h>
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // Train a small part-of-speech CRF with the library, save it, load it back as an application would, and tag a
 // sentence with the marginal probability of each predicted label.
 // Usage: crf_tagger TRAIN.txt MODEL.crf   (TRAIN: CoNLL columns "word label", e.g. data/ud-en-ewt-sample/train.txt)
-#include <trellis/conll.h>
-#include <trellis/crf_train.h>
+#include <trellis/io/conll.h>
+#include <trellis/train/crf_train.h>
 
 #include <cstdio>
 #include <exception>

@@ -1,7 +1,7 @@
 // An application's view of HMM files: write a model (as `trellis hmm fit` would), load it back, then score and
 // decode sequences held in memory, without going through a dataset file.
 #include <ATen/ATen.h>
-#include <trellis/hmm_io.h>
+#include <trellis/hmm/hmm_io.h>
 
 #include <cstdio>
 #include <string>

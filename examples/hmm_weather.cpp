@@ -1,7 +1,7 @@
 // The textbook ice-cream HMM (Eisner): hidden weather HOT/COLD, observed ice creams eaten per day (1..3).
 // Decodes the most likely weather, prints the posterior of HOT per day, and the sequence log-likelihood.
 #include <ATen/ATen.h>
-#include <trellis/hmm.h>
+#include <trellis/hmm/hmm.h>
 
 #include <cstdio>
 

@@ -3,7 +3,7 @@
 // Usage: llm_head [cpu|cuda]
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <trellis/linear_cross_entropy.h>
+#include <trellis/head/linear_cross_entropy.h>
 
 #include <cstdio>
 #include <exception>

@@ -2,10 +2,10 @@
 # Build Trellis on the GPU machine and run the GPU tests, compute-sanitizer (memcheck, racecheck, synccheck) and the
 # benchmarks, in one command.
 # The machine has LibTorch (python3's torch), HDF5, GoogleTest and nvcc; Boost.Program_options travels as .deb
-# files in .gpu-debs/ (fetch them once with scripts/fetch_gpu_debs.sh and carry that folder).
+# files in .gpu-debs/ (fetch them once with scripts/gpu/fetch_gpu_debs.sh and carry that folder).
 # Usage there: bash scripts/gpu_check.sh [sanitize|bench] [bench args...]
 #   no mode    everything: build, the whole ctest suite, the CUDA tests, the three sanitizers, the benchmarks
-#              (bench args, default all) and the HMM throughput runs (scripts/hmm_bench.sh, unless TRELLIS_HMM_BENCH=0)
+#              (bench args, default all) and the HMM throughput runs (scripts/gpu/hmm_bench.sh, unless TRELLIS_HMM_BENCH=0)
 #   sanitize   build, the CUDA tests and the three sanitizers: no ctest, no benchmarks
 #   bench      build, the whole ctest suite, the CUDA tests and the benchmarks: no sanitizers
 #   scale      build the operator library and the command line and run the multi-GPU benchmarks under torchrun at
@@ -100,7 +100,7 @@ step build cmake --build "$build" -j "$(nproc)"
 if [ "$mode" = package ]; then
   parts=" ${TRELLIS_PACKAGE_STEPS:-tests bench neural} "
   commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  export TRELLIS_COMMIT=$commit PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+  export TRELLIS_COMMIT=$commit PYTHONPATH="$root/bindings/python${PYTHONPATH:+:$PYTHONPATH}" \
     TRELLIS_OPS_LIBRARY="$build/lib/libtrellis_ops.so" PYTHONUNBUFFERED=1
   if [[ $parts == *" tests "* ]]; then
     step gpu_tests "$build/tests/trellis_tests" --gtest_filter="${TRELLIS_GPU_FILTER:-*Cuda*}"
@@ -182,7 +182,7 @@ if [ "$mode" != sanitize ]; then
     cat "$out/bench.log"
   fi
   if [ -x "$build/apps/trellis" ] && [ "${TRELLIS_HMM_BENCH:-1}" = 1 ]; then
-    step hmm_bench bash scripts/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
+    step hmm_bench bash scripts/gpu/hmm_bench.sh "$build/apps/trellis" /tmp/trellis-hmm-bench cuda
     cat "$out/hmm_bench.log"
   fi
 fi

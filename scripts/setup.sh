@@ -7,7 +7,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 # libgloo-dev: the Gloo headers LibTorch's ProcessGroupGloo.hpp includes (the wheel links Gloo but ships no headers),
-# for the data-parallel commands' CPU process groups (lib/src/distributed_gloo.cpp).
+# for the data-parallel commands' CPU process groups (lib/src/distributed/distributed_gloo.cpp).
 debs=(cmake ninja-build ccache g++ libboost-program-options-dev libhdf5-dev libgtest-dev python3-venv libgloo-dev)
 missing=()
 for p in "${debs[@]}"; do
@@ -30,7 +30,7 @@ if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.s
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q torch==2.11.0 numpy
 fi
-# hmmlearn and h5py: the side-by-side HMM agreement test (tests/, scripts/hmmlearn_compare.py).
+# hmmlearn and h5py: the side-by-side HMM agreement test (tests/, tests/hmmlearn_compare.py).
 if ! "$venv/bin/python" -c 'import hmmlearn, h5py' 2>/dev/null; then
   echo "[setup] installing hmmlearn==0.3.3 and h5py into $venv"
   "$venv/bin/python" -m pip install -q hmmlearn==0.3.3 h5py

@@ -77,7 +77,7 @@ dpkg-deb --contents "$deb" | awk '$1 !~ /^d/ {print $6}' | sed 's|^\./usr/||' | 
 (cd "$prefix" && find . ! -type d | sed 's|^\./||' | sort) >"$work/tgz-files"
 diff "$work/tgz-files" "$work/deb-files" || fail ".deb and .tar.gz hold different files (< archive, > .deb)"
 for file in bin/trellis lib/libtrellis.so.$version lib/libtrellis_ops.so include/trellis/version.h \
-            include/trellis/crf_tagger.h lib/cmake/Trellis/TrellisConfig.cmake share/doc/trellis/LICENSE; do
+            include/trellis/crf/crf_tagger.h lib/cmake/Trellis/TrellisConfig.cmake share/doc/trellis/LICENSE; do
   grep -qx "$file" "$work/deb-files" || fail ".deb lacks /usr/$file"
 done
 

@@ -1,4 +1,4 @@
-#include "trellis/chunk_eval.h"
+#include "trellis/io/chunk_eval.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "trellis/conll.h"
+#include "trellis/io/conll.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "trellis/crf_features.h"
+#include "trellis/crf/crf_features.h"
 #include "trellis/error.h"
 
 using namespace trellis;

@@ -10,10 +10,10 @@
 #include <set>
 #include <unordered_map>
 
-#include "trellis/crf_train.h"
+#include "trellis/train/crf_train.h"
 #include "trellis/error.h"
-#include "../lib/src/encoded_batch.h"  // private to the library: CrfTagger::encode
-#include "../lib/src/owlqn.h"  // internal optimiser, tested on its own
+#include "../lib/src/train/encoded_batch.h"  // private to the library: CrfTagger::encode
+#include "../lib/src/train/owlqn.h"  // internal optimiser, tested on its own
 
 using namespace trellis;
 

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "trellis/crf_train.h"
+#include "trellis/train/crf_train.h"
 #include "trellis/error.h"
-#include "trellis/linear_chain_crf.h"
-#include "../lib/src/encoded_batch.h"  // private to the library: CrfTagger::encode
+#include "trellis/crf/linear_chain_crf.h"
+#include "../lib/src/train/encoded_batch.h"  // private to the library: CrfTagger::encode
 
 using namespace trellis;
 

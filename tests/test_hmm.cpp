@@ -1,4 +1,4 @@
-#include "trellis/hmm.h"
+#include "trellis/hmm/hmm.h"
 
 #include <cmath>
 

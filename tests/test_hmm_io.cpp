@@ -8,7 +8,7 @@
 #include <iterator>
 
 #include "test_util.h"
-#include "trellis/hmm_tasks.h"
+#include "trellis/hmm/hmm_tasks.h"
 
 using namespace trellis;
 using namespace trellis::testing;

@@ -1,4 +1,4 @@
-#include "trellis/linear_chain_crf.h"
+#include "trellis/crf/linear_chain_crf.h"
 
 #include <c10/core/GradMode.h>
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "test_util.h"
-#include "trellis/linear_cross_entropy.h"
+#include "trellis/head/linear_cross_entropy.h"
 #if TRELLIS_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -424,7 +424,7 @@ TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
 // Small shapes for compute-sanitizer: scripts/gpu_check.sh runs LinearCrossEntropySmallCuda.* under memcheck, racecheck
 // and synccheck, where the tests above take too long. Together they launch every head kernel from every place the
 // library does, at a few rows and columns each (the comments name the kernels of cuda/linear_head.cu and
-// cuda/linear_lse_sm90.cu and the paths of lib/src/linear_cross_entropy.cpp that each case reaches on an H100/H200).
+// cuda/linear_lse_sm90.cu and the paths of lib/src/head/linear_cross_entropy.cpp that each case reaches on an H100/H200).
 
 // The fused Hopper kernel's statistics (bfloat16/float16 with D % 8 == 0), through token_logprobs with and without the
 // entropy, linear_logsumexp (no targets) and the loss without gradients (extra sums for label smoothing): V = 1; whole

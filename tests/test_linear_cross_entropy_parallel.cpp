@@ -1,4 +1,4 @@
-// The vocabulary-parallel head's C++ API (trellis/linear_cross_entropy_parallel.h) with autograd, against the same
+// The vocabulary-parallel head's C++ API (trellis/head/linear_cross_entropy_parallel.h) with autograd, against the same
 // results on materialised logits: ranks as threads of this process in one Gloo group (an in-memory store), world sizes
 // 1, 2, 3, 5 and 8 with uneven slices of W and of the bias, float64.
 #include <gtest/gtest.h>
@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "trellis/distributed.h"
+#include "trellis/distributed/distributed.h"
 #include "trellis/error.h"
-#include "trellis/linear_cross_entropy_parallel.h"
+#include "trellis/head/linear_cross_entropy_parallel.h"
 
 namespace {
 

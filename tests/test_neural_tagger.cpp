@@ -13,7 +13,7 @@
 
 #include "test_util.h"
 #include "trellis/error.h"
-#include "trellis/neural_tagger.h"
+#include "trellis/train/neural_tagger.h"
 
 using namespace trellis;
 

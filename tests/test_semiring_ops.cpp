@@ -1,4 +1,4 @@
-#include "trellis/semiring_ops.h"
+#include "trellis/semiring/semiring_ops.h"
 
 #include "test_util.h"
 

@@ -4,7 +4,7 @@
 #include <unordered_map>
 
 #include "trellis/error.h"
-#include "../lib/src/string_index.h"  // private to the library, tested on its own
+#include "../lib/src/io/string_index.h"  // private to the library, tested on its own
 
 using namespace trellis;
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "trellis/error.h"
-#include "trellis/linear_chain_crf.h"
+#include "trellis/crf/linear_chain_crf.h"
 
 namespace trellis::testing {
 

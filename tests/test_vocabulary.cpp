@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "trellis/vocabulary.h"
+#include "trellis/io/vocabulary.h"
 
 using trellis::signature_classes;
 using trellis::Vocabulary;

@@ -1,4 +1,4 @@
-"""The structured-prediction operators (lib/src/torch_ops_structured.cpp) against plain PyTorch: log_matmul and
+"""The structured-prediction operators (bindings/torch/torch_ops_structured.cpp) against plain PyTorch: log_matmul and
 max_matmul against logsumexp/max of broadcast sums; the CRF and HMM operators against enumeration of every label
 sequence at tiny sizes in float64 (log Z, log-likelihood, marginals, Viterbi, k-best, constraints, masks, lengths,
 time-first layouts); gradcheck on the differentiable ones; bfloat16 emissions, mixed dtypes, bad masks; then

@@ -2,7 +2,7 @@
 #include <sstream>
 
 #include "fuzz_target.h"
-#include "trellis/conll.h"
+#include "trellis/io/conll.h"
 
 TRELLIS_FUZZ_TARGET(conll) {
   trellis_fuzz::FuzzInput in(data, size);

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "fuzz_target.h"
-#include "trellis/crf_tagger.h"
+#include "trellis/crf/crf_tagger.h"
 
 namespace {
 

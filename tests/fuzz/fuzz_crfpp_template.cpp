@@ -1,7 +1,7 @@
 // The CRF++ template parser on arbitrary text; a template it accepts must survive the model file's round trip
 // (spec() -> FeatureExtractor::from_spec) and, once validated for the data's columns, featurise every token.
 #include "fuzz_target.h"
-#include "trellis/crf_features.h"
+#include "trellis/crf/crf_features.h"
 
 TRELLIS_FUZZ_TARGET(crfpp_template) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -5,7 +5,7 @@
 
 #include "fuzz_target.h"
 #include "hdf5_builder.h"
-#include "trellis/hmm_io.h"
+#include "trellis/hmm/hmm_io.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 
 #include "fuzz_target.h"
 #include "hdf5_builder.h"
-#include "trellis/hmm.h"
-#include "trellis/hmm_io.h"
+#include "trellis/hmm/hmm.h"
+#include "trellis/hmm/hmm_io.h"
 
 namespace {
 

@@ -29,7 +29,7 @@ start=$(date +%s)
 "$python" -m pip install --no-input --disable-pip-version-check -q "$@" "$source_dir"
 echo "pip install took $(($(date +%s) - start)) s"
 
-cd "$work"  # away from the source tree's python/
+cd "$work"  # away from the source tree's bindings/python/
 "$python" - "$site" <<'PY'
 import sys
 from pathlib import Path

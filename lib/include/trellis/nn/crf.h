@@ -10,7 +10,7 @@
 // Parameters (pytorch-crf's names and initialisation, uniform in [-0.1, 0.1]): transitions [K,K] (i followed by j),
 // start_transitions [K], end_transitions [K]. Emissions [B,T,K] with tags and mask [B,T] (batch_first, the default),
 // or [T,B,K] with [T,B]; masks are bool or uint8 and right-padded, a missing mask meaning every position is real;
-// float16/bfloat16 emissions are accumulated in float32 and mixed float dtypes promote (trellis/chain_inputs.h).
+// float16/bfloat16 emissions are accumulated in float32 and mixed float dtypes promote (trellis/crf/chain_inputs.h).
 //
 // Constraints (allowed transitions, starts and ends) are buffers, all allowed until set, so they follow the module to
 // a device and through torch::save/load. They apply to decode, kbest, marginals and log_partition; forward (the
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "trellis/linear_chain_crf.h"
+#include "trellis/crf/linear_chain_crf.h"
 
 namespace trellis::nn {
 

@@ -1,0 +1,113 @@
+// HMM models and sequence datasets in HDF5 files (layout: docs/hmm-format.md), read and written in batches so that
+// datasets larger than memory stream through. Readers validate everything and name the file, dataset and row at
+// fault; writers fill a temporary file that only commit() renames to the final name.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "trellis/hmm/hmm.h"
+
+namespace trellis {
+
+struct HMMModelFile {
+  std::variant<CategoricalHMM, GaussianHMM> model;
+  std::vector<std::string> state_names;         // optional (empty)
+  std::vector<std::string> vocabulary;          // optional (empty)
+  std::vector<double> log_likelihood_history;   // total log-likelihood before each EM update; optional
+  std::vector<int64_t> state_labels;            // optional: the label each state stands for (second-order models)
+};
+// Tensors come back as float64 on the CPU.
+HMMModelFile load_hmm(const std::string& path);
+void save_hmm(const std::string& path, const HMMModelFile& file);
+
+// A 1-d string dataset (e.g. "vocabulary", "label_names") of any HDF5 file; empty when the file has none.
+std::vector<std::string> read_string_dataset(const std::string& path, const std::string& name);
+
+// A batch of consecutive sequences, padded.
+struct SequenceBatch {
+  int64_t first = 0;        // index of the batch's first sequence in the dataset
+  at::Tensor observations;  // [B,T] int64, or [B,T,F] in the stored float type; zero at padding
+  at::Tensor lengths;       // [B] int64
+  at::Tensor labels;        // [B,T] int64 with -1 at padding; undefined unless asked for
+};
+
+class HMMDataset {
+ public:
+  // Opens the file and checks its structure: datasets present, types, ranks, offsets (starting at 0, strictly
+  // increasing, ending at the number of rows). Observation values are checked as batches are read.
+  explicit HMMDataset(const std::string& path);
+  ~HMMDataset();
+  HMMDataset(HMMDataset&&) noexcept;
+  HMMDataset& operator=(HMMDataset&&) noexcept;
+
+  const std::string& path() const;
+  bool categorical() const;
+  int64_t num_features() const;  // F for continuous observations, 0 for categorical ones
+  int64_t num_sequences() const;
+  int64_t num_tokens() const;
+  bool has_labels() const;
+  const std::vector<int64_t>& offsets() const;
+  std::vector<std::string> vocabulary() const;   // empty when the file has none
+  std::vector<std::string> label_names() const;  // empty when the file has none
+
+  // Reading checks ids against these bounds (when set) and continuous values for NaN/inf.
+  void expect_symbols(int64_t num_symbols);
+  void expect_labels(int64_t num_labels);
+
+  SequenceBatch read(int64_t first, int64_t count, bool with_labels = false) const;
+  // Consecutive [first, first + count) ranges of at most max_tokens tokens each (a longer sequence is a range alone).
+  std::vector<std::pair<int64_t, int64_t>> batches(int64_t max_tokens) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Writes a dataset one padded batch at a time.
+class HMMDatasetWriter {
+ public:
+  // num_features = 0: categorical (int32 ids); otherwise float32 [total_T, F].
+  HMMDatasetWriter(const std::string& path, int64_t num_features, bool with_labels);
+  ~HMMDatasetWriter();  // without commit() the temporary file is removed
+  void append(const at::Tensor& observations, const at::Tensor& lengths, const at::Tensor& labels = {});
+  void write_strings(const std::string& name, const std::vector<std::string>& values);  // vocabulary, label_names
+  void commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Writes what `trellis hmm infer` computes, in the dataset's order.
+class HMMInferenceWriter {
+ public:
+  // With state_labels (see HMMModelFile), /labels gets the label of each Viterbi state as well. Posteriors are
+  // gzip-compressed at posteriors_compression (0: not compressed, to 9).
+  HMMInferenceWriter(const std::string& path, const std::vector<int64_t>& offsets, int64_t num_states,
+                     bool with_posteriors, const std::vector<int64_t>& state_labels = {},
+                     int posteriors_compression = 1);
+  ~HMMInferenceWriter();
+  // One batch: log_likelihood and viterbi_log_prob [B], paths [B,T], lengths [B], posteriors [B,T,K].
+  void append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,
+              const at::Tensor& lengths, const at::Tensor& posteriors = {});
+  void commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct LabelAccuracy {
+  int64_t tokens = 0, correct = 0;
+  double accuracy() const { return tokens ? 100.0 * correct / tokens : 0.0; }
+};
+// Token accuracy of `predictions` (an infer output's /labels, or /states) against the dataset's /labels. `coarse`
+// compares only the part of each label name before its first '|' (fine labels such as "AUX|VBZ" scored as "AUX").
+LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions, bool coarse = false);
+
+}  // namespace trellis

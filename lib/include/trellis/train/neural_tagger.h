@@ -1,0 +1,121 @@
+// A neural CRF tagger: word, character, shape and extra-column embeddings, a BiLSTM or a stack of dilated
+// convolutions, linear emissions (optionally plus sparse CRF++/built-in feature weights: a hybrid), and a
+// trellis::nn::CRF on top. Trained with Adam on length-bucketed minibatches; tagged with Viterbi, marginals or k-best.
+//
+// The model lives behind a pointer (LibTorch's module headers stay out of this header, which the command line and
+// applications include cheaply). Model files are self-describing (magic, format version, kind, hyper-parameters,
+// column layout, vocabularies, named parameters, checksum) and written atomically.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trellis/crf/crf_features.h"
+#include "trellis/crf/crf_tagger.h"
+#include "trellis/train/crf_train.h"
+
+namespace trellis {
+
+struct NeuralTaggerOptions {
+  std::string encoder = "bilstm";  // "bilstm" or "cnn" (a stack of dilated convolutions)
+  int64_t word_dim = 0;            // word embedding size; 0: the pretrained vectors' size, or 100 without them
+  int64_t char_dim = 30;           // character embedding size (0: no character representation)
+  int64_t char_filters = 50;       // char CNN filters, or char BiLSTM units per direction
+  std::string char_encoder = "cnn";  // "cnn" (max over a convolution) or "bilstm" (last states of both directions)
+  int64_t feature_dim = 20;        // embedding size of the word shape and of each extra input column
+  int64_t hidden = 200;            // BiLSTM units per direction; convolution channels are twice this
+  int64_t layers = 2;              // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
+  double dropout = 0.33;           // on the token inputs, between layers and before the emissions
+  double word_dropout = 0.25;      // a training word seen c times becomes unknown with probability a/(a+c)
+  std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
+
+  int epochs = 50;
+  std::size_t batch_size = 32;  // sentences per minibatch (of similar lengths)
+  double learning_rate = 2e-3;  // Adam
+  double lr_decay = 0.95;       // the learning rate is multiplied by this after every epoch
+  double clip = 5.0;            // gradient norm clipping (0: off)
+  int patience = 8;             // with a dev set: stop after this many epochs without a better dev score (0: never)
+  uint64_t seed = 0;            // initialisation, dropout, batches: a CPU run with the same seed gives the same model
+  std::string device = "cpu";
+  std::string precision = "auto";  // "auto" (bf16 encoder on CUDA, fp32 on CPU), "bf16" or "fp32"; the CRF is fp32
+  int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
+  int min_feature_count = 1;       // hybrid: sparse features seen fewer times in training are dropped
+  double c2 = 1.0;                 // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
+};
+
+struct NeuralEpoch {
+  int epoch;
+  double loss;               // training negative log-likelihood per token (dropout on)
+  double learning_rate;      // used during the epoch
+  double tokens_per_second;  // of the training pass
+  double seconds;            // since training started
+  std::optional<double> dev_accuracy, dev_f1;  // percentages
+};
+
+struct NeuralTrainSummary {
+  int epochs = 0;
+  bool stopped_early = false;  // by patience
+  std::size_t parameters = 0;
+  std::size_t words = 0, characters = 0, features = 0;  // vocabulary sizes (features: hybrid's sparse features)
+  double seconds = 0, setup_seconds = 0;
+  int best_epoch = 0;
+  double seconds_to_best = 0;  // from the start of training to the end of the best epoch
+  std::optional<double> best_dev_accuracy, best_dev_f1;
+};
+
+class NeuralTagger {
+ public:
+  NeuralTagger(NeuralTagger&&) noexcept;
+  NeuralTagger& operator=(NeuralTagger&&) noexcept;
+  ~NeuralTagger();
+
+  const std::vector<std::string>& labels() const;
+  int64_t label_id(const std::string& label) const;  // -1 when unknown
+  std::size_t input_columns() const;
+  const ColumnLayout& layout() const;
+  void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
+  const NeuralTaggerOptions& options() const;  // the architecture's fields; training fields as trained
+  bool hybrid() const;                         // sparse features add to the emissions
+  std::string describe() const;                // architecture, vocabulary and parameter counts, one line each
+  std::size_t num_parameters() const;
+
+  // Moves the model to `device`; precision as in NeuralTaggerOptions ("auto": bf16 encoder on CUDA).
+  void to(const at::Device& device, const std::string& precision = "auto");
+
+  // As CrfTagger's: Viterbi labels, with marginals and the sequence's probability when asked for; the k best
+  // sequences with their probabilities. Sentences hold the input columns only.
+  std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
+  std::vector<std::vector<TaggedSentence>> tag_kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const;
+
+  void save(const std::string& path) const;
+  // A corrupt, truncated or foreign file, a parameter whose name or shape does not fit the stored architecture and
+  // weights that are not finite are Errors naming the file.
+  static NeuralTagger load(const std::string& path);
+  // Whether `path` starts as a neural tagger's model file does (false when it cannot be read).
+  static bool is_model_file(const std::string& path);
+
+  struct Impl;
+
+ private:
+  explicit NeuralTagger(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  friend NeuralTagger train_neural_tagger(const LabeledSentences&, const LabeledSentences*,
+                                          std::unique_ptr<FeatureExtractor>, const NeuralTaggerOptions&,
+                                          const std::function<void(const NeuralEpoch&)>&, NeuralTrainSummary*);
+};
+
+// Trains a tagger on `train` (input columns: the first is the word, the others are embedded as categories). With a
+// dev set the returned model is the best epoch's (chunk F1 for chunk labels, token accuracy otherwise). `hybrid`, when
+// given, adds sparse feature weights (one per feature and label) to the emissions. Options are checked first (Errors
+// name the `trellis crf train` flag); a loss that becomes inf or NaN is an Error.
+NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSentences* dev,
+                                 std::unique_ptr<FeatureExtractor> hybrid, const NeuralTaggerOptions& options,
+                                 const std::function<void(const NeuralEpoch&)>& on_epoch = {},
+                                 NeuralTrainSummary* summary = nullptr);
+
+}  // namespace trellis

@@ -1,0 +1,1146 @@
+#include "trellis/train/neural_tagger.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
+#include <torch/nn/utils/rnn.h>
+#include <torch/optim/adam.h>
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <unordered_map>
+
+#include "lib/src/io/input_file.h"
+#include "lib/src/io/model_file.h"
+#include "lib/src/train/training_start.h"
+#include "trellis/io/atomic_file.h"
+#include "trellis/io/chunk_eval.h"
+#include "trellis/error.h"
+#include "trellis/nn/crf.h"
+
+namespace trellis {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'R', 'E', 'L', 'N', 'C', 'R', '\n'};
+constexpr uint32_t kFormatVersion = 1;
+constexpr const char* kKind = "neural-crf";
+constexpr int64_t kPad = 0, kUnknown = 1;            // ids in every vocabulary
+constexpr int64_t kWordBegin = 2, kWordEnd = 3;      // character vocabulary: markers around each word
+constexpr std::size_t kMaxWordChars = 50;            // longer tokens (URLs) are cut for the character model
+constexpr int64_t kTagTokens = 16384;                // tokens per batch when tagging
+constexpr int64_t kTagSentences = 2048;
+constexpr int64_t kDefaultWordDim = 100;             // without pretrained vectors
+
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Text: code points, lowercase, shape.
+
+// The UTF-8 code points of a word (a stray byte counts as one).
+std::vector<std::string_view> code_points(const std::string& word) {
+  std::vector<std::string_view> out;
+  for (std::size_t i = 0; i < word.size();) {
+    const auto c = static_cast<unsigned char>(word[i]);
+    std::size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    n = std::min(n, word.size() - i);
+    out.emplace_back(word.data() + i, n);
+    i += n;
+  }
+  return out;
+}
+
+// ASCII lowercase: the word embeddings are shared by a word's capitalisations (the characters and the shape keep them).
+std::string lowercase(const std::string& word) {
+  std::string s = word;
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return s;
+}
+
+// "Xx" for "Hello", "d,d" for "1,000", "xXxd" for "iPhone7": classes of characters with runs collapsed.
+std::string word_shape(const std::string& word) {
+  std::string s;
+  for (const std::string_view cp : code_points(word)) {
+    const char c = cp[0];
+    const char cls = cp.size() > 1 ? 'u' : (c >= 'A' && c <= 'Z') ? 'X' : (c >= 'a' && c <= 'z') ? 'x'
+                                                               : (c >= '0' && c <= '9') ? 'd' : c;
+    if (s.empty() || s.back() != cls) s.push_back(cls);
+  }
+  return s;
+}
+
+std::string show(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream s;
+  s.precision(17);
+  s << v;
+  return s.str();
+}
+
+// A string -> id map whose ids 0 and 1 are padding and unknown.
+class Vocabulary {
+ public:
+  Vocabulary() : Vocabulary({"<pad>", "<unk>"}) {}
+  explicit Vocabulary(std::vector<std::string> items) : items_(std::move(items)) {
+    for (std::size_t i = 0; i < items_.size(); ++i) ids_.emplace(items_[i], static_cast<int64_t>(i));
+  }
+  int64_t add(const std::string& s) {
+    const auto [it, fresh] = ids_.emplace(s, static_cast<int64_t>(items_.size()));
+    if (fresh) items_.push_back(s);
+    return it->second;
+  }
+  int64_t find(std::string_view s, int64_t missing = kUnknown) const {
+    const auto it = ids_.find(std::string(s));
+    return it == ids_.end() ? missing : it->second;
+  }
+  bool unique() const { return ids_.size() == items_.size(); }
+  int64_t size() const { return static_cast<int64_t>(items_.size()); }
+  const std::vector<std::string>& items() const { return items_; }
+
+ private:
+  std::vector<std::string> items_;
+  std::unordered_map<std::string, int64_t> ids_;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The network.
+
+struct Architecture {
+  std::string encoder;
+  std::string char_encoder;  // "cnn" or "bilstm"
+  int64_t words = 0, word_dim = 0, chars = 0, char_dim = 0, char_filters = 0, shapes = 0, feature_dim = 0;
+  std::vector<int64_t> extra;  // vocabulary size of each extra input column
+  int64_t hidden = 0, layers = 0, labels = 0, features = 0;  // features: hybrid sparse features (0: none)
+  double dropout = 0;
+};
+
+// A batch on the model's device. Token-level tensors list the real tokens in order (sentence after sentence);
+// positions maps them into the padded [B,T] layout.
+struct Batch {
+  int64_t B = 0, T = 0, N = 0;
+  at::Tensor words, shapes;         // [B,T] int64
+  std::vector<at::Tensor> extra;    // [B,T] int64 each
+  at::Tensor chars, char_lengths;   // [N,L], [N] int64
+  at::Tensor char_lengths_cpu;      // the same on the CPU (the character BiLSTM packs by it)
+  at::Tensor positions;             // [N] int64: b*T + t
+  at::Tensor mask;                  // [B,T] bool
+  at::Tensor lengths;               // [B] int64, on the CPU (packing reads it there)
+  at::Tensor tags;                  // [B,T] int64 (0 at padding); undefined without labels
+  at::Tensor feature_ids, feature_offsets;  // hybrid: [nnz], [N]
+};
+
+// Turns autocast to bfloat16 on for the CUDA operations in its scope (or nothing when off).
+class Bf16Autocast {
+ public:
+  explicit Bf16Autocast(bool on) : on_(on) {
+    if (!on_) return;
+    was_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    was_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~Bf16Autocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCUDA, was_enabled_);
+    at::autocast::set_autocast_dtype(at::kCUDA, was_dtype_);
+  }
+  Bf16Autocast(const Bf16Autocast&) = delete;
+  Bf16Autocast& operator=(const Bf16Autocast&) = delete;
+
+ private:
+  bool on_, was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
+
+// Autocast off for the operations in its scope (the LSTM: LibTorch's autocast would run cuDNN's RNN in float16).
+class NoAutocast {
+ public:
+  NoAutocast() : was_(at::autocast::is_autocast_enabled(at::kCUDA)) { at::autocast::set_autocast_enabled(at::kCUDA, false); }
+  ~NoAutocast() { at::autocast::set_autocast_enabled(at::kCUDA, was_); }
+  NoAutocast(const NoAutocast&) = delete;
+  NoAutocast& operator=(const NoAutocast&) = delete;
+
+ private:
+  bool was_;
+};
+
+class NetworkImpl : public torch::nn::Module {
+ public:
+  explicit NetworkImpl(const Architecture& a) : arch(a) {
+    const auto uniform_rows = [](torch::nn::Embedding& e) {
+      c10::NoGradGuard no_grad;
+      const double r = std::sqrt(3.0 / static_cast<double>(e->options.embedding_dim()));
+      e->weight.uniform_(-r, r);
+      e->weight[kPad].zero_();
+    };
+    int64_t input = a.word_dim + a.feature_dim * (1 + static_cast<int64_t>(a.extra.size()));
+    word_embedding = register_module("word_embedding",
+                                     torch::nn::Embedding(torch::nn::EmbeddingOptions(a.words, a.word_dim).padding_idx(kPad)));
+    uniform_rows(word_embedding);
+    shape_embedding = register_module(
+        "shape_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.shapes, a.feature_dim).padding_idx(kPad)));
+    uniform_rows(shape_embedding);
+    extra_embeddings = register_module("extra_embeddings", torch::nn::ModuleList());
+    for (int64_t v : a.extra) {
+      torch::nn::Embedding e(torch::nn::EmbeddingOptions(v, a.feature_dim).padding_idx(kPad));
+      uniform_rows(e);
+      extra_embeddings->push_back(e);
+    }
+    if (a.char_dim > 0) {
+      char_embedding = register_module(
+          "char_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.chars, a.char_dim).padding_idx(kPad)));
+      uniform_rows(char_embedding);
+      if (a.char_encoder == "bilstm") {
+        char_lstm = register_module(
+            "char_lstm", torch::nn::LSTM(torch::nn::LSTMOptions(a.char_dim, a.char_filters).bidirectional(true).batch_first(true)));
+        input += 2 * a.char_filters;
+      } else {
+        char_conv = register_module("char_conv",
+                                    torch::nn::Conv1d(torch::nn::Conv1dOptions(a.char_dim, a.char_filters, 3).padding(1)));
+        input += a.char_filters;
+      }
+    }
+    int64_t encoded = 2 * a.hidden;
+    if (a.encoder == "bilstm") {
+      lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(input, a.hidden)
+                                                         .num_layers(a.layers)
+                                                         .bidirectional(true)
+                                                         .batch_first(true)
+                                                         .dropout(a.layers > 1 ? a.dropout : 0.0)));
+    } else {
+      convolutions = register_module("convolutions", torch::nn::ModuleList());
+      convolutions->push_back(torch::nn::Conv1d(torch::nn::Conv1dOptions(input, encoded, 3).padding(1)));
+      for (int64_t l = 0; l < a.layers; ++l) {
+        const int64_t dilation = int64_t{1} << l;
+        convolutions->push_back(
+            torch::nn::Conv1d(torch::nn::Conv1dOptions(encoded, encoded, 3).padding(dilation).dilation(dilation)));
+      }
+    }
+    output = register_module("output", torch::nn::Linear(encoded, a.labels));
+    if (a.features > 0) hybrid_weights = register_parameter("hybrid_weights", at::zeros({a.features, a.labels}));
+    crf = register_module("crf", trellis::nn::CRF(a.labels));
+  }
+
+  at::Tensor dropout(const at::Tensor& x) {
+    return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(arch.dropout).training(is_training()));
+  }
+
+  // Emission scores [B,T,K], float32 (the encoder in bfloat16 under `bf16`).
+  at::Tensor emissions(const Batch& b, bool bf16) {
+    at::Tensor scores;
+    {
+      const Bf16Autocast autocast(bf16);
+      std::vector<at::Tensor> parts{word_embedding(b.words), shape_embedding(b.shapes)};
+      for (std::size_t i = 0; i < b.extra.size(); ++i)
+        parts.push_back(extra_embeddings[i]->as<torch::nn::Embedding>()->forward(b.extra[i]));
+      if (arch.char_dim > 0) {
+        // Max over each word's own characters only: padding would make a token's representation depend on the
+        // longest word of its batch.
+        at::Tensor c;
+        if (char_lstm) {
+          // The last states of both directions over each word's own characters.
+          const NoAutocast fp32;
+          namespace rnn = torch::nn::utils::rnn;
+          const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
+                                                        /*batch_first=*/true, /*enforce_sorted=*/false);
+          const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
+          c = at::cat({last[0], last[1]}, 1);  // [N,2H]
+        } else {
+          c = char_conv(dropout(char_embedding(b.chars)).transpose(1, 2));  // [N,F,L]
+          const at::Tensor past_end =
+              at::arange(c.size(2), b.char_lengths.options()).unsqueeze(0).ge(b.char_lengths.unsqueeze(1));
+          c = c.masked_fill(past_end.unsqueeze(1), -std::numeric_limits<float>::infinity()).amax(2);  // [N,F]
+        }
+        parts.push_back(at::zeros({b.B * b.T, c.size(1)}, c.options()).index_copy(0, b.positions, c).view({b.B, b.T, -1}));
+      }
+      for (auto& p : parts) p = p.to(at::kFloat);
+      at::Tensor x = dropout(at::cat(parts, 2));
+      at::Tensor h;
+      if (lstm) {
+        const NoAutocast fp32;
+        namespace rnn = torch::nn::utils::rnn;
+        const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/false);
+        h = std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)),
+                                                 /*batch_first=*/true, 0.0, b.T));
+      } else {
+        // Padding positions are zero after every layer, so a token's receptive field reads zeros past its sentence
+        // whatever the batch.
+        const at::Tensor keep = b.mask.unsqueeze(1).to(x.scalar_type());  // [B,1,T]
+        h = at::relu(convolutions[0]->as<torch::nn::Conv1d>()->forward(x.transpose(1, 2))) * keep;
+        for (std::size_t l = 1; l < convolutions->size(); ++l)
+          h = h + dropout(at::relu(convolutions[l]->as<torch::nn::Conv1d>()->forward(h))) * keep;
+        h = h.transpose(1, 2);
+      }
+      scores = output(dropout(h)).to(at::kFloat);
+    }
+    if (hybrid_weights.defined()) {
+      const at::Tensor sparse = std::get<0>(at::embedding_bag(hybrid_weights, b.feature_ids, b.feature_offsets));
+      scores = scores + at::zeros({b.B * b.T, arch.labels}, scores.options())
+                            .index_copy(0, b.positions, sparse)
+                            .view({b.B, b.T, arch.labels});
+    }
+    return scores;
+  }
+
+  Architecture arch;
+  torch::nn::Embedding word_embedding{nullptr}, shape_embedding{nullptr}, char_embedding{nullptr};
+  torch::nn::ModuleList extra_embeddings{nullptr}, convolutions{nullptr};
+  torch::nn::Conv1d char_conv{nullptr};
+  torch::nn::LSTM lstm{nullptr}, char_lstm{nullptr};
+  torch::nn::Linear output{nullptr};
+  at::Tensor hybrid_weights;
+  trellis::nn::CRF crf{nullptr};
+};
+TORCH_MODULE(Network);
+
+// A sentence as the network's ids.
+struct EncodedSentence {
+  std::vector<int64_t> words, shapes, chars, char_counts, tags, feature_ids, feature_counts;
+  std::vector<std::vector<int64_t>> extra;  // [column][token]
+  std::size_t size() const { return words.size(); }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+
+struct NeuralTagger::Impl {
+  NeuralTaggerOptions options;
+  std::vector<std::string> labels;
+  std::unordered_map<std::string, int64_t> label_ids;
+  std::size_t input_columns = 0;
+  ColumnLayout layout;
+  Vocabulary words, shapes, chars{{"<pad>", "<unk>", "<w>", "</w>"}};
+  std::vector<Vocabulary> extra;           // input columns 1.. (column 0 is the word)
+  std::vector<int64_t> word_counts;        // training occurrences per word id (training only)
+  std::unique_ptr<FeatureExtractor> hybrid;
+  Vocabulary features{std::vector<std::string>{}};  // hybrid's sparse features (no padding or unknown entries)
+  std::string scheme = "none";             // "BIO", "BIOES": decoding keeps to the chunk scheme of the labels
+  mutable Network net{nullptr};  // LibTorch's forward() methods are not const
+  at::Device device = at::kCPU;
+  bool bf16 = false;
+
+  Architecture architecture() const {
+    Architecture a;
+    a.encoder = options.encoder;
+    a.words = words.size();
+    a.word_dim = options.word_dim;
+    a.chars = chars.size();
+    a.char_dim = options.char_dim;
+    a.char_filters = options.char_filters;
+    a.char_encoder = options.char_encoder;
+    a.shapes = shapes.size();
+    a.feature_dim = options.feature_dim;
+    for (const auto& v : extra) a.extra.push_back(v.size());
+    a.hidden = options.hidden;
+    a.layers = options.layers;
+    a.labels = static_cast<int64_t>(labels.size());
+    a.features = hybrid ? features.size() : 0;
+    a.dropout = options.dropout;
+    return a;
+  }
+
+  void build_network() {
+    net = Network(architecture());
+    if (scheme != "none") net->crf->set_constraints(labels, scheme == "BIO" ? TagScheme::BIO : TagScheme::BIOES);
+  }
+
+  void set_labels(std::vector<std::string> l) {
+    labels = std::move(l);
+    label_ids.clear();
+    for (std::size_t i = 0; i < labels.size(); ++i)
+      if (!label_ids.emplace(labels[i], static_cast<int64_t>(i)).second) throw Error("duplicate label '" + labels[i] + "'");
+  }
+
+  int64_t label_id(const std::string& l) const {
+    const auto it = label_ids.find(l);
+    return it == label_ids.end() ? -1 : it->second;
+  }
+
+  // Sentence `index` (for messages) as ids; unknown labels are an Error naming `source` and the line when known.
+  EncodedSentence encode(const TokenRows& rows, const std::vector<std::string>* gold, std::size_t index,
+                         const std::string& source = "", std::size_t first_line = 0) const {
+    const auto where = [&](std::size_t t) {
+      return source.empty() || first_line == 0 ? "sentence " + std::to_string(index) + ", token " + std::to_string(t)
+                                               : source + ":" + std::to_string(first_line + t);
+    };
+    if (rows.empty()) throw Error("sentence " + std::to_string(index) + " is empty");
+    if (gold && gold->size() != rows.size())
+      throw Error("sentence " + std::to_string(index) + ": " + std::to_string(rows.size()) + " tokens but " +
+                  std::to_string(gold->size()) + " labels");
+    EncodedSentence e;
+    e.extra.resize(extra.size());
+    FeatureList feats;
+    for (std::size_t t = 0; t < rows.size(); ++t) {
+      const auto& row = rows[t];
+      if (row.size() != input_columns)
+        throw Error(where(t) + ": expected " + std::to_string(input_columns) + " input columns, found " +
+                    std::to_string(row.size()));
+      e.words.push_back(words.find(lowercase(row[0])));
+      e.shapes.push_back(shapes.find(word_shape(row[0])));
+      for (std::size_t c = 0; c < extra.size(); ++c) e.extra[c].push_back(extra[c].find(row[c + 1]));
+      const auto cps = code_points(row[0]);
+      const std::size_t n = std::min(cps.size(), kMaxWordChars);
+      e.chars.push_back(kWordBegin);
+      for (std::size_t i = 0; i < n; ++i) e.chars.push_back(chars.find(cps[i]));
+      e.chars.push_back(kWordEnd);
+      e.char_counts.push_back(static_cast<int64_t>(n + 2));
+      if (hybrid) {
+        feats.clear();
+        hybrid->extract(rows, t, feats);
+        const std::size_t before = e.feature_ids.size();
+        for (const std::string_view f : feats)
+          if (const int64_t id = features.find(f, -1); id >= 0) e.feature_ids.push_back(id);
+        e.feature_counts.push_back(static_cast<int64_t>(e.feature_ids.size() - before));
+      }
+      if (gold) {
+        const int64_t y = label_id((*gold)[t]);
+        if (y < 0) {
+          if (!source.empty() && first_line > 0)
+            throw ParseError(source, first_line + t, "label '" + (*gold)[t] + "' does not occur in the training data");
+          throw Error(where(t) + ": label '" + (*gold)[t] + "' was not seen in training");
+        }
+        e.tags.push_back(y);
+      }
+    }
+    return e;
+  }
+
+  std::vector<EncodedSentence> encode_all(const std::vector<const TokenRows*>& sentences,
+                                          const std::vector<const std::vector<std::string>*>* gold,
+                                          const std::string& source = "",
+                                          const std::vector<std::size_t>* first_lines = nullptr) const {
+    std::vector<EncodedSentence> out(sentences.size());
+    at::parallel_for(0, static_cast<int64_t>(sentences.size()), 64, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s)
+        out[s] = encode(*sentences[s], gold ? (*gold)[s] : nullptr, s, source,
+                        first_lines && static_cast<std::size_t>(s) < first_lines->size() ? (*first_lines)[s] : 0);
+    });
+    return out;
+  }
+
+  // The sentences as one padded batch on the model's device. With a random generator, training words become unknown
+  // with probability a/(a+c) (c: the word's training count).
+  Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout) const {
+    Batch b;
+    b.B = static_cast<int64_t>(sentences.size());
+    int64_t L = 0;
+    for (const auto* s : sentences) {
+      b.T = std::max<int64_t>(b.T, s->size());
+      b.N += static_cast<int64_t>(s->size());
+      for (int64_t c : s->char_counts) L = std::max(L, c);
+    }
+    const bool labelled = !sentences.empty() && !sentences.front()->tags.empty();
+    std::vector<int64_t> w(b.B * b.T, kPad), sh(b.B * b.T, kPad), tags(labelled ? b.B * b.T : 0, 0);
+    std::vector<std::vector<int64_t>> ex(extra.size(), std::vector<int64_t>(b.B * b.T, kPad));
+    std::vector<int64_t> ch(b.N * L, kPad), chl, pos, len, fid, foff;
+    std::vector<uint8_t> mask(b.B * b.T, 0);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    const double a = options.word_dropout;
+    for (int64_t i = 0; i < b.B; ++i) {
+      const EncodedSentence& s = *sentences[i];
+      len.push_back(static_cast<int64_t>(s.size()));
+      std::size_t c0 = 0, f0 = 0;
+      for (std::size_t t = 0; t < s.size(); ++t) {
+        const int64_t p = i * b.T + static_cast<int64_t>(t);
+        int64_t word = s.words[t];
+        if (word_dropout && a > 0 && word >= 2) {
+          const double count = word < static_cast<int64_t>(word_counts.size()) ? static_cast<double>(word_counts[word]) : 0.0;
+          if (uniform(*word_dropout) < a / (a + count)) word = kUnknown;
+        }
+        w[p] = word;
+        sh[p] = s.shapes[t];
+        for (std::size_t c = 0; c < extra.size(); ++c) ex[c][p] = s.extra[c][t];
+        if (labelled) tags[p] = s.tags[t];
+        mask[p] = 1;
+        const int64_t token = static_cast<int64_t>(pos.size());
+        for (int64_t k = 0; k < s.char_counts[t]; ++k) ch[token * L + k] = s.chars[c0 + k];
+        c0 += static_cast<std::size_t>(s.char_counts[t]);
+        chl.push_back(s.char_counts[t]);
+        pos.push_back(p);
+        if (hybrid) {
+          foff.push_back(static_cast<int64_t>(fid.size()));
+          fid.insert(fid.end(), s.feature_ids.begin() + f0, s.feature_ids.begin() + f0 + s.feature_counts[t]);
+          f0 += static_cast<std::size_t>(s.feature_counts[t]);
+        }
+      }
+    }
+    const auto on_device = [&](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
+      return at::tensor(v, at::kLong).view(shape).to(device);
+    };
+    b.words = on_device(w, {b.B, b.T});
+    b.shapes = on_device(sh, {b.B, b.T});
+    for (const auto& e : ex) b.extra.push_back(on_device(e, {b.B, b.T}));
+    b.chars = on_device(ch, {b.N, L});
+    b.char_lengths_cpu = at::tensor(chl, at::kLong);
+    b.char_lengths = b.char_lengths_cpu.to(device);
+    b.positions = on_device(pos, {b.N});
+    b.mask = at::tensor(at::ArrayRef<uint8_t>(mask), at::kByte).view({b.B, b.T}).to(device, at::kBool);
+    b.lengths = at::tensor(len, at::kLong);
+    if (labelled) b.tags = on_device(tags, {b.B, b.T});
+    if (hybrid) {
+      b.feature_ids = on_device(fid, {static_cast<int64_t>(fid.size())});
+      b.feature_offsets = on_device(foff, {b.N});
+    }
+    return b;
+  }
+
+  // Length-sorted chunks of at most kTagSentences sentences and kTagTokens padded tokens (fewer when
+  // `cell_bytes` per padded token makes a chunk exceed `max_bytes`); the callback gets each chunk's sentence indices.
+  void for_each_chunk(const std::vector<const EncodedSentence*>& sentences, double cell_bytes, double max_bytes,
+                      const std::function<void(const std::vector<std::size_t>&)>& run) const {
+    std::vector<std::size_t> order(sentences.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t x, std::size_t y) { return sentences[x]->size() < sentences[y]->size(); });
+    for (std::size_t i = 0; i < order.size();) {
+      std::vector<std::size_t> chunk{order[i++]};
+      while (i < order.size()) {
+        const double padded = static_cast<double>(chunk.size() + 1) * static_cast<double>(sentences[order[i]]->size());
+        if (static_cast<int64_t>(chunk.size()) >= kTagSentences || padded > kTagTokens || padded * cell_bytes > max_bytes)
+          break;
+        chunk.push_back(order[i++]);
+      }
+      run(chunk);
+    }
+  }
+
+  at::Tensor emissions_of(const std::vector<const EncodedSentence*>& sentences, const std::vector<std::size_t>& chunk,
+                          Batch* out) const {
+    std::vector<const EncodedSentence*> picked;
+    for (std::size_t s : chunk) picked.push_back(sentences[s]);
+    *out = batch(picked, nullptr);
+    return net->emissions(*out, bf16);
+  }
+
+  // Viterbi label ids of every sentence (and, with marginals, each chosen label's marginal and the sequence's
+  // probability).
+  std::vector<TaggedSentence> decode(const std::vector<const EncodedSentence*>& sentences, bool with_marginals) const {
+    c10::NoGradGuard no_grad;
+    std::vector<TaggedSentence> out(sentences.size());
+    for_each_chunk(sentences, 0, 1, [&](const std::vector<std::size_t>& chunk) {
+      Batch b;
+      const at::Tensor e = emissions_of(sentences, chunk, &b);
+      const ViterbiResult v = net->crf->decode(e, b.mask);
+      const at::Tensor path = v.path.cpu();
+      const auto P = path.accessor<int64_t, 2>();
+      at::Tensor chosen, probability;
+      if (with_marginals) {
+        const Marginals m = net->crf->marginals(e, b.mask);
+        chosen = m.nodes.gather(2, v.path.clamp_min(0).unsqueeze(2)).squeeze(2).to(at::kCPU, at::kDouble);
+        probability = (v.score - m.log_partition).exp().to(at::kCPU, at::kDouble);
+      }
+      for (std::size_t i = 0; i < chunk.size(); ++i) {
+        TaggedSentence& s = out[chunk[i]];
+        for (std::size_t t = 0; t < sentences[chunk[i]]->size(); ++t) {
+          s.labels.push_back(labels[P[i][t]]);
+          if (with_marginals) s.marginals.push_back(chosen.accessor<double, 2>()[i][t]);
+        }
+        if (with_marginals) s.probability = probability.data_ptr<double>()[i];
+      }
+    });
+    return out;
+  }
+
+  std::vector<std::vector<TaggedSentence>> kbest(const std::vector<const EncodedSentence*>& sentences, int64_t k) const {
+    if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
+    c10::NoGradGuard no_grad;
+    const double K = static_cast<double>(labels.size());
+    const double cell = K * static_cast<double>(k) * (sizeof(int64_t) + sizeof(double));  // per padded token
+    for (const auto* s : sentences)
+      if (static_cast<double>(s->size()) * cell > static_cast<double>(CrfTagger::kMaxKBestBytes))
+        throw Error(std::to_string(k) + "-best tables of a sentence of " + std::to_string(s->size()) + " tokens and " +
+                    std::to_string(labels.size()) + " labels need more than the " +
+                    std::to_string(CrfTagger::kMaxKBestBytes >> 20) + " MiB allowed: ask for fewer");
+    std::vector<std::vector<TaggedSentence>> out(sentences.size());
+    for_each_chunk(sentences, cell, static_cast<double>(CrfTagger::kMaxKBestBytes), [&](const std::vector<std::size_t>& chunk) {
+      Batch b;
+      const at::Tensor e = emissions_of(sentences, chunk, &b);
+      const KBestResult kb = net->crf->kbest(e, k, b.mask);
+      const at::Tensor prob = (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
+      const at::Tensor paths = kb.paths.cpu();
+      const auto Pa = paths.accessor<int64_t, 3>();
+      const auto Pr = prob.accessor<double, 2>();
+      for (std::size_t i = 0; i < chunk.size(); ++i) {
+        std::vector<TaggedSentence> alternatives;
+        for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
+          TaggedSentence s;
+          for (std::size_t t = 0; t < sentences[chunk[i]]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
+          s.probability = Pr[i][n];
+          alternatives.push_back(std::move(s));
+        }
+        out[chunk[i]] = std::move(alternatives);
+      }
+    });
+    return out;
+  }
+
+  void move_to(const at::Device& d, const std::string& precision) {
+    if (precision != "auto" && precision != "bf16" && precision != "fp32")
+      throw Error("--precision must be auto, bf16 or fp32, not '" + precision + "'");
+    if (precision == "bf16" && !d.is_cuda()) throw Error("--precision bf16 needs --device cuda (the CPU runs fp32)");
+    net->to(d);
+    device = d;
+    bf16 = d.is_cuda() && precision != "fp32";
+  }
+
+  std::string hyperparameters() const {
+    std::ostringstream s;
+    s << "encoder=" << options.encoder << "\nword_dim=" << options.word_dim << "\nchar_dim=" << options.char_dim
+      << "\nchar_filters=" << options.char_filters << "\nchar_encoder=" << options.char_encoder
+      << "\nfeature_dim=" << options.feature_dim
+      << "\nhidden=" << options.hidden << "\nlayers=" << options.layers << "\ndropout=" << show(options.dropout)
+      << "\nscheme=" << scheme << "\n";
+    return s.str();
+  }
+};
+
+namespace {
+
+// "BIO" or "BIOES" when every label is O or a chunk label of that scheme, "none" otherwise.
+std::string chunk_scheme(const std::vector<std::string>& labels) {
+  bool chunk = false, bioes = false;
+  for (const auto& l : labels) {
+    if (l == "O") continue;
+    if (l.size() < 3 || l[1] != '-') return "none";
+    const char p = l[0];
+    if (p == 'E' || p == 'S') bioes = true;
+    else if (p != 'B' && p != 'I') return "none";
+    chunk = true;
+  }
+  return chunk ? (bioes ? "BIOES" : "BIO") : "none";
+}
+
+void check_options(const NeuralTaggerOptions& o) {
+  if (o.encoder != "bilstm" && o.encoder != "cnn")
+    throw Error("--encoder must be bilstm, cnn or none, not '" + o.encoder + "'");
+  const auto at_least = [](int64_t v, int64_t least, const char* flag) {
+    if (v < least) throw Error(std::string(flag) + " must be at least " + std::to_string(least) + ", not " + std::to_string(v));
+  };
+  const auto probability = [](double v, const char* flag) {
+    if (!std::isfinite(v) || v < 0 || v >= 1) throw Error(std::string(flag) + " must be in [0, 1), not " + show(v));
+  };
+  at_least(o.word_dim, 0, "--embedding-dim");
+  at_least(o.char_dim, 0, "--char-dim");
+  if (o.char_dim > 0) at_least(o.char_filters, 1, "--char-filters");
+  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm")
+    throw Error("--char-encoder must be cnn or bilstm, not '" + o.char_encoder + "'");
+  at_least(o.feature_dim, 1, "--feature-dim");
+  at_least(o.hidden, 1, "--hidden");
+  at_least(o.layers, 1, "--layers");
+  if (o.encoder == "bilstm" && o.layers > 8) throw Error("--layers must be at most 8, not " + std::to_string(o.layers));
+  if (o.encoder == "cnn" && o.layers > 16) throw Error("--layers must be at most 16 for --encoder cnn, not " + std::to_string(o.layers));
+  probability(o.dropout, "--dropout");
+  if (!std::isfinite(o.word_dropout) || o.word_dropout < 0)
+    throw Error("--word-dropout must be a finite number >= 0, not " + show(o.word_dropout));
+  at_least(o.epochs, 1, "--epochs");
+  if (o.batch_size < 1 || o.batch_size > (std::size_t{1} << 31))
+    throw Error("--batch-size must be at least 1, not " + std::to_string(static_cast<int64_t>(o.batch_size)));
+  if (!std::isfinite(o.learning_rate) || o.learning_rate <= 0)
+    throw Error("--lr must be a finite number > 0, not " + show(o.learning_rate));
+  if (!std::isfinite(o.lr_decay) || o.lr_decay <= 0 || o.lr_decay > 1)
+    throw Error("--lr-decay must be in (0, 1], not " + show(o.lr_decay));
+  if (!std::isfinite(o.clip) || o.clip < 0) throw Error("--clip must be a finite number >= 0 (0: off), not " + show(o.clip));
+  at_least(o.patience, 0, "--patience");
+  at_least(o.threads, 0, "--threads");
+  at_least(o.min_feature_count, 1, "--min-freq");
+  if (!std::isfinite(o.c2) || o.c2 < 0) throw Error("--c2 must be a finite number >= 0, not " + show(o.c2));
+  if (o.precision != "auto" && o.precision != "bf16" && o.precision != "fp32")
+    throw Error("--precision must be auto, bf16 or fp32, not '" + o.precision + "'");
+}
+
+// Scales the gradients so that their joint norm is at most max_norm, as torch::nn::utils::clip_grad_norm_ does, but
+// without reading the norm back to the host (which would wait for the device every step).
+void clip_gradient_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return;
+  const at::Tensor total = at::stack(at::_foreach_norm(grads, 2)).norm();
+  at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
+}
+
+// word2vec/GloVe text vectors: an optional "COUNT DIM" line, then "word v1 ... vD" per line. Words are lowercased as
+// the vocabulary is (the first vector of a lowercased form wins).
+std::vector<std::pair<std::string, std::vector<float>>> read_embeddings(const std::string& path) {
+  std::ifstream in = open_input_file(path, "embeddings");
+  std::vector<std::pair<std::string, std::vector<float>>> out;
+  std::unordered_map<std::string, int> seen;
+  std::string line;
+  std::size_t dim = 0, number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::istringstream fields(line);
+    std::string word;
+    if (!(fields >> word)) continue;
+    std::vector<float> v;
+    std::string field;
+    while (fields >> field) {
+      char* end = nullptr;
+      errno = 0;
+      const float x = std::strtof(field.c_str(), &end);
+      if (end == field.c_str() || *end != '\0' || !std::isfinite(x))
+        throw ParseError(path, number, "'" + field + "' is not a finite number");
+      v.push_back(x);
+    }
+    if (number == 1 && v.size() == 1) continue;  // word2vec's "COUNT DIM" header
+    if (v.empty()) throw ParseError(path, number, "a word without a vector");
+    if (dim == 0) dim = v.size();
+    if (v.size() != dim)
+      throw ParseError(path, number, "expected " + std::to_string(dim) + " values after the word, found " + std::to_string(v.size()));
+    if (seen.emplace(lowercase(word), 0).second) out.emplace_back(lowercase(word), std::move(v));
+  }
+  if (in.bad()) throw Error("error reading embeddings '" + path + "': " + std::strerror(errno));
+  if (out.empty()) throw Error("'" + path + "': no word vectors");
+  return out;
+}
+
+}  // namespace
+
+NeuralTagger::NeuralTagger(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NeuralTagger::NeuralTagger(NeuralTagger&&) noexcept = default;
+NeuralTagger& NeuralTagger::operator=(NeuralTagger&&) noexcept = default;
+NeuralTagger::~NeuralTagger() = default;
+
+const std::vector<std::string>& NeuralTagger::labels() const { return impl_->labels; }
+int64_t NeuralTagger::label_id(const std::string& label) const { return impl_->label_id(label); }
+std::size_t NeuralTagger::input_columns() const { return impl_->input_columns; }
+const ColumnLayout& NeuralTagger::layout() const { return impl_->layout; }
+const NeuralTaggerOptions& NeuralTagger::options() const { return impl_->options; }
+bool NeuralTagger::hybrid() const { return impl_->hybrid != nullptr; }
+
+void NeuralTagger::set_layout(ColumnLayout layout) {
+  if (layout.inputs.size() != impl_->input_columns || layout.label >= layout.columns)
+    throw Error("a column layout with " + std::to_string(layout.inputs.size()) + " inputs (" + layout.describe() +
+                ") does not fit a model of " + std::to_string(impl_->input_columns) + " input columns");
+  impl_->layout = std::move(layout);
+}
+
+std::size_t NeuralTagger::num_parameters() const {
+  std::size_t n = 0;
+  for (const auto& p : impl_->net->parameters()) n += static_cast<std::size_t>(p.numel());
+  return n;
+}
+
+std::string NeuralTagger::describe() const {
+  const Impl& m = *impl_;
+  const NeuralTaggerOptions& o = m.options;
+  std::ostringstream s;
+  s << "encoder: " << o.encoder << " (" << o.layers << (o.encoder == "bilstm" ? " layers of " : " dilated blocks of ")
+    << (o.encoder == "bilstm" ? o.hidden : 2 * o.hidden) << (o.encoder == "bilstm" ? " units per direction" : " channels")
+    << ", dropout " << o.dropout << ")\n";
+  s << "inputs: words " << m.words.size() << " x " << o.word_dim << ", shapes " << m.shapes.size() << " x "
+    << o.feature_dim;
+  if (o.char_dim > 0)
+    s << ", characters " << m.chars.size() << " x " << o.char_dim
+      << (o.char_encoder == "bilstm" ? " -> BiLSTM 2 x " : " -> CNN ") << o.char_filters;
+  for (std::size_t c = 0; c < m.extra.size(); ++c)
+    s << ", input column " << c + 1 << " " << m.extra[c].size() << " x " << o.feature_dim;
+  s << "\n";
+  if (m.hybrid) s << "hybrid sparse features: " << m.features.size() << " (" << m.hybrid->spec().substr(0, 60) << ")\n";
+  s << "decoding constraints: " << m.scheme << "\nparameters: " << num_parameters() << "\n";
+  return s.str();
+}
+
+void NeuralTagger::to(const at::Device& device, const std::string& precision) { impl_->move_to(device, precision); }
+
+std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences, bool with_marginals) const {
+  const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
+  std::vector<const EncodedSentence*> ptrs;
+  for (const auto& e : encoded) ptrs.push_back(&e);
+  impl_->net->eval();
+  return impl_->decode(ptrs, with_marginals);
+}
+
+std::vector<std::vector<TaggedSentence>> NeuralTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
+                                                                  int64_t k) const {
+  if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
+  const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
+  std::vector<const EncodedSentence*> ptrs;
+  for (const auto& e : encoded) ptrs.push_back(&e);
+  impl_->net->eval();
+  return impl_->kbest(ptrs, k);
+}
+
+void NeuralTagger::save(const std::string& path) const {
+  const Impl& m = *impl_;
+  ModelWriter w;
+  w.buffer().append(kMagic, sizeof kMagic);
+  w.pod<uint32_t>(kFormatVersion);
+  w.str(kKind);
+  w.str(m.hyperparameters());
+  w.pod<uint64_t>(m.input_columns);
+  w.pod<uint64_t>(m.layout.columns);
+  w.pod<uint64_t>(m.layout.label);
+  for (std::size_t c : m.layout.inputs) w.pod<uint64_t>(c);
+  w.strings(m.labels);
+  w.strings(m.words.items());
+  w.strings(m.shapes.items());
+  w.strings(m.chars.items());
+  for (const auto& v : m.extra) w.strings(v.items());
+  w.str(m.hybrid ? m.hybrid->spec() : "");
+  if (m.hybrid) w.strings(m.features.items());
+  const auto named = m.net->named_parameters(/*recurse=*/true);
+  w.pod<uint64_t>(named.size());
+  for (const auto& p : named) {
+    w.str(p.key());
+    w.pod<uint64_t>(static_cast<uint64_t>(p.value().dim()));
+    for (int64_t d : p.value().sizes()) w.pod<int64_t>(d);
+    w.floats(p.value());
+  }
+  w.pod<uint64_t>(fnv1a(w.buffer().data(), w.buffer().size()));
+  write_file_atomically(path, [&](std::ostream& out) { out.write(w.buffer().data(), w.buffer().size()); });
+}
+
+bool NeuralTagger::is_model_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[sizeof kMagic];
+  return in && in.read(head, sizeof head) && std::memcmp(head, kMagic, sizeof kMagic) == 0;
+}
+
+NeuralTagger NeuralTagger::load(const std::string& path) {
+  std::ifstream in = open_input_file(path, "model");
+  std::string data(sizeof kMagic, '\0');
+  if (!in.read(data.data(), sizeof kMagic) || std::memcmp(data.data(), kMagic, sizeof kMagic) != 0)
+    throw Error("'" + path + "' is not a Trellis neural CRF model");
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) data.append(chunk, in.gcount());
+  if (in.bad()) throw Error("error reading model '" + path + "': " + std::strerror(errno));
+  ModelReader r(data, sizeof kMagic, data.size() >= sizeof kMagic + sizeof(uint64_t) ? data.size() - sizeof(uint64_t) : sizeof kMagic, path,
+                "neural CRF model file");
+  const auto version = r.pod<uint32_t>();
+  if (version != kFormatVersion)
+    throw Error("'" + path + "': neural CRF model format version " + std::to_string(version) +
+                " is not supported (this Trellis reads version " + std::to_string(kFormatVersion) + ")");
+  uint64_t stored;
+  std::memcpy(&stored, data.data() + data.size() - sizeof stored, sizeof stored);
+  if (stored != fnv1a(data.data(), data.size() - sizeof stored)) r.corrupt("checksum mismatch: truncated or modified");
+  if (const std::string kind = r.str(); kind != kKind) r.corrupt("kind '" + kind + "', expected '" + kKind + "'");
+
+  auto m = std::make_unique<Impl>();
+  std::map<std::string, std::string> hp;
+  {
+    std::istringstream lines(r.str());
+    std::string line;
+    while (std::getline(lines, line)) {
+      const auto eq = line.find('=');
+      if (eq == std::string::npos) r.corrupt("hyper-parameter line '" + line + "'");
+      hp[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+  }
+  const auto text = [&](const char* key) {
+    const auto it = hp.find(key);
+    if (it == hp.end()) r.corrupt(std::string("hyper-parameter '") + key + "' missing");
+    return it->second;
+  };
+  const auto integer = [&](const char* key, int64_t least, int64_t most) {
+    const std::string v = text(key);
+    char* end = nullptr;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < least || x > most) r.corrupt(std::string("hyper-parameter ") + key + "=" + v);
+    return static_cast<int64_t>(x);
+  };
+  NeuralTaggerOptions& o = m->options;
+  o.encoder = text("encoder");
+  if (o.encoder != "bilstm" && o.encoder != "cnn") r.corrupt("encoder '" + o.encoder + "'");
+  constexpr int64_t kMaxDim = int64_t{1} << 16;
+  o.word_dim = integer("word_dim", 1, kMaxDim);
+  o.char_dim = integer("char_dim", 0, kMaxDim);
+  o.char_filters = integer("char_filters", o.char_dim > 0 ? 1 : 0, kMaxDim);
+  o.char_encoder = text("char_encoder");
+  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm") r.corrupt("character encoder '" + o.char_encoder + "'");
+  o.feature_dim = integer("feature_dim", 1, kMaxDim);
+  o.hidden = integer("hidden", 1, kMaxDim);
+  o.layers = integer("layers", 1, 16);
+  {
+    const std::string v = text("dropout");
+    char* end = nullptr;
+    o.dropout = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(o.dropout >= 0 && o.dropout < 1)) r.corrupt("hyper-parameter dropout=" + v);
+  }
+  m->scheme = text("scheme");
+  if (m->scheme != "none" && m->scheme != "BIO" && m->scheme != "BIOES") r.corrupt("scheme '" + m->scheme + "'");
+
+  m->input_columns = r.count(sizeof(uint64_t), "input column");
+  if (m->input_columns < 1) r.corrupt("no input columns");
+  ColumnLayout layout = ColumnLayout::inputs_then_label(m->input_columns);
+  layout.columns = r.pod<uint64_t>();
+  layout.label = r.pod<uint64_t>();
+  if (layout.columns <= m->input_columns || layout.label >= layout.columns) r.corrupt("column layout");
+  for (auto& c : layout.inputs) {
+    c = r.pod<uint64_t>();
+    if (c >= layout.columns || c == layout.label) r.corrupt("column layout");
+  }
+  m->layout = std::move(layout);
+  std::vector<std::string> labels = r.strings("label");
+  if (labels.empty()) r.corrupt("no labels");
+  try {
+    m->set_labels(std::move(labels));
+  } catch (const Error& e) {
+    r.corrupt(e.what());
+  }
+  const auto vocabulary = [&](const std::string& what, std::size_t reserved) {
+    std::vector<std::string> items = r.strings(what);
+    if (items.size() < reserved) r.corrupt(what + " vocabulary");
+    Vocabulary v(std::move(items));
+    if (!v.unique()) r.corrupt(what + " vocabulary repeats an entry");
+    return v;
+  };
+  m->words = vocabulary("word", 2);
+  m->shapes = vocabulary("shape", 2);
+  m->chars = vocabulary("character", 4);
+  for (std::size_t c = 1; c < m->input_columns; ++c) m->extra.push_back(vocabulary("column " + std::to_string(c), 2));
+  if (const std::string spec = r.str(); !spec.empty()) {
+    try {
+      m->hybrid = FeatureExtractor::from_spec(spec);
+      m->hybrid->validate(m->input_columns, path);
+    } catch (const Error& e) {
+      r.corrupt(std::string("hybrid feature set: ") + e.what());
+    }
+    m->features = Vocabulary(r.strings("feature"));
+    if (!m->features.unique()) r.corrupt("feature list repeats an entry");
+  }
+  {
+    // The embedding tables alone must fit the rest of the file before anything is allocated for them.
+    const double table_bytes =
+        sizeof(float) * (static_cast<double>(m->words.size()) * static_cast<double>(o.word_dim) +
+                         static_cast<double>(m->chars.size()) * static_cast<double>(o.char_dim) +
+                         static_cast<double>(m->hybrid ? m->features.size() : 0) * static_cast<double>(m->labels.size()));
+    if (table_bytes > static_cast<double>(r.remaining())) r.corrupt("the parameters exceed the file");
+  }
+  m->build_network();
+  auto named = m->net->named_parameters(/*recurse=*/true);
+  const uint64_t stored_parameters = r.pod<uint64_t>();
+  if (stored_parameters != named.size())
+    r.corrupt(std::to_string(stored_parameters) + " parameter tensors, the architecture has " + std::to_string(named.size()));
+  for (auto& p : named) {
+    const std::string name = r.str();
+    if (name != p.key()) r.corrupt("parameter '" + name + "' where the architecture has '" + p.key() + "'");
+    const uint64_t rank = r.pod<uint64_t>();
+    std::vector<int64_t> shape;
+    for (uint64_t d = 0; d < rank && d < 8; ++d) shape.push_back(r.pod<int64_t>());
+    if (rank != static_cast<uint64_t>(p.value().dim()) || shape != p.value().sizes().vec())
+      r.corrupt("parameter '" + name + "' has a shape that does not fit the architecture");
+    r.floats_into(p.value(), "parameter '" + name + "'");
+  }
+  if (!r.done()) r.corrupt("trailing bytes");
+  m->net->eval();
+  return NeuralTagger(std::move(m));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSentences* dev,
+                                 std::unique_ptr<FeatureExtractor> hybrid, const NeuralTaggerOptions& o,
+                                 const std::function<void(const NeuralEpoch&)>& on_epoch, NeuralTrainSummary* summary) {
+  const auto t0 = Clock::now();
+  const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  check_options(o);
+  start_training(train, o.threads);
+  const at::Device device(o.device);
+  at::manual_seed(o.seed);  // the CPU generator and every CUDA one
+  std::mt19937_64 rng(o.seed);
+
+  auto m = std::make_unique<NeuralTagger::Impl>();
+  m->options = o;
+  m->input_columns = train.inputs.front().front().size();
+  m->layout = ColumnLayout::inputs_then_label(m->input_columns);
+  if (m->options.word_dim == 0) m->options.word_dim = kDefaultWordDim;
+  m->extra.resize(m->input_columns - 1);
+  {
+    std::vector<std::string> labels;
+    std::unordered_map<std::string, int> seen;
+    for (const auto& s : train.labels)
+      for (const auto& l : s)
+        if (seen.emplace(l, 0).second) labels.push_back(l);
+    m->set_labels(std::move(labels));
+  }
+  m->scheme = chunk_scheme(m->labels);
+  // Vocabularies in first-seen order, so that the same data give the same ids.
+  for (std::size_t s = 0; s < train.inputs.size(); ++s)
+    for (std::size_t t = 0; t < train.inputs[s].size(); ++t) {
+      const auto& row = train.inputs[s][t];
+      if (row.size() != m->input_columns)
+        throw ParseError(train.source, (s < train.first_lines.size() ? train.first_lines[s] : 0) + t,
+                         "expected " + std::to_string(m->input_columns) + " input columns, found " + std::to_string(row.size()));
+      const int64_t w = m->words.add(lowercase(row[0]));
+      if (w >= static_cast<int64_t>(m->word_counts.size())) m->word_counts.resize(w + 1, 0);
+      ++m->word_counts[w];
+      m->shapes.add(word_shape(row[0]));
+      for (const std::string_view cp : code_points(row[0])) m->chars.add(std::string(cp));
+      for (std::size_t c = 1; c < m->input_columns; ++c) m->extra[c - 1].add(row[c]);
+    }
+  std::vector<std::pair<std::string, std::vector<float>>> pretrained;
+  if (!o.pretrained_embeddings.empty()) {
+    pretrained = read_embeddings(o.pretrained_embeddings);
+    const int64_t dim = static_cast<int64_t>(pretrained.front().second.size());
+    if (o.word_dim != 0 && o.word_dim != dim)
+      throw Error("--embedding-dim " + std::to_string(o.word_dim) + " differs from the " + std::to_string(dim) +
+                  " dimensions of '" + o.pretrained_embeddings + "' (leave it out to take the file's)");
+    m->options.word_dim = dim;
+    for (const auto& [word, v] : pretrained) m->words.add(word);
+  }
+  if (hybrid) {
+    hybrid->validate(m->input_columns, train.source);
+    std::unordered_map<std::string, int64_t> counts;
+    std::vector<std::string> order;
+    FeatureList feats;
+    for (const auto& rows : train.inputs)
+      for (std::size_t t = 0; t < rows.size(); ++t) {
+        feats.clear();
+        hybrid->extract(rows, t, feats);
+        for (const std::string_view f : feats) {
+          auto [it, fresh] = counts.emplace(std::string(f), 0);
+          if (fresh) order.push_back(it->first);
+          ++it->second;
+        }
+      }
+    std::vector<std::string> kept;
+    for (auto& f : order)
+      if (counts[f] >= o.min_feature_count) kept.push_back(std::move(f));
+    m->features = Vocabulary(std::move(kept));
+    m->hybrid = std::move(hybrid);
+  }
+  m->build_network();
+  if (!pretrained.empty()) {
+    c10::NoGradGuard no_grad;
+    at::Tensor table = m->net->word_embedding->weight;
+    for (const auto& [word, v] : pretrained)
+      table[m->words.find(word)].copy_(at::tensor(v, at::kFloat));
+  }
+
+  const auto gather = [](const LabeledSentences& d) {
+    std::pair<std::vector<const TokenRows*>, std::vector<const std::vector<std::string>*>> p;
+    for (std::size_t s = 0; s < d.inputs.size(); ++s) p.first.push_back(&d.inputs[s]), p.second.push_back(&d.labels[s]);
+    return p;
+  };
+  const auto [train_rows, train_gold] = gather(train);
+  const std::vector<EncodedSentence> train_set = m->encode_all(train_rows, &train_gold, train.source, &train.first_lines);
+  std::vector<EncodedSentence> dev_set;
+  if (dev) {
+    const auto [dev_rows, dev_gold] = gather(*dev);
+    dev_set = m->encode_all(dev_rows, &dev_gold, dev->source, &dev->first_lines);
+  }
+  std::vector<const EncodedSentence*> dev_ptrs;
+  for (const auto& e : dev_set) dev_ptrs.push_back(&e);
+  m->move_to(device, o.precision);
+
+  torch::optim::Adam adam(m->net->parameters(), torch::optim::AdamOptions(o.learning_rate));
+  NeuralTrainSummary sum;
+  for (const auto& p : m->net->parameters()) sum.parameters += static_cast<std::size_t>(p.numel());
+  sum.words = static_cast<std::size_t>(m->words.size());
+  sum.characters = static_cast<std::size_t>(m->chars.size());
+  sum.features = m->hybrid ? static_cast<std::size_t>(m->features.size()) : 0;
+  sum.setup_seconds = elapsed();
+  int64_t train_tokens = 0;
+  for (const auto& e : train_set) train_tokens += static_cast<int64_t>(e.size());
+
+  std::vector<at::Tensor> best;
+  double best_score = -1;
+  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+    const auto epoch_start = Clock::now();
+    const double lr = o.learning_rate * std::pow(o.lr_decay, epoch - 1);
+    for (auto& group : adam.param_groups()) group.options().set_lr(lr);
+    // Buckets of similar lengths: a random order, sorted by length (ties stay random), cut into minibatches whose
+    // order is shuffled.
+    std::vector<std::size_t> order(train_set.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t x, std::size_t y) { return train_set[x].size() < train_set[y].size(); });
+    std::vector<std::vector<const EncodedSentence*>> batches;
+    for (std::size_t i = 0; i < order.size(); i += o.batch_size) {
+      std::vector<const EncodedSentence*> b;
+      for (std::size_t j = i; j < std::min(order.size(), i + o.batch_size); ++j) b.push_back(&train_set[order[j]]);
+      batches.push_back(std::move(b));
+    }
+    std::shuffle(batches.begin(), batches.end(), rng);
+    m->net->train();
+    at::Tensor total = at::zeros({}, at::TensorOptions().device(device));
+    for (const auto& sentences : batches) {
+      const Batch b = m->batch(sentences, &rng);
+      adam.zero_grad();
+      const at::Tensor nll = -m->net->crf->forward(m->net->emissions(b, m->bf16), b.tags, b.mask, "sum");
+      (nll / static_cast<double>(b.B)).backward();
+      if (m->hybrid && o.c2 > 0) {
+        // The batch's share (by tokens) of c2·‖w‖², scaled as its log-likelihood is: the gradient only.
+        c10::NoGradGuard no_grad;
+        const at::Tensor& w = m->net->hybrid_weights;
+        w.mutable_grad().add_(w, 2 * o.c2 * static_cast<double>(b.N) / static_cast<double>(train_tokens) /
+                                     static_cast<double>(b.B));
+      }
+      if (o.clip > 0) clip_gradient_norm(m->net->parameters(), o.clip);
+      adam.step();
+      total += nll.detach();
+    }
+    const double loss = total.item<double>() / static_cast<double>(train_tokens);
+    const double train_seconds = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+    if (!std::isfinite(loss))
+      throw Error("training diverged in epoch " + std::to_string(epoch) + ": the loss is " + show(loss) +
+                  "; a smaller --lr or --clip may help");
+    NeuralEpoch rec{epoch, loss, lr, static_cast<double>(train_tokens) / std::max(train_seconds, 1e-9), 0, std::nullopt, std::nullopt};
+    sum.epochs = epoch;
+    bool stop = false;
+    if (dev) {
+      m->net->eval();
+      const std::vector<TaggedSentence> tagged = m->decode(dev_ptrs, false);
+      ChunkEvaluation ev;
+      for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(dev->labels[s], tagged[s].labels);
+      rec.dev_accuracy = ev.accuracy();
+      const bool chunks = ev.overall.gold > 0;
+      if (chunks) rec.dev_f1 = ev.overall.f1();
+      const double score = chunks ? *rec.dev_f1 : *rec.dev_accuracy;
+      if (score > best_score) {
+        best_score = score;
+        sum.best_epoch = epoch;
+        sum.best_dev_accuracy = rec.dev_accuracy;
+        sum.best_dev_f1 = rec.dev_f1;
+        sum.seconds_to_best = elapsed();
+        best.clear();
+        for (const auto& p : m->net->parameters()) best.push_back(p.detach().clone());
+      }
+      if (o.patience > 0 && epoch - sum.best_epoch >= o.patience) sum.stopped_early = stop = true;
+    }
+    rec.seconds = elapsed();
+    if (on_epoch) on_epoch(rec);
+    if (stop) break;
+  }
+  if (!best.empty()) {
+    c10::NoGradGuard no_grad;
+    auto params = m->net->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(best[i]);
+  } else {
+    sum.best_epoch = sum.epochs;
+    sum.seconds_to_best = elapsed();
+  }
+  m->net->eval();
+  m->move_to(at::kCPU, "auto");
+  m->word_counts.clear();
+  sum.seconds = elapsed();
+  if (summary) *summary = sum;
+  return NeuralTagger(std::move(m));
+}
+
+}  // namespace trellis
