@@ -60,6 +60,13 @@ at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::T
                                         const at::Tensor& lengths, const std::vector<int64_t>& longest_first,
                                         double threshold, at::Tensor& offset);
 
+// The same recursion keeping every step's messages: returns them as [S,B,K] (S the longest length; rows of sequences
+// past their end are not written) and sets offset [B] and last [B,K], each sequence's messages at its end.
+at::Tensor rebased_scaled_chain_messages(const at::Tensor& emissions, const at::Tensor& transitions,
+                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
+                                         const at::Tensor& lengths, const std::vector<int64_t>& longest_first,
+                                         double threshold, at::Tensor& offset, at::Tensor& last);
+
 // Viterbi for many labels (cuda/many_label_viterbi.cu), any number of sequences: whether it takes K labels, and the
 // best label sequences path [B,T] (int64, -1 at padding) with their scores [B], given emissions [B,T,K], transitions
 // [K,K], start [K], end [K] (contiguous, one floating dtype) and lengths [B] int64 in [1, T]. Messages are rebased

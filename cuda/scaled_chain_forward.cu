@@ -283,10 +283,13 @@ void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P,
 
 // The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step. Given
 // the lengths on the host, non-increasing (the batch longest first), each step launches only the sequences still
-// running, a prefix of the batch, and every sequence's message is kept apart at its last position.
+// running, a prefix of the batch, and every sequence's message is kept apart at its last position. Given
+// `every_step` (with longest_first), the messages of step t are written to every_step[t] ([T,B,K], rows of
+// sequences past their end left as they were) instead of a pair of buffers used in turn.
 at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
                             const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
-                            double threshold, double* offset_data, const std::vector<int64_t>* longest_first) {
+                            double threshold, double* offset_data, const std::vector<int64_t>* longest_first,
+                            at::Tensor* every_step = nullptr) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
   const c10::cuda::CUDAGuard guard(emissions.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -302,6 +305,7 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
   at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
   const at::Tensor last = longest_first ? at::empty({B, K}, emissions.options()) : at::Tensor();
   const int64_t steps = longest_first ? std::min<int64_t>(Tn, longest_first->front()) : Tn;
+  if (every_step) *every_step = at::empty({steps, B, K}, emissions.options());
   const auto running = [&](int64_t t) {
     if (!longest_first) return B;
     const auto& l = *longest_first;
@@ -318,16 +322,19 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
       const T *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
       const int64_t* len = lengths.data_ptr<int64_t>();
       T* kept = last.defined() ? last.data_ptr<T>() : nullptr;
+      T* kept_steps = every_step ? every_step->data_ptr<T>() : nullptr;
       for (int t = 0; t < steps; ++t) {
         const int active = static_cast<int>(running(t));
+        const T* previous = kept_steps ? kept_steps + (t > 0 ? t - 1 : 0) * B * K : alpha.data_ptr<T>();
+        T* current = kept_steps ? kept_steps + t * B * K : next.data_ptr<T>();
         if (t > 0) {
-          launch_step<T, NB>(alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(),
-                             int(B), active, int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
+          launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B),
+                             active, int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
         launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
-                         partial.data_ptr<T>(), plan.splits, alpha.data_ptr<T>(), block_max.data_ptr<T>(), W, cmax,
-                         st, E, len, next.data_ptr<T>(), next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn),
-                         int(K), t, static_cast<T>(threshold));
+                         partial.data_ptr<T>(), plan.splits, previous, block_max.data_ptr<T>(), W, cmax, st, E, len,
+                         current, next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn), int(K), t,
+                         static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);
       }
@@ -353,6 +360,17 @@ at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::T
   offset = at::zeros({emissions.size(0)}, emissions.options().dtype(at::kDouble));
   return streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, offset.data_ptr<double>(),
                           &longest_first);
+}
+
+at::Tensor rebased_scaled_chain_messages(const at::Tensor& emissions, const at::Tensor& transitions,
+                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
+                                         const at::Tensor& lengths, const std::vector<int64_t>& longest_first,
+                                         double threshold, at::Tensor& offset, at::Tensor& last) {
+  offset = at::zeros({emissions.size(0)}, emissions.options().dtype(at::kDouble));
+  at::Tensor every_step;
+  last = streamed_forward(emissions, transitions, scaled, colmax, start, lengths, threshold, offset.data_ptr<double>(),
+                          &longest_first, &every_step);
+  return every_step;
 }
 
 }  // namespace trellis::cuda

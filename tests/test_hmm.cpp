@@ -370,3 +370,120 @@ TEST(HMMCuda, ManyStatesPosteriorsAndExpectedCountsMatchCpu) {
     EXPECT_NEAR(s.log_likelihood, expected.log_likelihood, tol * std::abs(expected.log_likelihood));
   }
 }
+
+namespace {
+
+// Every HMM route (HMMRoute) of every quantity (HMMQuantity), forced, on each device and dtype it takes, against
+// enumeration in float64: 4 states with a forbidden transition and a state that never emits symbol 0 (zero
+// probabilities, -inf in the messages), ragged lengths 1 to 6. On CUDA the streamed route is forced at a K far below
+// the one choose_route gives it, so its kernels' unaligned-row paths run too.
+struct RouteCase {
+  HMMQuantity quantity;
+  HMMRoute route;
+  at::ScalarType dtype;
+  bool cuda;
+};
+
+std::string route_case_name(const ::testing::TestParamInfo<RouteCase>& info) {
+  const RouteCase& c = info.param;
+  const char* quantity = c.quantity == HMMQuantity::log_likelihood ? "LogLikelihood"
+                         : c.quantity == HMMQuantity::posteriors   ? "Posteriors"
+                                                                   : "ExpectedStatistics";
+  return std::string(c.route == HMMRoute::streamed ? "Streamed" : "Chain") + quantity +
+         (c.dtype == at::kFloat ? "Float32" : "Float64") + (c.cuda ? "Cuda" : "Cpu");
+}
+
+std::vector<RouteCase> route_cases() {
+  std::vector<RouteCase> cases;
+  for (const auto q : {HMMQuantity::log_likelihood, HMMQuantity::posteriors, HMMQuantity::expected_statistics})
+    for (const auto dtype : {at::kDouble, at::kFloat}) {
+      cases.push_back({q, HMMRoute::chain, dtype, false});
+      cases.push_back({q, HMMRoute::chain, dtype, true});
+      cases.push_back({q, HMMRoute::streamed, dtype, true});
+    }
+  return cases;
+}
+
+class HMMRoutes : public ::testing::TestWithParam<RouteCase> {};
+
+}  // namespace
+
+TEST_P(HMMRoutes, MatchEnumeration) {
+  const RouteCase c = GetParam();
+  if (c.cuda) TRELLIS_REQUIRE_CUDA();
+  CategoricalHMM m = CategoricalHMM::random(4, 5, 21);
+  m.log_transitions[1][2] = -kInf;
+  m.log_transitions = at::log_softmax(m.log_transitions, 1);
+  m.log_emissions[2][0] = -kInf;
+  m.log_emissions = at::log_softmax(m.log_emissions, 1);
+  Data d = random_observations(6, 6, 5);
+  d.obs[0][2] = 0;
+  d.lengths[2] = 2;
+  // The reference: posteriors, log-likelihoods and expected counts by enumerating every state sequence.
+  const int64_t B = 6, T = 6, K = 4, V = 5;
+  at::Tensor ll = at::zeros({B}, at::kDouble), nodes = at::zeros({B, T, K}, at::kDouble);
+  at::Tensor start = at::zeros({K}, at::kDouble), trans = at::zeros({K, K}, at::kDouble), emit = at::zeros({K, V}, at::kDouble);
+  const ChainPotentials p = m.potentials(d.obs, d.lengths);
+  for (int64_t b = 0; b < B; ++b) {
+    const Enumeration e = enumerate(p, b);
+    const double z = e.log_partition();
+    ll[b] = z;
+    for (std::size_t n = 0; n < e.paths.size(); ++n) {
+      const double w = std::exp(e.scores[n] - z);
+      const auto& s = e.paths[n];
+      start[s[0]] += w;
+      for (std::size_t t = 0; t < s.size(); ++t) {
+        nodes[b][t][s[t]] += w;
+        emit[s[t]][d.obs[b][t].item<int64_t>()] += w;
+        if (t > 0) trans[s[t - 1]][s[t]] += w;
+      }
+    }
+  }
+  const at::Device device(c.cuda ? at::kCUDA : at::kCPU);
+  const CategoricalHMM g = m.to(at::TensorOptions().device(device).dtype(c.dtype));
+  const at::Tensor obs = d.obs.to(device), lengths = d.lengths.to(device);
+  const double tol = c.dtype == at::kDouble ? 1e-10 : 2e-5;
+  const ForcedHMMRoute forced(c.quantity, c.route);
+  EXPECT_EQ(choose_route(c.quantity, g.potentials(obs, lengths)), c.route);
+  if (c.quantity == HMMQuantity::log_likelihood) {
+    expect_close(log_likelihood(g, obs, lengths).cpu().to(at::kDouble), ll, tol, tol);
+  } else if (c.quantity == HMMQuantity::posteriors) {
+    expect_close(posteriors(g, obs, lengths).cpu().to(at::kDouble), nodes, tol, tol);
+  } else {
+    const CategoricalHMM::Statistics s = expected_statistics(g, obs, lengths);
+    expect_close(s.start.cpu().to(at::kDouble), start, tol, tol);
+    expect_close(s.transitions.cpu().to(at::kDouble), trans, tol, tol);
+    expect_close(s.emissions.cpu().to(at::kDouble), emit, tol, tol);
+    EXPECT_NEAR(s.log_likelihood, ll.sum().item<double>(), tol * std::abs(ll.sum().item<double>()));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryRoute, HMMRoutes, ::testing::ValuesIn(route_cases()), route_case_name);
+
+TEST(HMM, ChooseRouteTakesTheStreamedKernelsOnlyForManyStatesOnCudaAndForcingThemOnTheCpuIsAnError) {
+  const CategoricalHMM m = CategoricalHMM::random(130, 5, 3);
+  const Data d = random_observations(3, 4, 5);
+  const ChainPotentials p = m.potentials(d.obs, d.lengths);
+  for (const auto q : {HMMQuantity::log_likelihood, HMMQuantity::posteriors, HMMQuantity::expected_statistics}) {
+    EXPECT_EQ(choose_route(q, p), HMMRoute::chain);
+    {
+      const ForcedHMMRoute forced(q, HMMRoute::streamed);
+      try {
+        choose_route(q, p);
+        ADD_FAILURE() << "forcing the streamed route on CPU potentials was not an error";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("the streamed route needs potentials on a CUDA device"), std::string::npos)
+            << e.what();
+      }
+    }
+    EXPECT_EQ(choose_route(q, p), HMMRoute::chain);  // the override ends with its scope
+  }
+  if (!at::hasCUDA()) return;
+  const at::Device cuda(at::kCUDA);
+  const CategoricalHMM g = m.to(at::TensorOptions().device(cuda));
+  for (const auto q : {HMMQuantity::log_likelihood, HMMQuantity::posteriors, HMMQuantity::expected_statistics})
+    EXPECT_EQ(choose_route(q, g.potentials(d.obs.to(cuda), d.lengths.to(cuda))), HMMRoute::streamed);
+  const CategoricalHMM small = CategoricalHMM::random(127, 5, 3).to(at::TensorOptions().device(cuda));
+  EXPECT_EQ(choose_route(HMMQuantity::posteriors, small.potentials(d.obs.to(cuda), d.lengths.to(cuda))),
+            HMMRoute::chain);
+}

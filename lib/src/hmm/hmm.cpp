@@ -8,8 +8,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "trellis/error.h"
 #if TRELLIS_WITH_CUDA
 #include "cuda/chain_kernels.h"
+#include "cuda/hmm_expectations.h"
 #endif
 
 namespace trellis {
@@ -310,8 +313,7 @@ GaussianHMM GaussianHMM::maximise(const Statistics& s, const MStepOptions& o) co
 namespace {
 
 // From this many states on, the transitions no longer fit the shared-memory chain kernels: on CUDA the streamed
-// forward kernel takes the log-likelihoods (its sequence groups of 16 each read the transitions once per step), and
-// posteriors and expected counts come from one scaled GEMM per step.
+// kernels take the HMM quantities (cuda/scaled_chain_forward.cu, cuda/hmm_expectations.cu).
 constexpr int64_t kStreamedMinStates = 128;
 
 bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
@@ -321,18 +323,31 @@ bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
   return false;
 }
 
-// Whether the many-state CUDA routes take these potentials (shapes as HMM::potentials builds them).
-bool streamed_route(const ChainPotentials& p) {
+// Whether the streamed CUDA kernels can take these potentials, whatever K (shapes as HMM::potentials builds them).
+bool streamed_kernels_take([[maybe_unused]] const ChainPotentials& p) {
 #if TRELLIS_WITH_CUDA
   const at::Tensor& e = p.emissions;
-  return e.defined() && e.dim() == 3 && e.is_cuda() && e.size(0) > 0 && e.size(2) >= kStreamedMinStates &&
-         p.transitions.defined() && p.transitions.sizes() == at::IntArrayRef{e.size(2), e.size(2)} &&
+  return e.defined() && e.dim() == 3 && e.is_cuda() && e.size(0) > 0 && e.size(1) > 0 && p.transitions.defined() &&
+         p.transitions.sizes() == at::IntArrayRef{e.size(2), e.size(2)} &&
          p.transitions.scalar_type() == e.scalar_type() && p.transitions.device() == e.device();
 #else
   return false;
 #endif
 }
 
+const char* quantity_name(HMMQuantity q) {
+  switch (q) {
+    case HMMQuantity::log_likelihood: return "log_likelihood";
+    case HMMQuantity::posteriors: return "posteriors";
+    case HMMQuantity::expected_statistics: return "expected_statistics";
+  }
+  return "?";
+}
+
+// The route each quantity is forced to on this thread (ForcedHMMRoute), if any.
+thread_local std::array<std::optional<HMMRoute>, 3> forced_routes;
+
+#if TRELLIS_WITH_CUDA
 // The sequence lengths [B] on the emissions' device, checked to lie in [1, T] (one host transfer).
 at::Tensor checked_lengths(const ChainPotentials& p) {
   const at::Tensor& e = p.emissions;
@@ -350,8 +365,6 @@ at::Tensor checked_lengths(const ChainPotentials& p) {
 at::Tensor state_vector(const at::Tensor& t, const at::Tensor& emissions) {
   return t.defined() ? t.to(emissions.options()).contiguous() : at::zeros({emissions.size(2)}, emissions.options());
 }
-
-at::Tensor finite_or_zero(const at::Tensor& m) { return at::where(m.isinf(), at::zeros({}, m.options()), m); }
 
 // The batch longest first: the sequences still running at step t are then the first running(t) of that order, and
 // the steps past a sequence's end cost nothing.
@@ -372,11 +385,12 @@ LongestFirst longest_first(const at::Tensor& lengths) {
 }
 
 // Posteriors, log-likelihoods and (optionally) expected start and transition counts of many-state potentials, without
-// autograd. Forward and backward messages [T,B,K] are each one scaled GEMM per step (detail::scaled_log_matmul, exact
-// for any input range) and are kept minus their largest entry, so float32 keeps its precision on long sequences:
-// node posteriors are softmax(alpha_t + beta_t), whatever the frames. The expected transition counts are two GEMMs
-// over every position of the batch: with u = exp(alpha_t), v = exp(e_{t+1} + beta_{t+1} + colmax − max) and the
-// scaled transitions P = exp(W − colmax), position t contributes u vᵀ ⊙ P / (uᵀ P v).
+// autograd and without framework operations per step: the forward messages of every step from the streamed forward
+// kernels (cuda/scaled_chain_forward.cu, rebased each step, so float32 keeps its precision on long sequences), the
+// backward ones from the same kernels run over each sequence reversed within its length with the transposed
+// transitions, then one kernel over every position for the posteriors and the pair factors u, v
+// (cuda/hmm_expectations.cu), and the expected transition counts as P ∘ (uᵀ v): one GEMM over the batch's pairs of
+// positions.
 struct StreamedExpectations {
   at::Tensor log_likelihood, nodes, start, transitions;
 };
@@ -384,96 +398,120 @@ struct StreamedExpectations {
 StreamedExpectations streamed_expectations(const ChainPotentials& p, bool with_counts) {
   c10::NoGradGuard no_grad;
   const at::Tensor& em = p.emissions;
-  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
+  const int64_t B = em.size(0), K = em.size(2);
   const LongestFirst batch = longest_first(checked_lengths(p));
-  const at::Tensor& lengths = batch.sorted;
   const int64_t longest = batch.host[0];
   const at::Tensor start = state_vector(p.start, em), end = state_vector(p.end, em);
-  const at::Tensor E = em.index_select(0, batch.order).transpose(0, 1).contiguous();  // [T,B,K], longest first
+  const at::Tensor E = em.slice(1, 0, longest).index_select(0, batch.order).contiguous();  // [B,S,K], longest first
+  // Row b of `reversed` is sequence b from its last position back to its first (then its first again, unread).
+  const auto long_opts = batch.sorted.options();
+  const at::Tensor back_steps = (batch.sorted.unsqueeze(1) - 1 - at::arange(longest, long_opts).unsqueeze(0)).clamp_min(0);
+  const at::Tensor reversed =
+      E.view({B * longest, K}).index_select(0, (back_steps + at::arange(B, long_opts).unsqueeze(1) * longest).flatten())
+          .view({B, longest, K});
   const detail::ScaledRight forward = detail::scale_right(p.transitions.unsqueeze(0));
   const detail::ScaledRight backward = detail::scale_right(p.transitions.t().contiguous().unsqueeze(0));
-  // Messages of the positions past a sequence's end stay 0 (its posteriors there are masked out).
-  at::Tensor A = at::zeros({Tn, B, K}, em.options()), shift = at::zeros({Tn, B, 1}, em.options());
-  for (int64_t t = 0; t < longest; ++t) {
-    const int64_t n = batch.running(t);
-    const at::Tensor a = t == 0 ? E[0] + start
-                                : detail::scaled_log_matmul(A[t - 1].slice(0, 0, n).unsqueeze(0), forward)[0] +
-                                      E[t].slice(0, 0, n);
-    const at::Tensor m = finite_or_zero(a.amax(1, true));
-    at::Tensor rebased = A[t].slice(0, 0, n);
-    at::sub_out(rebased, a, m);
-    shift[t].slice(0, 0, n).copy_(m);
-  }
-  const at::Tensor steps = at::arange(Tn, lengths.options()).unsqueeze(1);  // [T,1]
-  const at::Tensor live = steps < lengths.unsqueeze(0);                     // [T,B]
-  const at::Tensor last = A.transpose(0, 1).gather(1, (lengths - 1).view({B, 1, 1}).expand({B, 1, K})).squeeze(1);
-  const at::Tensor offset = (shift.squeeze(2).to(at::kDouble) * live.to(at::kDouble)).sum(0);
+  const double threshold = detail::underflow_threshold(em.scalar_type(), K);
+  const at::Tensor colmax = forward.colmax.view({K}).contiguous();
+  at::Tensor offset, last, unused_offset, unused_last;
+  const at::Tensor alphas = cuda::rebased_scaled_chain_messages(E, forward.original[0].contiguous(),
+                                                                forward.scaled[0].contiguous(), colmax, start,
+                                                                batch.sorted, batch.host, threshold, offset, last);
+  const at::Tensor betas = cuda::rebased_scaled_chain_messages(
+      reversed, backward.original[0].contiguous(), backward.scaled[0].contiguous(), backward.colmax.view({K}).contiguous(),
+      end, batch.sorted, batch.host, threshold, unused_offset, unused_last);
   StreamedExpectations r;
   r.log_likelihood = at::empty({B}, em.options()).index_copy_(
       0, batch.order, (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type()));
-  // A sequence's last position (and its padding) has the end scores as beta.
-  at::Tensor Bt = end.expand({Tn, B, K}).clone();
-  for (int64_t t = longest - 2; t >= 0; --t) {
-    const int64_t n = batch.running(t + 1);
-    const at::Tensor next = E[t + 1].slice(0, 0, n) + Bt[t + 1].slice(0, 0, n);
-    Bt[t].slice(0, 0, n).copy_(
-        detail::scaled_log_matmul((next - finite_or_zero(next.amax(1, true))).unsqueeze(0), backward)[0]);
+  // Each sequence's pairs of positions (t, t + 1), packed longest first.
+  std::vector<int64_t> pair_start(B);
+  int64_t pairs = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    pair_start[b] = pairs;
+    pairs += batch.host[b] - 1;
   }
-  const at::Tensor nodes = (at::softmax(A + Bt, -1) * live.unsqueeze(2).to(em.scalar_type())).transpose(0, 1);
-  r.nodes = at::empty({B, Tn, K}, em.options()).index_copy_(0, batch.order, nodes);
+  const at::Tensor pair_start_device = at::tensor(pair_start, at::kLong).to(em.device());
+  r.nodes = at::zeros_like(em);
+  at::Tensor u, v;
+  if (with_counts) {
+    u = at::empty({pairs, K}, em.options());
+    v = at::empty({pairs, K}, em.options());
+  }
+  cuda::hmm_posterior_rows(alphas, betas, E, batch.sorted, batch.order, pair_start_device, colmax, r.nodes,
+                           with_counts ? &u : nullptr, with_counts ? &v : nullptr);
   if (!with_counts) return r;
-  r.start = nodes.select(1, 0).sum(0);
-  r.transitions = at::zeros({K, K}, em.options());
-  if (Tn < 2) return r;
-  const at::Tensor P = forward.scaled[0];
-  // Only the positions t with a step t + 1 enter the GEMMs: with sequences of uneven lengths most of [T−1,B] is padding.
-  const at::Tensor pairs = (steps.slice(0, 1) < lengths.unsqueeze(0)).flatten().nonzero().squeeze(1);
-  const at::Tensor u = A.slice(0, 0, Tn - 1).reshape({-1, K}).index_select(0, pairs).exp_();
-  at::Tensor v = (E.slice(0, 1) + Bt.slice(0, 1)).reshape({-1, K}).index_select(0, pairs).add_(forward.colmax.view({1, K}));
-  v = v.sub_(finite_or_zero(v.amax(-1, true))).exp_();
-  const at::Tensor total = (u * at::mm(v, P.t())).sum(1);  // uᵀ P v per position
-  const at::Tensor weight = at::where(total > 0, total.reciprocal(), at::zeros({}, total.options()));
-  r.transitions = P * at::mm(u.t(), v * weight.unsqueeze(1));
+  r.start = r.nodes.select(1, 0).sum(0);
+  r.transitions = pairs > 0 ? forward.scaled[0] * at::mm(u.t(), v) : at::zeros({K, K}, em.options());
   return r;
 }
 
+at::Tensor streamed_log_likelihood(const ChainPotentials& p) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor& e = p.emissions;
+  const int64_t B = e.size(0), K = e.size(2);
+  const LongestFirst batch = longest_first(checked_lengths(p));
+  const at::Tensor start = state_vector(p.start, e), end = state_vector(p.end, e);
+  const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
+  const double threshold = detail::underflow_threshold(e.scalar_type(), K);
+  at::Tensor offset;
+  const at::Tensor alpha = cuda::rebased_scaled_chain_forward(
+      e.slice(1, 0, batch.host[0]).index_select(0, batch.order), w.original[0].contiguous(), w.scaled[0].contiguous(),
+      w.colmax.view({K}), start, batch.sorted, batch.host, threshold, offset);
+  return at::empty({B}, e.options())
+      .index_copy_(0, batch.order, (at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
+}
+#endif
+
 }  // namespace
+
+HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p) {
+  const std::optional<HMMRoute> forced = forced_routes[static_cast<std::size_t>(quantity)];
+  if (forced) {
+    if (*forced == HMMRoute::streamed && !streamed_kernels_take(p))
+      throw Error(std::string("HMM ") + quantity_name(quantity) +
+                  ": the streamed route needs potentials on a CUDA device (emissions [B,T,K] with B, T >= 1 and "
+                  "transitions [K,K] of their dtype) in a build with CUDA; ForcedHMMRoute asked for it");
+    return *forced;
+  }
+  // The E-step never differentiates; the other two keep the chain route when the potentials want gradients.
+  const bool gradients = quantity != HMMQuantity::expected_statistics &&
+                         any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end});
+  return streamed_kernels_take(p) && p.emissions.size(2) >= kStreamedMinStates && !gradients ? HMMRoute::streamed
+                                                                                              : HMMRoute::chain;
+}
+
+ForcedHMMRoute::ForcedHMMRoute(HMMQuantity quantity, HMMRoute route)
+    : quantity_(quantity), previous_(forced_routes[static_cast<std::size_t>(quantity)]) {
+  forced_routes[static_cast<std::size_t>(quantity)] = route;
+}
+
+ForcedHMMRoute::~ForcedHMMRoute() { forced_routes[static_cast<std::size_t>(quantity_)] = previous_; }
 
 at::Tensor chain_log_likelihood(const ChainPotentials& p) {
 #if TRELLIS_WITH_CUDA
-  if (streamed_route(p)) {
-    c10::NoGradGuard no_grad;
-    const at::Tensor& e = p.emissions;
-    const int64_t B = e.size(0), K = e.size(2);
-    const LongestFirst batch = longest_first(checked_lengths(p));
-    const at::Tensor start = state_vector(p.start, e), end = state_vector(p.end, e);
-    const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
-    const double threshold = detail::underflow_threshold(e.scalar_type(), K);
-    at::Tensor offset;
-    const at::Tensor alpha = cuda::rebased_scaled_chain_forward(
-        e.slice(1, 0, batch.host[0]).index_select(0, batch.order), w.original[0].contiguous(), w.scaled[0].contiguous(),
-        w.colmax.view({K}), start, batch.sorted, batch.host, threshold, offset);
-    return at::empty({B}, e.options())
-        .index_copy_(0, batch.order, (at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
-  }
+  if (choose_route(HMMQuantity::log_likelihood, p) == HMMRoute::streamed) return streamed_log_likelihood(p);
 #endif
   c10::NoGradGuard no_grad;
   return log_partition(p);
 }
 
 Marginals chain_posteriors(const ChainPotentials& p) {
-  if (!streamed_route(p)) return marginals(p);
-  StreamedExpectations x = streamed_expectations(p, /*with_counts=*/false);
-  Marginals m;
-  m.log_partition = x.log_likelihood;
-  m.nodes = x.nodes;
-  return m;
+#if TRELLIS_WITH_CUDA
+  if (choose_route(HMMQuantity::posteriors, p) == HMMRoute::streamed) {
+    StreamedExpectations x = streamed_expectations(p, /*with_counts=*/false);
+    Marginals m;
+    m.log_partition = x.log_likelihood;
+    m.nodes = x.nodes;
+    return m;
+  }
+#endif
+  return marginals(p);
 }
 
 template <class HMM>
 at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   const ChainPotentials p = hmm.potentials(observations, lengths);
-  if (!any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end})) return chain_log_likelihood(p);
+  if (choose_route(HMMQuantity::log_likelihood, p) == HMMRoute::streamed) return chain_log_likelihood(p);
   return log_partition(p);
 }
 
@@ -486,7 +524,7 @@ ForwardBackward forward_backward(const HMM& hmm, const at::Tensor& observations,
 template <class HMM>
 at::Tensor posteriors(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   const ChainPotentials p = hmm.potentials(observations, lengths);
-  if (!any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end})) return chain_posteriors(p).nodes;
+  if (choose_route(HMMQuantity::posteriors, p) == HMMRoute::streamed) return chain_posteriors(p).nodes;
   return marginals(p).nodes;
 }
 
@@ -498,7 +536,8 @@ ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::
 template <class HMM>
 typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   ChainPotentials p = hmm.potentials(observations, lengths);
-  if (streamed_route(p)) {
+#if TRELLIS_WITH_CUDA
+  if (choose_route(HMMQuantity::expected_statistics, p) == HMMRoute::streamed) {
     const StreamedExpectations x = streamed_expectations(p, /*with_counts=*/true);
     typename HMM::Statistics s;
     s.start = x.start;
@@ -507,6 +546,7 @@ typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& o
     hmm.accumulate_emissions(s, x.nodes, observations);
     return s;
   }
+#endif
   c10::AutoGradMode grad_on(true);
   p.emissions = p.emissions.detach().requires_grad_();
   p.start = p.start.detach().requires_grad_();

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,9 +102,36 @@ at::Tensor log_likelihood(const HMM& hmm, const at::Tensor& observations, const 
 at::Tensor chain_log_likelihood(const ChainPotentials& p);
 
 // Node posteriors [B,T,K] (zero at padding) and log-likelihoods [B] of an HMM's chain potentials, without gradients:
-// the values of marginals(p). With many states on CUDA, one scaled GEMM per step and direction, messages rebased each
-// step (float32 stays float32 on long sequences).
+// the values of marginals(p). With many states on CUDA, the streamed forward kernels run forwards and over the reversed
+// sequences, messages rebased each step (float32 stays float32 on long sequences), then one kernel over the positions.
 Marginals chain_posteriors(const ChainPotentials& p);
+
+// The routes of the HMM quantities (docs/architecture.md):
+// - chain: the linear-chain functions (log_partition, marginals; the E-step as the gradient of log_partition), whose
+//   own routes apply: any device, gradients included;
+// - streamed: the many-state CUDA kernels (cuda/scaled_chain_forward.cu, cuda/hmm_expectations.cu), two launches per
+//   step and direction, messages rebased each step; CUDA potentials, no gradients.
+enum class HMMRoute { chain, streamed };
+enum class HMMQuantity { log_likelihood, posteriors, expected_statistics };
+
+// The route `quantity` takes for these potentials: streamed for CUDA potentials of at least 128 states that want no
+// gradients (the E-step never does), chain otherwise; or the route a ForcedHMMRoute on this thread names.
+HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p);
+
+// For tests: while it lives, choose_route answers `route` for `quantity` on the constructing thread, at any K (so each
+// route can be checked against a reference on small models). The streamed route still needs CUDA potentials: forced
+// on others, choose_route throws an Error.
+class ForcedHMMRoute {
+ public:
+  ForcedHMMRoute(HMMQuantity quantity, HMMRoute route);
+  ~ForcedHMMRoute();
+  ForcedHMMRoute(const ForcedHMMRoute&) = delete;
+  ForcedHMMRoute& operator=(const ForcedHMMRoute&) = delete;
+
+ private:
+  HMMQuantity quantity_;
+  std::optional<HMMRoute> previous_;
+};
 
 struct ForwardBackward {
   at::Tensor log_alpha;       // [B,T,K] log P(o_0..o_t, s_t = k)
