@@ -1,6 +1,6 @@
 // Viterbi for chains with many labels (K past what cuda/linear_chain_crf.cu keeps in shared memory), the max-semiring
-// counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W once for every kGroup sequences, so
-// with few sequences a step costs one read of W from memory.
+// counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W from memory once for the batch (the
+// blocks of every group of kGroup sequences that use one tile of W run side by side and share it through L2).
 //
 // Sequences run longest first, so that at each step the ones still running are a prefix of that order and only they
 // are launched (padding costs nothing). Per step t ≥ 1, two launches:
@@ -51,15 +51,17 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* v = reinterpret_cast<T*>(smem_raw);  // [rows][NB]: alpha_{t-1} − its max, this block's rows
   __shared__ T m[NB];
-  const int b0 = blockIdx.z * NB, nb = min(NB, active - b0);
-  const int k0 = blockIdx.y * rows, n = min(K, k0 + rows) - k0;
-  const int col = blockIdx.x * kBlockCols<T> + threadIdx.x * kVec<T>;
+  // Sequence groups are the grid's fastest index: the blocks of every group that read one tile of W run side by side,
+  // so the tile comes from memory once per step and from L2 for the other groups.
+  const int b0 = blockIdx.x * NB, nb = min(NB, active - b0);
+  const int k0 = blockIdx.z * rows, n = min(K, k0 + rows) - k0;
+  const int col = blockIdx.y * kBlockCols<T> + threadIdx.x * kVec<T>;
   if (threadIdx.x < NB) {
     T mb = T(0);
     if (int(threadIdx.x) < nb) {
       const int b = b0 + threadIdx.x;
       mb = row_max(block_max, max_blocks, b);
-      if (blockIdx.x == 0 && blockIdx.y == 0) offset[b] += double(mb);  // one block per sequence group
+      if (blockIdx.y == 0 && blockIdx.z == 0) offset[b] += double(mb);  // one block per sequence group
     }
     m[threadIdx.x] = mb;
   }
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   const auto use = [&](const T (&p)[kRowsInFlight<T>][kVec<T>], int i0) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
+      if (b >= nb) break;  // a group's last, partial share of the sequences costs only its own
       T a[kRowsInFlight<T>];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight<T>; ++u) a[u] = v[min(i0 + u, n - 1) * NB + b];
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     if (b >= nb) break;
-    const int64_t out = (int64_t(blockIdx.y) * active + b0 + b) * K + col;
+    const int64_t out = (int64_t(blockIdx.z) * active + b0 + b) * K + col;
 #pragma unroll
     for (int c = 0; c < kVec<T>; ++c) {
       if (col + c >= K) continue;
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int u = L - 1; u >= 1; --u) p[u - 1] = y = back[(int64_t(b) * Tn + u) * K + y];
 }
 
-// The step grid: column tiles × row spans × sequence groups. Enough spans to give every SM a block or two, but few
+// The step grid: sequence groups × column tiles × row spans. Enough spans to give every SM a block or two, but few
 // enough that the partial maxima written per step stay a small share of W's bytes, and long enough spans that the
 // messages of a span fit in shared memory.
 struct StepPlan {
@@ -319,7 +322,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
         if (t > 0) {
           const StepPlan& plan = plans[grid_dim(active, NB) - 1];
           splits = plan.splits;
-          viterbi_step_kernel<T, NB><<<dim3(grid_dim(K, kBlockCols<T>), splits, grid_dim(active, NB)), kThreads,
+          viterbi_step_kernel<T, NB><<<dim3(grid_dim(active, NB), grid_dim(K, kBlockCols<T>), splits), kThreads,
                                        plan.smem, stream>>>(
               alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, transitions.data_ptr<T>(),
               offset.data_ptr<double>(), part_val.data_ptr<T>(), part_arg.data_ptr<int>(), active, int(K),

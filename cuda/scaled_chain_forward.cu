@@ -85,8 +85,10 @@ __global__ void __launch_bounds__(kThreads, 2)
                                               // then [kWarps][NB][kCols] for the merge
   T* v = ring + kWarps * kStages * kCols<T>;  // [rows][kStride]
   __shared__ T m[NB];
-  const int b0 = blockIdx.z * NB, nb = min(NB, B - b0);
-  const int c0 = blockIdx.x * kCols<T>, k0 = blockIdx.y * rows, k1 = min(K, k0 + rows), n = k1 - k0;
+  // Sequence groups are the grid's fastest index: the blocks of every group that read one tile of P run side by side,
+  // so a batch of several groups reads the tile from memory once per step and from L2 for the other groups.
+  const int b0 = blockIdx.x * NB, nb = min(NB, B - b0);
+  const int c0 = blockIdx.y * kCols<T>, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = c0 + lane * kVec<T>;
   // This warp's rows are k0 + warp + i·kWarps; each lane copies its 16 bytes of them into its own ring slots
@@ -186,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (b >= nb || j >= K) continue;
     T s = T(0);
     for (int w = 0; w < kWarps; ++w) s += red[w * NB * kCols<T> + e];
-    partial[(int64_t(blockIdx.y) * B + b0 + b) * K + j] = s;
+    partial[(int64_t(blockIdx.z) * B + b0 + b) * K + j] = s;
   }
 }
 
@@ -232,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
   write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
 }
 
-// The step grid: column tiles × row spans × sequence groups. Row spans are as long as the messages' shared memory
+// The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
 // allows (fewer partial sums to merge and write), and short enough that the grid fills every SM's block slots.
 struct StepPlan {
   int rows, splits;
@@ -276,7 +278,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cu
 template <class T, int NB>
 void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int running, int K,
                  const StepPlan& plan, cudaStream_t stream, bool pdl, bool reverse, int keep_permille) {
-  const dim3 grid(grid_dim(K, kCols<T>), plan.splits, grid_dim(running, NB));
+  const dim3 grid(grid_dim(running, NB), grid_dim(K, kCols<T>), plan.splits);
   launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial,
                    B, K, plan.rows, reverse, keep_permille);
 }
