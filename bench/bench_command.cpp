@@ -279,13 +279,14 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
   const auto trellis_loss = [&] { return linear_cross_entropy(x, w, t); };
   const auto plain_loss = [&] { return at::cross_entropy_loss(plain_logits(), t); };
   b.run(wl, shape, "trellis", [&] { step(trellis_loss); }, nll_error(step(trellis_loss)));
-  // Training's memory/time knob: a quarter-size slab holds a quarter of the memory but adds dW into itself more often.
-  HeadOptions quarter;
-  quarter.chunk_bytes /= 4;
-  if (N * V * 4 > quarter.chunk_bytes) {
-    const auto quarter_loss = [&] { return linear_cross_entropy(x, w, t, quarter); };
-    b.run(wl, shape, c10::str("trellis, ", quarter.chunk_bytes >> 20, " MiB slabs"), [&] { step(quarter_loss); },
-          nll_error(step(quarter_loss)));
+  // Training's memory/time knob: each memory_budget (bytes beyond the gradients) picks a route and a slab; 64 MiB is
+  // the O(N) route's at these shapes.
+  for (const int64_t mib : {1024, 256, 128, 64}) {
+    HeadOptions budget;
+    budget.memory_budget = mib << 20;
+    const auto budget_loss = [&x, &w, &t, budget] { return linear_cross_entropy(x, w, t, budget); };
+    b.run(wl, shape, c10::str("trellis, memory_budget ", mib, " MiB"), [&] { step(budget_loss); },
+          nll_error(step(budget_loss)));
   }
   // No slab: the logits formed twice (for the log-sum-exp, then a vocabulary chunk at a time for the gradients).
   HeadOptions recompute;

@@ -91,9 +91,11 @@ std::string describe(const Case& c) {
 // (or, recomputing the logits, a small slab of a few columns for what dW's unwritten rows cannot hold). want: which of
 // x, W and the bias take gradients (the others are frozen and must get none).
 void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = false,
-                std::optional<int64_t> chunk_bytes = std::nullopt, std::array<bool, 3> want = {true, true, true}) {
+                std::optional<int64_t> chunk_bytes = std::nullopt, std::array<bool, 3> want = {true, true, true},
+                int64_t memory_budget = -1) {
   SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute, " chunk_bytes=",
-                        chunk_bytes.value_or(five_rows(c)), " want=", want[0], want[1], want[2]));
+                        chunk_bytes.value_or(five_rows(c)), " want=", want[0], want[1], want[2],
+                        " memory_budget=", memory_budget));
   Inputs in = random_inputs(c, device);
   const std::array<at::Tensor*, 3> inputs = {&in.x, &in.w, &in.b};
   for (int k = 0; k < 3; ++k)
@@ -101,6 +103,7 @@ void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = fa
   LossOptions lo{c.reduction, c.label_smoothing, c.z_loss};
   HeadOptions head = head_of(in, c, chunk_bytes.value_or(five_rows(c)));
   head.recompute_logits = recompute;
+  head.memory_budget = memory_budget;
   const at::Tensor loss = linear_cross_entropy(in.x, in.w, in.t, head, lo);
   Inputs ref{in.x.detach().cpu().to(at::kDouble).requires_grad_(), in.w.detach().cpu().to(at::kDouble).requires_grad_(),
              c.bias ? in.b.detach().cpu().to(at::kDouble).requires_grad_() : at::Tensor(), in.t.cpu()};
@@ -215,6 +218,73 @@ TEST(LinearCrossEntropy, RecomputedLogitsWithSomeGradients) {
       if (grads[0][k].defined()) expect_close(grads[1][k].to(at::kDouble), grads[0][k].to(at::kDouble), 2e-2, 2e-3);
     }
   }
+}
+
+// memory_budget: budgets from the least the recompute route takes up to a whole slab, in small steps. Each plan stays
+// within its budget, every route and place of dx's sum is met on the way (the recompute route with the sum in dW's
+// last rows, then in a buffer of its own, then slabs of rows), and the first and last budget of each give the
+// reference's loss and gradients. chunk_bytes and recompute_logits are set to values the budget must override.
+void check_budgets(const Case& c, at::Device device = at::kCPU) {
+  SCOPED_TRACE(describe(c));
+  const Inputs in = random_inputs(c, device);
+  HeadOptions h = head_of(in, c, int64_t(1) << 30);
+  h.recompute_logits = true;
+  h.memory_budget = 0;
+  try {
+    plan_head_memory(in.x, in.w, h);
+    ADD_FAILURE() << "a budget of 0 bytes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("memory_budget = 0 bytes is below the least"), std::string::npos) << e.what();
+  }
+  std::vector<std::pair<int64_t, HeadMemoryPlan>> accepted;
+  for (int64_t budget = int64_t(1) << 20; budget < (int64_t(3) << 20); budget += 4096) {
+    h.memory_budget = budget;
+    try {
+      accepted.emplace_back(budget, plan_head_memory(in.x, in.w, h));
+    } catch (const Error&) {
+      ASSERT_TRUE(accepted.empty()) << "budget " << budget << " refused after a smaller one was accepted";
+    }
+  }
+  ASSERT_FALSE(accepted.empty());
+  // (route, dx's own sum) in the order they must appear as the budget grows.
+  const bool half = c.dtype == at::kBFloat16 || c.dtype == at::kHalf;
+  std::vector<std::pair<bool, bool>> expected = {{true, false}, {true, true}, {false, false}};
+  if (!half) expected = {{true, false}, {false, false}};
+  std::vector<std::pair<bool, bool>> seen;
+  std::vector<int64_t> budgets_to_run;
+  for (std::size_t i = 0; i < accepted.size(); ++i) {
+    const auto& [budget, plan] = accepted[i];
+    EXPECT_LE(plan.extra_bytes, budget) << "the plan for budget " << budget << " takes more";
+    if (plan.recompute_logits) EXPECT_GE(plan.slab_bytes, c.N * kBudgetMinColumns * 2);
+    const std::pair<bool, bool> kind{plan.recompute_logits, plan.own_dx_sum};
+    if (seen.empty() || seen.back() != kind) {
+      seen.push_back(kind);
+      budgets_to_run.push_back(budget);
+      if (i > 0) budgets_to_run.push_back(accepted[i - 1].first);
+    }
+  }
+  budgets_to_run.push_back(accepted.back().first);
+  EXPECT_EQ(seen, expected);
+  for (const int64_t budget : budgets_to_run)
+    check_case(c, device, /*recompute=*/true, int64_t(1) << 30, {true, true, true}, budget);
+}
+
+TEST(LinearCrossEntropy, MemoryBudgetPicksRoutesThatMatchTheReference) {
+  at::manual_seed(21);
+  // V ≥ 4N: dx's float32 sum (N·D·4 bytes) fits in dW's last rows, so small budgets leave it there.
+  check_budgets({40, 16, 1031, at::kBFloat16, true, 2.0, 0.1, 1e-4, Reduction::mean, true});
+  check_budgets({40, 16, 1031, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::none, true});
+  check_budgets({40, 16, 1031, at::kFloat, true, std::nullopt, 0.1, 0, Reduction::mean, true});
+  // More rows than kBudgetMinSlabRows: several slabs of 256 rows.
+  Case many{700, 16, 97, at::kDouble, true, 1.5, 0, 1e-3, Reduction::sum, false};
+  const Inputs in = random_inputs(many);
+  HeadOptions h = head_of(in, many, 0);
+  h.memory_budget = (int64_t(1) << 20) + many.N * 64 + 2 * many.V * 8 + 300 * many.V * 16;
+  const HeadMemoryPlan plan = plan_head_memory(in.x, in.w, h);
+  EXPECT_FALSE(plan.recompute_logits);
+  EXPECT_EQ(plan.slab_bytes, 256 * many.V * 8);
+  EXPECT_LE(plan.extra_bytes, h.memory_budget);
+  check_case(many, at::kCPU, false, 0, {true, true, true}, h.memory_budget);
 }
 
 TEST(LinearCrossEntropy, IgnoreIndexInsideTheVocabulary) {
@@ -418,6 +488,42 @@ TEST(LinearCrossEntropyCuda, MemoryStaysWithinTheSlabBound) {
   const int64_t recomputed32 = peak_extra_bytes([&] { linear_cross_entropy(x32, w32, t, h).backward(); });
   EXPECT_LT(recomputed32, 2 * grads + 2 * N * 2048 + 64 * N)
       << "float32 forward+backward peak with recomputed logits " << recomputed32 << " bytes";
+#endif
+}
+
+// memory_budget on the GPU: each budget's measured peak beyond the gradients stays within it (and within the plan's
+// estimate), and the gradients are those of the default route.
+TEST(LinearCrossEntropyCuda, MemoryBudgetIsRespected) {
+  TRELLIS_REQUIRE_CUDA();
+#if TRELLIS_WITH_CUDA
+  at::manual_seed(22);
+  const int64_t N = 4096, D = 256, V = 32000, MiB = int64_t(1) << 20;
+  for (const auto dtype : {at::kBFloat16, at::kFloat}) {
+    const auto opts = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+    const at::Tensor x = at::randn({N, D}, opts).requires_grad_(), w = (at::randn({V, D}, opts) * 0.1).requires_grad_();
+    const at::Tensor t = at::randint(0, V, {N}, opts.dtype(at::kLong));
+    const int64_t grads = (x.numel() + w.numel()) * x.element_size();
+    linear_cross_entropy(x, w, t).backward();
+    const at::Tensor dx = x.grad().clone(), dw = w.grad().clone();
+    // A whole slab, slabs of 256 rows, the recompute route with dx's sum beside its chunks, then in dW's last rows.
+    for (const int64_t budget : {1024 * MiB, 64 * MiB, 12 * MiB, 3 * MiB}) {
+      SCOPED_TRACE(c10::str(dtype, " memory_budget=", budget));
+      HeadOptions h;
+      h.memory_budget = budget;
+      const HeadMemoryPlan plan = plan_head_memory(x, w, h);
+      x.mutable_grad() = at::Tensor();
+      w.mutable_grad() = at::Tensor();
+      linear_cross_entropy(x, w, t, h).backward();  // cuBLAS' workspace for these shapes, before measuring
+      x.mutable_grad() = at::Tensor();
+      w.mutable_grad() = at::Tensor();
+      const int64_t extra = peak_extra_bytes([&] { linear_cross_entropy(x, w, t, h).backward(); }) - grads;
+      EXPECT_LE(extra, budget) << "route recompute=" << plan.recompute_logits << " slab " << plan.slab_bytes;
+      EXPECT_LE(extra, plan.extra_bytes);
+      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+      expect_close(x.grad().to(at::kDouble).cpu(), dx.to(at::kDouble).cpu(), tol, tol * dx.abs().max().item<double>());
+      expect_close(w.grad().to(at::kDouble).cpu(), dw.to(at::kDouble).cpu(), tol, tol * dw.abs().max().item<double>());
+    }
+  }
 #endif
 }
 

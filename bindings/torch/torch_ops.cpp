@@ -25,13 +25,15 @@ using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 using Mask = std::array<bool, 3>;  // gradients wanted for x, weight, bias
 
 trellis::HeadOptions head_options(const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                                  int64_t ignore_index, int64_t chunk_bytes, bool recompute_logits = false) {
+                                  int64_t ignore_index, int64_t chunk_bytes, bool recompute_logits = false,
+                                  int64_t memory_budget = -1) {
   trellis::HeadOptions o;
   if (bias) o.bias = *bias;
   o.softcap = softcap;
   o.ignore_index = ignore_index;
   if (chunk_bytes > 0) o.chunk_bytes = chunk_bytes;
   o.recompute_logits = recompute_logits;
+  o.memory_budget = memory_budget;
   return o;
 }
 
@@ -93,9 +95,11 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x, const at:
 Tensors5 linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                       const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                       c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
-                                      double z_loss, int64_t chunk_bytes, bool recompute_logits, Mask want) {
+                                      double z_loss, int64_t chunk_bytes, bool recompute_logits,
+                                      int64_t memory_budget, Mask want) {
   auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
-                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits,
+                                                              memory_budget),
                                                  loss_options(reduction, label_smoothing, z_loss), want);
   return {f.loss, or_none(f.lse, x), or_none(f.dx, x), or_none(f.dweight, x), or_none(f.dbias, x)};
 }
@@ -105,11 +109,12 @@ Tensors3 linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor&
                                        const at::Tensor& targets, const std::optional<at::Tensor>& bias,
                                        const at::Tensor& lse, int64_t ignore_index, double label_smoothing,
                                        std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                                       bool recompute_logits, Mask want) {
+                                       bool recompute_logits, int64_t memory_budget, Mask want) {
   trellis::LinearCrossEntropyForward f;
   f.lse = lse;
   auto d = trellis::linear_cross_entropy_backward(
-      grad, x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+      grad, x, weight, targets,
+      head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits, memory_budget),
       loss_options("none", label_smoothing, z_loss), f, want);
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
@@ -233,10 +238,11 @@ at::Tensor vp_linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& w
 at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                      c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
-                                     double z_loss, int64_t chunk_bytes, bool recompute_logits, double temperature) {
+                                     double z_loss, int64_t chunk_bytes, bool recompute_logits, double temperature,
+                                     int64_t memory_budget) {
   const Tempered t = temper("linear_cross_entropy", x, bias, softcap, temperature);
   return std::get<0>(linear_cross_entropy_forward(t.x, weight, targets, t.bias, ignore_index, reduction, label_smoothing,
-                                                  t.softcap, z_loss, chunk_bytes, recompute_logits,
+                                                  t.softcap, z_loss, chunk_bytes, recompute_logits, memory_budget,
                                                   {false, false, false}));
 }
 
@@ -266,7 +272,8 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_meta(const at::Tensor& x, cons
 
 Tensors5 linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&,
                                            const std::optional<at::Tensor>& bias, int64_t, c10::string_view reduction,
-                                           double, std::optional<double>, double, int64_t, bool, Mask want) {
+                                           double, std::optional<double>, double, int64_t, bool, int64_t,
+                                           Mask want) {
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   want[2] = want[2] && bias;
   const bool formed = !unreduced && (want[0] || want[1] || want[2]);  // the gradients come with the loss
@@ -280,7 +287,8 @@ Tensors5 linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor
 
 Tensors3 linear_cross_entropy_backward_meta(const at::Tensor&, const at::Tensor& x, const at::Tensor& weight,
                                             const at::Tensor&, const std::optional<at::Tensor>& bias, const at::Tensor&,
-                                            int64_t, double, std::optional<double>, double, int64_t, bool, Mask want) {
+                                            int64_t, double, std::optional<double>, double, int64_t, bool, int64_t,
+                                            Mask want) {
   return {shaped_meta(want[0], x.sym_sizes(), x), shaped_meta(want[1], weight.sym_sizes(), x),
           shaped_meta(want[2] && bias, weight.sym_sizes().slice(0, 1), x)};
 }
@@ -334,7 +342,8 @@ Tensors5 vp_linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Ten
                                               bool recompute_logits, Mask want) {
   // As on one device, except that recompute_logits keeps the lse for the backward instead of forming the gradients.
   auto m = linear_cross_entropy_forward_meta(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap,
-                                             z_loss, chunk_bytes, false, recompute_logits ? Mask{false, false, false} : want);
+                                             z_loss, chunk_bytes, false, -1,
+                                             recompute_logits ? Mask{false, false, false} : want);
   return m;
 }
 
@@ -358,7 +367,8 @@ at::Tensor vp_linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tens
 
 at::Tensor linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                           const std::optional<at::Tensor>&, int64_t, c10::string_view reduction, double,
-                                          std::optional<double>, double, int64_t, bool, double temperature) {
+                                          std::optional<double>, double, int64_t, bool, double temperature,
+                                          int64_t) {
   check_temperature("linear_cross_entropy", temperature);
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
@@ -375,11 +385,12 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& targets, const std::optional<at::Tensor>& bias, int64_t ignore_index,
                             c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
-                            double z_loss, int64_t chunk_bytes, bool recompute_logits, Mask want) {
+                            double z_loss, int64_t chunk_bytes, bool recompute_logits, int64_t memory_budget,
+                            Mask want) {
     static const auto op = find<decltype(linear_cross_entropy_forward)>("trellis::_linear_cross_entropy_forward");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [loss, lse, dx, dweight, dbias] = op.call(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
-                                                   softcap, z_loss, chunk_bytes, recompute_logits, want);
+                                                   softcap, z_loss, chunk_bytes, recompute_logits, memory_budget, want);
     // The unreduced loss's backward forms the gradients from the inputs; a reduced one's come with the forward.
     if (reduction == "none") ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
     else ctx->save_for_backward({dx, dweight, dbias});
@@ -391,6 +402,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     ctx->saved_data["z_loss"] = z_loss;
     ctx->saved_data["chunk_bytes"] = chunk_bytes;
     ctx->saved_data["recompute_logits"] = recompute_logits;
+    ctx->saved_data["memory_budget"] = memory_budget;
     return loss;
   }
 
@@ -415,10 +427,10 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       auto [dx, dweight, dbias] =
           op.call(grad[0], s[0], s[1], s[2], bias, s[4], d.at("ignore_index").toInt(),
                   d.at("label_smoothing").toDouble(), softcap, d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
-                  d.at("recompute_logits").toBool(), want);
+                  d.at("recompute_logits").toBool(), d.at("memory_budget").toInt(), want);
       g = {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
     }
-    return {g[0], g[1], at::Tensor(), g[2], {}, {}, {}, {}, {}, {}, {}, {}};
+    return {g[0], g[1], at::Tensor(), g[2], {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -643,14 +655,14 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& 
                                          const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                          c10::string_view reduction, double label_smoothing,
                                          std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
-                                         bool recompute_logits, double temperature) {
+                                         bool recompute_logits, double temperature, int64_t memory_budget) {
   const Tempered t = temper("linear_cross_entropy", x, bias, softcap, temperature);
   // Grad mode is off inside forward: the caller's mode says whether anyone will ask for gradients.
   const bool grad = c10::GradMode::is_enabled();
   const Mask want = {grad && t.x.requires_grad(), grad && weight.requires_grad(),
                      grad && t.bias && t.bias->defined() && t.bias->requires_grad()};
   return LinearCrossEntropy::apply(t.x, weight, targets, t.bias, ignore_index, reduction, label_smoothing, t.softcap,
-                                   z_loss, chunk_bytes, recompute_logits, want);
+                                   z_loss, chunk_bytes, recompute_logits, memory_budget, want);
 }
 
 }  // namespace
@@ -663,15 +675,15 @@ TORCH_LIBRARY(trellis, m) {
         "int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) -> (Tensor, Tensor)");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
         "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
-        "bool recompute_logits=False, float temperature=1.0) -> Tensor");
+        "bool recompute_logits=False, float temperature=1.0, int memory_budget=-1) -> Tensor");
   // linear_cross_entropy's halves. The forward returns (loss, lse, dx, dweight, dbias): the gradients when it forms
   // them (a mean or sum reduction with gradients wanted), else lse for the backward; empty tensors stand for none.
   m.def("_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, Tensor? bias, int ignore_index, "
         "str reduction, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, "
-        "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, Tensor? bias, "
         "Tensor lse, int ignore_index, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, "
-        "bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+        "bool recompute_logits, int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // The backward of linear_logsumexp and token_logprobs: gradients for (x, weight, bias) of
   // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy.
   // Vocabulary parallelism: weight and bias are this rank's contiguous slice of the vocabulary (ranks in order),

@@ -49,6 +49,23 @@ def test_linear_cross_entropy_recompute_logits(device):
     torch.testing.assert_close(torch.autograd.grad(got, w)[0], torch.autograd.grad(expected, w)[0])
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_linear_cross_entropy_memory_budget(device, reduction):
+    # From the least budget the shapes take (the logits formed twice, chunks of a few columns) to a whole slab.
+    x, w, b, targets = head(device, True)
+    expected = F.cross_entropy(logits(x, w, b), targets, ignore_index=-1, reduction=reduction)
+    leaves = [x, w, b]
+    expected_grads = torch.autograd.grad(expected.sum(), leaves)
+    for budget in [(1 << 20) + 8192, (1 << 20) + 16384, 1 << 30]:
+        got = trellis.linear_cross_entropy(x, w, targets, b, ignore_index=-1, reduction=reduction,
+                                           memory_budget=budget)
+        torch.testing.assert_close(got, expected)
+        for g, e in zip(torch.autograd.grad(got.sum(), leaves), expected_grads):
+            torch.testing.assert_close(g, e)
+    with pytest.raises(RuntimeError, match="memory_budget = 1000 bytes is below the least"):
+        trellis.linear_cross_entropy(x, w, targets, b, ignore_index=-1, memory_budget=1000)
+
+
 def test_token_logprobs(device):
     x, w, b, targets = head(device, True)
     z = logits(x, w, b, softcap=3.0)

@@ -48,7 +48,8 @@ def max_matmul(a: Tensor, b: Tensor) -> Tensor:
 def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: Optional[float] = None, z_loss: float = 0.0, chunk_bytes: int = 0,
-                         recompute_logits: bool = False, temperature: float = 1.0) -> Tensor:
+                         recompute_logits: bool = False, temperature: float = 1.0,
+                         memory_budget: Optional[int] = None) -> Tensor:
     """Cross-entropy of the logits ``x @ weight.T + bias`` against ``targets``, without materialising the logits.
 
     Equal to ``F.cross_entropy(x @ weight.T + bias, targets, ignore_index=..., reduction=...,
@@ -70,13 +71,18 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, bias: Optio
             memory, more time).
         temperature: Sampling temperature ``τ > 0``: the loss is that of the logits divided by ``τ`` (after the
             soft-cap); gradients flow through the division.
+        memory_budget: Bytes the training step may hold beyond its inputs, gradients and loss. When given, it picks
+            the route (a slab of float32 logits, or the logits formed twice), the slab's size and type for these
+            shapes, in place of ``chunk_bytes`` and ``recompute_logits``; a budget below the least the shapes need
+            (a few bytes per row and 8 vocabulary columns of a chunk) is an error.
 
     Returns:
         The loss: a scalar, or size ``(*)`` for ``reduction='none'``; differentiable with respect to ``x``,
         ``weight`` and ``bias``.
     """
     return torch.ops.trellis.linear_cross_entropy(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
-                                                  softcap, z_loss, chunk_bytes, recompute_logits, temperature)
+                                                  softcap, z_loss, chunk_bytes, recompute_logits, temperature,
+                                                  -1 if memory_budget is None else memory_budget)
 
 
 @overload

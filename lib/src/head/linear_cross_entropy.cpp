@@ -40,6 +40,10 @@ struct Head {
   int64_t rows_per_slab = 1;
   int64_t chunk_bytes = 0;
   bool recompute = false;  // HeadOptions::recompute_logits
+  // Under a memory_budget: the recompute route's chunk of vocabulary columns (0: chunk_bytes and 2 KiB per row
+  // decide), and whether dx's float32 sum has a buffer of its own (else it may sit in dW's last rows).
+  int64_t chunk_columns = 0;
+  bool own_dx_sum = false;
   int64_t total_vocabulary = 0;  // when W is one slice of a vocabulary split over ranks: the whole one's size
 
   int64_t rows() const { return x.size(0); }
@@ -49,6 +53,97 @@ struct Head {
 };
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
+
+// Rows of a slab of `bytes` of logits: whole multiples of 256 where that leaves any (whole GEMM tiles: no ragged last
+// wave), at least one.
+int64_t slab_rows(const Head& h, int64_t bytes) {
+  const int64_t rows = std::max<int64_t>(1, bytes / (h.vocabulary() * static_cast<int64_t>(at::elementSize(h.acc))));
+  return rows >= 256 ? rows - rows % 256 : rows;
+}
+
+// Whether the fused Hopper kernel forms the statistics and the recompute route's gradient chunks for x and W.
+bool fused_applies(const Head& h) {
+#if TRELLIS_WITH_CUDA
+  return h.x.is_cuda() && cuda::fused_linear_head_applies(h.x, h.weight);
+#else
+  (void)h;
+  return false;
+#endif
+}
+
+// What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
+struct Footprint {
+  int64_t fixed = 0;          // per-row values (targets, weights, lse, loss), the bias' float sums
+  int64_t slab_element = 0;   // bytes per logit of a slab: the logits, and the gradient where it cannot take their
+                              // memory (CUDA writes it over them where the types match or the in-place kernel runs)
+  int64_t chunk_element = 0;  // bytes per logit of the recompute route's chunks (forward statistics and gradient)
+  int64_t dx_sum = 0;         // 16-bit x: dx's float32 sum
+};
+
+Footprint footprint(const Head& h) {
+  const int64_t acc = at::elementSize(h.acc), in = h.x.element_size(), N = h.rows(), V = h.vocabulary();
+  const bool cuda = h.x.is_cuda(), fused = fused_applies(h), half = in != acc;
+  Footprint f;
+  f.fixed = N * 64 + (h.bias.defined() ? 2 * V * acc : 0) + (int64_t(1) << 20);
+  // CPU: the logits, their exponentials and the gradient in x's type; CUDA: the gradient beside 16-bit logits only
+  // where the in-place kernel (compute capability 9.0) does not run.
+  f.slab_element = cuda ? acc + (half && !fused ? in : 0) : 2 * acc + (half ? in : 0);
+  // The fused kernel writes a chunk's gradient in x's type from its tiles; elsewhere a chunk is a slab (and the
+  // forward's chunked statistics hold a chunk of logits and their exponentials).
+  f.chunk_element = fused ? in : std::max(f.slab_element, 2 * acc);
+  f.dx_sum = half ? N * h.x.size(1) * acc : 0;
+  return f;
+}
+
+// The route, slab and type that o picks for h (HeadOptions::memory_budget, else chunk_bytes and recompute_logits),
+// assuming gradients for x and W.
+HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
+  const Footprint f = footprint(h);
+  const int64_t N = std::max<int64_t>(h.rows(), 1), V = h.vocabulary(), D = h.x.size(1);
+  const int64_t acc = at::elementSize(h.acc), row_bytes = D * h.weight.element_size();
+  const bool fused = fused_applies(h);
+  // dx's sum fits in dW's last rows when it takes at most half of dW (recomputed_gradients).
+  const bool sum_in_dw = f.dx_sum > 0 && f.dx_sum <= V * row_bytes / 2;
+  HeadMemoryPlan p;
+  const auto recompute = [&](int64_t columns, bool own_sum) {
+    p.recompute_logits = true;
+    p.slab_type = fused ? h.x.scalar_type() : h.acc;
+    p.own_dx_sum = own_sum;
+    p.slab_bytes = N * columns * static_cast<int64_t>(at::elementSize(p.slab_type));
+    p.extra_bytes = f.fixed + (own_sum || !sum_in_dw ? f.dx_sum : 0) + N * columns * f.chunk_element;
+  };
+  if (o.memory_budget < 0) {
+    if (o.recompute_logits) {
+      const int64_t size = at::elementSize(fused ? h.x.scalar_type() : h.acc);
+      const int64_t columns = std::clamp<int64_t>(o.chunk_bytes / (N * size), 1, 2048 / size);
+      recompute(columns >= 8 ? columns / 8 * 8 : columns, false);
+    } else {
+      p.slab_bytes = o.chunk_bytes;
+      const int64_t rows = std::min(slab_rows(h, o.chunk_bytes), N);
+      p.extra_bytes = f.fixed + rows * V * f.slab_element;
+    }
+    return p;
+  }
+  const int64_t budget = o.memory_budget - f.fixed;
+  const int64_t rows = budget > 0 ? budget / (V * f.slab_element) : 0;
+  if (rows >= std::min(kBudgetMinSlabRows, N)) {
+    const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);
+    p.slab_bytes = whole * V * acc;
+    p.extra_bytes = f.fixed + whole * V * f.slab_element;
+    return p;
+  }
+  // dx's sum beside the chunks where both fit, so that no chunk runs twice; in dW's last rows where it can go there.
+  const int64_t least = N * kBudgetMinColumns * f.chunk_element;
+  const bool own_sum = f.dx_sum > 0 && (!sum_in_dw || budget - f.dx_sum >= least);
+  const int64_t for_chunks = budget - (own_sum ? f.dx_sum : 0);
+  if (for_chunks < least)
+    throw Error(message::text("linear head: memory_budget = ", o.memory_budget, " bytes is below the least that ",
+                              "training on N = ", h.rows(), ", V = ", V, ", D = ", D, " needs: ",
+                              f.fixed + (own_sum ? f.dx_sum : 0) + least, " bytes (HeadOptions::memory_budget)"));
+  const int64_t columns = std::min(for_chunks / (N * f.chunk_element), V);
+  recompute(columns >= 8 ? columns / 8 * 8 : columns, own_sum);
+  return p;
+}
 
 // check_targets: whether to look at every target (one device-to-host copy); backward skips it, forward has done it.
 Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, const HeadOptions& o,
@@ -99,11 +194,13 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
       }
     }
   }
-  h.chunk_bytes = o.chunk_bytes;
-  h.recompute = o.recompute_logits;
-  const int64_t bytes = V * static_cast<int64_t>(at::elementSize(h.acc));
-  h.rows_per_slab = std::max<int64_t>(1, o.chunk_bytes / bytes);
-  if (h.rows_per_slab >= 256) h.rows_per_slab -= h.rows_per_slab % 256;  // whole GEMM tiles: no ragged last wave
+  const HeadMemoryPlan plan = memory_plan(h, o);
+  h.recompute = plan.recompute_logits;
+  h.own_dx_sum = plan.own_dx_sum;
+  h.chunk_bytes = o.memory_budget >= 0 ? plan.slab_bytes : o.chunk_bytes;
+  if (o.memory_budget >= 0 && plan.recompute_logits)
+    h.chunk_columns = plan.slab_bytes / (std::max<int64_t>(h.rows(), 1) * at::elementSize(plan.slab_type));
+  h.rows_per_slab = slab_rows(h, h.chunk_bytes);
   return h;
 }
 
@@ -352,6 +449,7 @@ Gradients statistics_gradients(const Head& h, const at::Tensor& a, const at::Ten
 // Columns of the small slab that recompute_logits holds at most: 2 KiB per row, and no more than chunk_bytes; whole
 // multiples of 8 where that leaves any (the GEMMs' leading dimensions, see recomputed_gradients).
 int64_t small_slab_columns(const Head& h, int64_t element_size) {
+  if (h.chunk_columns > 0) return h.chunk_columns;  // memory_budget's
   const int64_t c =
       std::clamp<int64_t>(h.chunk_bytes / (std::max<int64_t>(h.rows(), 1) * element_size), 1, 2048 / element_size);
   return c >= 8 ? c / 8 * 8 : c;
@@ -448,7 +546,7 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   at::Tensor dx_sum = out.x;
   int64_t v_split = V, sum_begin = 0;  // columns from v_split on run twice
   if (want[0] && h.x.scalar_type() != h.acc) {
-    if (want[1] && D > 0) {
+    if (want[1] && D > 0 && !h.own_dx_sum) {
       const int64_t sum_bytes = N * D * acc_size;
       sum_begin = (dw_bytes.numel() - sum_bytes) / kAlign * kAlign;
       if (sum_begin >= dw_bytes.numel() / 2) {
@@ -581,6 +679,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->saved_data["ignore_index"] = head->ignore_index;
     ctx->saved_data["chunk_bytes"] = head->chunk_bytes;
     ctx->saved_data["recompute_logits"] = head->recompute_logits;
+    ctx->saved_data["memory_budget"] = head->memory_budget;
     return f.loss;
   }
 
@@ -593,6 +692,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ho.ignore_index = ctx->saved_data["ignore_index"].toInt();
     ho.chunk_bytes = ctx->saved_data["chunk_bytes"].toInt();
     ho.recompute_logits = ctx->saved_data["recompute_logits"].toBool();
+    ho.memory_budget = ctx->saved_data["memory_budget"].toInt();
     LossOptions lo;
     lo.reduction = static_cast<Reduction>(ctx->saved_data["reduction"].toInt());
     lo.label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
@@ -712,6 +812,10 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   Gradients d = statistics_gradients(h, rows(grad_lse, "grad_lse"), rows(grad_logprob, "grad_logprob"),
                                      rows(grad_entropy, "grad_entropy"), want);
   return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
+}
+
+HeadMemoryPlan plan_head_memory(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head) {
+  return memory_plan(prepare(x, weight, {}, head), head);
 }
 
 namespace head_slice {

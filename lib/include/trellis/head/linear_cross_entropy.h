@@ -28,9 +28,9 @@ struct HeadOptions {
   at::Tensor bias;                      // [V], the dtype of x; undefined for none
   std::optional<double> softcap;        // c > 0: logits become c·tanh(logit / c)
   int64_t ignore_index = -100;          // targets equal to it are skipped (loss 0, no gradient, not counted)
-  // Bytes of float32 logits held at once (a slab of rows × V; training holds 1.5× that with bfloat16/float16
-  // inputs, 2× with float32, for the slab's dL/dz in the input type); smaller saves
-  // memory, larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
+  // Bytes of float32 logits held at once (a slab of rows × V; on CUDA the slab's dL/dz takes the slab's own memory
+  // where the types match or on compute capability 9.0, else it sits beside it in x's type); smaller saves memory,
+  // larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
   int64_t chunk_bytes = int64_t(1) << 30;
   // Training without a slab of logits: the loss takes each row's log-sum-exp from the forward pass (the fused kernel
   // where it applies, else a chunk of vocabulary columns at a time) and the gradients form the logits again, a chunk
@@ -40,7 +40,35 @@ struct HeadOptions {
   // For 16-bit inputs dx sums in float32 inside dW's last rows, whose chunks run twice; where those rows cannot hold it
   // (N·D·4 bytes over half of dW) or dW is not wanted, the float32 sum takes N·D·4 bytes of its own.
   bool recompute_logits = false;
+  // Bytes that training may hold beyond its inputs, its gradients and the loss: when set (>= 0), it picks the route,
+  // the slab and the slab's type for x and W's shapes (plan_head_memory says which) and overrides chunk_bytes and
+  // recompute_logits. Where it holds a slab of at least kBudgetMinSlabRows rows of float32 logits, the slab route
+  // (three GEMMs) with the largest such slab; else recompute_logits, whose vocabulary chunks take the budget (16-bit
+  // inputs: the fused kernel writes their gradient in x's type) and, where it fits beside them, dx's float32 sum (so
+  // that no chunk runs twice). A budget below the recompute route's least (O(N): a few bytes per row and
+  // kBudgetMinColumns columns of a chunk) is an error. The budget assumes gradients for both x and W and is kept on
+  // CUDA devices; the CPU path (the reference) may take more for temporaries where a chunk lands in dW's unwritten
+  // rows. Negative: chunk_bytes and recompute_logits decide.
+  int64_t memory_budget = -1;
 };
+
+// The least rows of a slab that memory_budget picks the slab route for: below it the per-slab GEMMs (dW's sum over a
+// short K, dx's few row tiles) cost more than forming the logits twice.
+inline constexpr int64_t kBudgetMinSlabRows = 256;
+// The least vocabulary columns of the recompute route's chunk slab under a budget.
+inline constexpr int64_t kBudgetMinColumns = 8;
+
+// What memory_budget (or, unset, chunk_bytes and recompute_logits) picks for training on x [..., D] and weight [V, D]
+// with gradients for both (and the bias when head.bias is given).
+struct HeadMemoryPlan {
+  bool recompute_logits = false;    // the route: logits formed twice, or a slab of rows' logits at a time
+  int64_t slab_bytes = 0;           // one slab: rows × V float32 logits, or the recompute route's chunk of columns
+  at::ScalarType slab_type = at::kFloat;  // the slab's element type: float32/float64 logits, or x's type for the
+                                          // recompute route's fused gradient chunks
+  bool own_dx_sum = false;          // recompute route, 16-bit x: dx's float32 sum in a buffer of its own (not in dW)
+  int64_t extra_bytes = 0;          // the most the step allocates beyond inputs and gradients (an upper estimate)
+};
+HeadMemoryPlan plan_head_memory(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
 
 struct LossOptions {
   Reduction reduction = Reduction::mean;  // mean: over the targets that are not ignore_index
