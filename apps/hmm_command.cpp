@@ -173,7 +173,9 @@ int infer(const std::vector<std::string>& args) {
   if (dist.rank() != 0) return 0;  // rank 0 reports the whole dataset
   std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood " << fixed(s.log_likelihood, 4)
             << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  " << fixed(s.seconds, 3) << " s  "
-            << fixed(s.tokens / s.seconds, 0) << " tokens/s";
+            << fixed(s.tokens / s.seconds, 0) << " tokens/s  (set-up " << fixed(s.setup_seconds, 3) << ", reading "
+            << fixed(s.read_seconds, 3) << ", computing " << fixed(s.compute_seconds, 3) << ", writing "
+            << fixed(s.write_seconds, 3) << ")";
   if (dist.world_size() > 1)
     std::cout << " (of which " << fixed(s.assembly_seconds, 3) << " s receiving and writing the other ranks' results)";
   std::cout << "\n";

@@ -3,13 +3,20 @@
 #   hmm infer               log-likelihood + Viterbi (float32 and float64)
 #   hmm infer --posteriors  the same and the state posteriors, written out (float32, uncompressed: --compression 0)
 #   hmm fit                 one EM iteration from the sampling model (float32)
-# at K = 64, 1024 and 4096 (and 16384 with TRELLIS_HMM_BENCH_LARGE=1), on fewer tokens as K grows. Prints one line
-# per run and writes every run as a JSON row {workload, shape, device, precision, tokens, seconds, tokens_per_s} to
-# JSON_OUT (default WORK_DIR/hmm_bench.json); the forward kernel's rows ("hmm log-lik", `trellis bench hmm`) come from
-# that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py bench (hmmlearn
-# is not on the GPU machine).
+# at K = 64, 1024 and 4096, on fewer tokens as K grows. Prints one line per run and writes every run as a JSON row
+# {workload, shape, device, precision, tokens, seconds, tokens_per_s} to JSON_OUT (default WORK_DIR/hmm_bench.json);
+# infer rows add the command's own split of its seconds (setup_seconds: the model put on the device and the output
+# made; read_, compute_ and write_seconds: the batches'). The forward kernel's rows ("hmm log-lik", `trellis bench
+# hmm`) come from that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py
+# bench (hmmlearn is not on the GPU machine).
+# With TRELLIS_HMM_BENCH_LARGE=1, also the transition-read floor at K = 16384 (and the K listed in
+# TRELLIS_HMM_BENCH_LARGE_K, e.g. "16384 32768"): `hmm infer` over 16 sequences of 1000 (K >= 32768: 500)
+# observations, one batch, so the command runs that many steps, each reading the transitions twice (the forward's
+# scaled copy and Viterbi's); the row "hmm infer floor" gives compute_seconds ÷ (steps × 2 × 4·K² bytes ÷
+# TRELLIS_HMM_BENCH_BANDWIDTH, default 3.0e12 bytes/s, an H100's measured copy rate).
 # Usage: hmm_bench.sh TRELLIS WORK_DIR [DEVICES...]   (devices for K = 64, default cuda; larger K run on cuda)
-#   env: JSON_OUT=FILE, TRELLIS_HMM_BENCH_LARGE=1, TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300)
+#   env: JSON_OUT=FILE, TRELLIS_HMM_BENCH_LARGE=1, TRELLIS_HMM_BENCH_LARGE_K, TRELLIS_HMM_BENCH_BANDWIDTH,
+#        TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300)
 set -euo pipefail
 trellis=$1
 work=$2
@@ -23,7 +30,7 @@ row() {  # WORKLOAD K DEVICE PRECISION TOKENS SECONDS
   local rate
   rate=$(awk -v n="$5" -v s="$6" 'BEGIN { printf "%.0f", (s > 0 ? n / s : 0) }')
   printf '%-22s K=%-5s %-5s %-8s tokens %-9s %8s s  %10s tokens/s\n' "$1" "$2" "$3" "$4" "$5" "$6" "$rate"
-  rows+=("{\"workload\": \"$1\", \"shape\": \"K=$2 V=10000 T=100..1000\", \"device\": \"$3\", \"precision\": \"$4\", \"tokens\": $5, \"seconds\": $6, \"tokens_per_s\": $rate}")
+  rows+=("{\"workload\": \"$1\", \"shape\": \"K=$2 V=10000 T=${shape_t:-100..1000}\", \"device\": \"$3\", \"precision\": \"$4\", \"tokens\": $5, \"seconds\": $6, \"tokens_per_s\": $rate${7:+, $7}}")
 }
 data() {  # K TOKENS: model m$K.h5 and data d$K-$TOKENS.h5
   local n=$(( ($2 + 549) / 550 ))  # 550 positions per sequence on average
@@ -37,8 +44,13 @@ infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0"]
     echo "$workload K=$1 $3 $4: failed or over ${limit} s"
     return
   fi
-  # "sequences N  tokens N  log-likelihood X (Y per token)  S s  R tokens/s"
-  row "$workload" "$1" "$3" "$4" "$(awk '{print $4}' <<<"$out")" "$(awk '{for (i = 1; i < NF; ++i) if ($(i+1) == "s") print $i}' <<<"$out")"
+  # "sequences N  tokens N  log-likelihood X (Y per token)  S s  R tokens/s  (set-up A, reading B, computing C, writing D)"
+  local split
+  split=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i ~ /^(set-up|reading|computing|writing)$/) {
+    name = $i == "set-up" ? "setup" : $i == "reading" ? "read" : $i == "computing" ? "compute" : "write"
+    printf "%s\"%s_seconds\": %s", sep, name, $(i+1); sep = ", " } }' <<<"$out")
+  compute=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i == "computing") print $(i+1)}' <<<"$out")
+  row "$workload" "$1" "$3" "$4" "$(awk '{print $4}' <<<"$out")" "$(awk '{for (i = 1; i < NF; ++i) if ($(i+1) == "s") print $i}' <<<"$out")" "$split"
   rm -f "$work/o$1.h5"
 }
 fit() {  # K TOKENS DEVICE PRECISION: one EM iteration from the sampling model
@@ -63,11 +75,32 @@ run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
   done
   rm -f "$work/d$K-"*.h5
 }
-# The posteriors written out are K floats per token (compressed): the --posteriors runs take fewer tokens.
+# The posteriors written out are K floats per token (uncompressed: 4 KB a token at K=1024, 16 KB at 4096), so the
+# --posteriors runs take fewer tokens, enough that the command's set-up is a small share of its time.
 run 64 10000000 500000 2000000 "${devices[@]}"
-run 1024 2000000 50000 1000000 cuda  # the CPU would take minutes here
-run 4096 1000000 10000 200000 cuda
-[ "${TRELLIS_HMM_BENCH_LARGE:-0}" = 1 ] && run 16384 50000 2000 20000 cuda
+run 1024 2000000 200000 1000000 cuda  # the CPU would take minutes here
+run 4096 1000000 100000 200000 cuda
+floor() {  # K LENGTH: infer over 16 sequences of LENGTH in one batch, beside the transitions' read floor
+  local K=$1 L=$2 bandwidth=${TRELLIS_HMM_BENCH_BANDWIDTH:-3.0e12} shape_t=$2
+  "$trellis" hmm init --states "$K" --symbols 10000 --seed 1 -o "$work/m$K.h5" 2>/dev/null
+  "$trellis" hmm sample -m "$work/m$K.h5" -o "$work/d$K-floor.h5" -n 16 -l "$L" --min-length "$L" --seed 2 2>/dev/null
+  compute=
+  infer "$K" floor cuda float32
+  if [ -n "$compute" ]; then
+    awk -v K="$K" -v L="$L" -v c="$compute" -v bw="$bandwidth" 'BEGIN {
+      f = L * 2 * 4 * K * K / bw
+      printf "hmm infer floor        K=%-5s steps %d  compute %s s  floor %.3f s  ratio %.2f\n", K, L, c, f, c / f }'
+    rows+=("$(awk -v K="$K" -v L="$L" -v c="$compute" -v bw="$bandwidth" 'BEGIN {
+      f = L * 2 * 4 * K * K / bw
+      printf "{\"workload\": \"hmm infer floor\", \"shape\": \"K=%s V=10000 B=16 T=%s\", \"device\": \"cuda\", ", K, L
+      printf "\"precision\": \"float32\", \"steps\": %d, \"compute_seconds\": %s, \"floor_seconds\": %.4f, ", L, c, f
+      printf "\"bandwidth\": %s, \"ratio\": %.3f}", bw, c / f }')")
+  fi
+  rm -f "$work/d$K-floor.h5" "$work/m$K.h5"
+}
+if [ "${TRELLIS_HMM_BENCH_LARGE:-0}" = 1 ]; then
+  for K in ${TRELLIS_HMM_BENCH_LARGE_K:-16384}; do floor "$K" "$([ "$K" -ge 32768 ] && echo 500 || echo 1000)"; done
+fi
 {
   echo "["
   for ((i = 0; i < ${#rows[@]}; ++i)); do echo "  ${rows[i]}$([ $((i + 1)) -lt ${#rows[@]} ] && echo ,)"; done

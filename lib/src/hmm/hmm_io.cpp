@@ -457,12 +457,13 @@ void write_doubles(H5::Group& file, const std::string& name, const at::Tensor& t
       .write(c.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
 }
 
-// The flat rows [n, ...] of a padded batch [B,T,...].
+// The rows of a padded batch [B,T,...] within each sequence's length, on the CPU. They are picked on the batch's
+// device, so only they cross to the host (at thousands of states, the posteriors of a batch are gigabytes).
 at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths) {
-  const at::Tensor l = lengths.cpu().to(at::kLong);
-  const at::Tensor mask = at::arange(padded.size(1), at::kLong).unsqueeze(0) < l.unsqueeze(1);
-  const at::Tensor rows = padded.detach().cpu().reshape({padded.size(0) * padded.size(1), -1});
-  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).contiguous();
+  const at::Tensor l = lengths.to(padded.device(), at::kLong);
+  const at::Tensor mask = at::arange(padded.size(1), l.options()).unsqueeze(0) < l.unsqueeze(1);
+  const at::Tensor rows = padded.detach().reshape({padded.size(0) * padded.size(1), -1});
+  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).cpu().contiguous();
 }
 
 // A gzip level, 0 (none) to 9, checked before any file is made.
@@ -989,7 +990,7 @@ void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tens
     const at::Tensor path = unpad(paths, lengths).squeeze(1);
     w.states.append(path.to(at::kInt));
     if (w.labels) w.labels->append(w.state_labels.index_select(0, path).to(at::kInt));
-    if (w.posteriors) w.posteriors->append(unpad(posteriors, lengths).to(at::kFloat));
+    if (w.posteriors) w.posteriors->append(unpad(posteriors.detach().to(at::kFloat), lengths));
   });
 }
 

@@ -345,6 +345,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             out = std::make_unique<HMMInferenceWriter>(output, data.offsets(), m->num_states(), with_posteriors,
                                                        model.state_labels, o.posteriors_compression);
         });
+        sum.setup_seconds = since(start);
         // One batch's results as written: log-likelihoods and Viterbi scores [2,B] (float64), paths [B,T] (int32),
         // posteriors [B,T,K] (float32). Rank 0 writes its own as they come; the others keep theirs for rank 0.
         struct Results {
@@ -355,8 +356,11 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         on_every_rank_after_all(group, [&] {
           const DatasetShare share = share_of_rank(data, rank, world);
           for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
+            auto phase = Clock::now();
             const SequenceBatch b = data.read(first, count);
             const at::Tensor lengths = b.lengths.to(opt.device());
+            sum.read_seconds += since(phase);
+            phase = Clock::now();
             const ChainPotentials p = m->potentials(b.observations.to(opt.device()), lengths);
             at::Tensor ll, nodes;
             if (with_posteriors) {
@@ -367,6 +371,9 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             c10::NoGradGuard no_grad;
             if (!with_posteriors) ll = chain_log_likelihood(p);
             const ViterbiResult v = viterbi(p);
+            log_likelihood += ll.sum().item<double>();  // waits for the batch's kernels: the compute time ends here
+            sum.compute_seconds += since(phase);
+            phase = Clock::now();
             if (rank == 0)
               out->append(ll, v.score, v.path, b.lengths, nodes);
             else
@@ -375,9 +382,9 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
                                                                   nodes.detach().cpu().to(at::kFloat)}
                                         : std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
                                                                   v.path.cpu().to(at::kInt)});
+            sum.write_seconds += since(phase);
             sum.sequences += count;
             sum.tokens += b.lengths.sum().item<int64_t>();
-            log_likelihood += ll.sum().item<double>();
             if (progress) progress(sum.sequences, sum.tokens);
             if (group) group->mark_progress();
           }

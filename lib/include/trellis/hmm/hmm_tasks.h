@@ -46,6 +46,9 @@ struct InferSummary {
   double log_likelihood = 0;  // total over the dataset
   double seconds = 0;
   double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
+  // Of `seconds`, this rank's: the model put on the device and the output file made; reading batches (to the device);
+  // computing them (until their results are on the device); writing them (or keeping them for rank 0).
+  double setup_seconds = 0, read_seconds = 0, compute_seconds = 0, write_seconds = 0;
 };
 // Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
 // Data-parallel: every rank computes its share and rank 0 alone writes the file, receiving the other ranks' results in
