@@ -1,5 +1,6 @@
-// Launchers of the fused linear-chain kernels (cuda/linear_chain_crf.cu). Tensors are contiguous CUDA tensors of one
-// dtype (lengths int64); outputs are preallocated by the caller. See lib/src/crf/chain_fused.h for the semantics.
+// Launchers of the linear-chain kernels: the fused ones (cuda/chain_fused.cu, and cuda/chain_fused_scaled.cu for many
+// labels), the streamed forward (cuda/scaled_chain_forward.cu) and the many-label Viterbi (cuda/many_label_viterbi.cu).
+// Tensors are contiguous CUDA tensors of one dtype (lengths int64); outputs are preallocated by the caller. See lib/src/crf/chain_fused.h for the semantics.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -34,7 +35,7 @@ void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions,
 // arg from end_arg at the last position) and -1 at padding. One thread per sequence.
 void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path);
 
-// The fused LogSemiring chain for many labels (cuda/scaled_chain_crf.cu): whether it takes K labels of this dtype,
+// The fused LogSemiring chain for many labels (cuda/chain_fused_scaled.cu): whether it takes K labels of this dtype,
 // and the same forward and backward as chain_forward / chain_backward, given also the scaled transitions
 // exp(W − colmax) [K,K], colmax [K] and the underflow threshold below which a column is computed exactly.
 bool scaled_chain_crf_supported(int64_t K, at::ScalarType dtype);
@@ -50,11 +51,21 @@ void scaled_chain_crf_backward(const at::Tensor& grad_score, const at::Tensor& t
                                const at::Tensor& score, double threshold, at::Tensor& grad_emissions,
                                at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 
-// cuda/scaled_chain_forward.cu's streamed forward (see scaled_chain_forward in cuda/semiring_kernels.h for the
-// arguments) for a batch longest first (lengths non-increasing, and `longest_first` the same lengths on the host: each
-// step launches only the sequences still running), with each step's messages rebased by the previous step's largest
-// entry: returns alpha [B,K] and sets offset [B] (float64) such that the messages at each sequence's end are
-// alpha + offset. float32 then keeps its precision on long sequences, whose unshifted messages would grow to about −T.
+// The streamed forward (cuda/scaled_chain_forward.cu): whether scaled_chain_forward takes B sequences of K labels
+// (few sequences: it streams the transitions once per step for every 16 of them, up to 32).
+bool scaled_chain_supported(int64_t B, int64_t K);
+
+// The LogSemiring forward messages at each sequence's last position, alpha [B,K], without gradients: emissions
+// [B,T,K] (contiguous), transitions W [K,K], scaled = exp(W − colmax) [K,K], colmax [K] (0 for all -inf columns),
+// start [K], lengths [B] int64 in [1, T]. Outputs whose scaled sum is below threshold are recomputed exactly.
+at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
+                                const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& lengths,
+                                double threshold);
+
+// The same streamed forward (see scaled_chain_forward for the arguments) for a batch longest first (lengths
+// non-increasing, and `longest_first` the same lengths on the host: each step launches only the sequences still
+// running), with each step's messages rebased by the previous step's largest entry: returns alpha [B,K] and sets
+// offset [B] (float64) such that the messages at each sequence's end are alpha + offset. float32 then keeps its precision on long sequences, whose unshifted messages would grow to about −T.
 at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
                                         const at::Tensor& lengths, const std::vector<int64_t>& longest_first,

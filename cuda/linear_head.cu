@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/linear_head.h"
 #include "cuda/linear_lse_sm90.h"
 
@@ -196,18 +197,8 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
           "linear head: shared memory");
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
       const int64_t n = std::min<int64_t>(65535, rows - r0);
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(blocks, static_cast<unsigned>(n));
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = blocks;
-      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      check(cudaLaunchKernelEx(&config, kernel, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0),
+      const LaunchShape shape{dim3(blocks, static_cast<unsigned>(n)), dim3(kThreads), smem, stream, blocks};
+      check(launch_kernel(kernel, shape, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0),
                                g.data_ptr<Acc>() + r0, targets.data_ptr<int64_t>() + r0,
                                dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0), lse.data_ptr<Acc>() + r0,
                                form_lse, cols, columns.first, slice,

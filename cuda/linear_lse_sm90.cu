@@ -6,6 +6,7 @@
 // grid; a unit's per-row partials are merged into the row's global (max, sum) pair with a 64-bit compare-and-swap,
 // the block-stats merge (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)).
 #include "cuda/linear_lse_sm90.h"
+#include "cuda/launch.cuh"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -578,19 +579,8 @@ cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaSt
   s.units_per_row_block = (s.col_tiles + s.tiles_per_unit - 1) / s.tiles_per_unit;
   s.units = int64_t(s.row_blocks) * s.units_per_row_block;
   const unsigned clusters = static_cast<unsigned>(std::min<int64_t>(sms / kCluster, s.units));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(clusters * kCluster);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N,
+  const LaunchShape shape{dim3(clusters * kCluster), dim3(kThreads), smem_bytes, stream, kCluster};
+  return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N,
                             a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit, grad);
 }
 

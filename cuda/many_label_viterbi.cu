@@ -1,4 +1,4 @@
-// Viterbi for chains with many labels (K past what cuda/linear_chain_crf.cu keeps in shared memory), the max-semiring
+// Viterbi for chains with many labels (K past what cuda/chain_fused.cu keeps in shared memory), the max-semiring
 // counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W from memory once for the batch (the
 // blocks of every group of kGroup sequences that use one tile of W run side by side and share it through L2).
 //

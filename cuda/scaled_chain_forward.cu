@@ -30,8 +30,8 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/streamed_chain.cuh"
-#include "cuda/semiring_kernels.h"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -262,17 +262,8 @@ StepPlan plan_step(int64_t B, int64_t K, int sms) {
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
                       Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  check(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...), "scaled chain kernel launch");
+  const LaunchShape shape{grid, dim3(kThreads), smem, stream, /*cluster=*/0, /*dependent=*/pdl};
+  check(launch_kernel(kernel, shape, static_cast<Params>(args)...), "scaled chain kernel launch");
 }
 
 template <class T, int NB>

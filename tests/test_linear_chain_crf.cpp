@@ -547,7 +547,7 @@ TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
 
 TEST(LinearChainCRFCuda, ManyLabelsFusedChainMatchesCpu) {
   TRELLIS_REQUIRE_CUDA();
-  // The fused chain for many labels with gradients (cuda/scaled_chain_crf.cu), log-likelihood and log-partition:
+  // The fused chain for many labels with gradients (cuda/chain_fused_scaled.cu), log-likelihood and log-partition:
   // the transitions in one block and split over clusters of 2 and 4 (float32 K=180, 256, 400; float64 K=150 past the
   // one-block kernel's limit), sequence groups cut short by B, ragged lengths, masked transitions, and inputs up to
   // ±1e3, where columns take the exact log-space path in both directions. Against the CPU float64 path.

@@ -12,9 +12,7 @@
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring/semiring.h"
-#if TRELLIS_WITH_CUDA
 #include "cuda/chain_kernels.h"
-#endif
 
 namespace trellis::detail {
 namespace {
@@ -292,10 +290,8 @@ enum class Backend { kCpu, kCudaShared, kCudaScaled, kNone };
 template <class S>
 Backend backend(const at::Tensor& em) {
   if (!em.is_cuda()) return Backend::kCpu;
-#if TRELLIS_WITH_CUDA
   if (cuda::chain_supported(em.size(2), em.scalar_type())) return Backend::kCudaShared;
   if (!S::kIsMax && cuda::scaled_chain_crf_supported(em.size(2), em.scalar_type())) return Backend::kCudaScaled;
-#endif
   return Backend::kNone;
 }
 
@@ -324,7 +320,6 @@ at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at:
     r.end_arg = at::empty({B}, long_opts);
   }
   if (em.is_cuda()) {
-#if TRELLIS_WITH_CUDA
     if (backend<S>(em) == Backend::kCudaScaled) {
       const ScaledRight w = scale_right(trans.unsqueeze(0));
       r.scaled = w.scaled[0].contiguous();
@@ -336,9 +331,6 @@ at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at:
       cuda::chain_forward<S>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
                              r.frame_score, loglik);
     }
-#else
-    throw Error("this Trellis build has no CUDA kernels");
-#endif
   } else {
     AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
       forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
@@ -356,7 +348,6 @@ std::array<at::Tensor, 4> backward_pass(const at::Tensor& grad, const ChainRecor
   at::Tensor g_em = r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
              g_trans = at::empty_like(r.trans), g_start = at::empty_like(r.end), g_end = at::empty_like(r.end);
   if (r.alpha.is_cuda()) {
-#if TRELLIS_WITH_CUDA
     if (r.scaled.defined())
       cuda::scaled_chain_crf_backward(g, r.trans, r.scaled, r.colmax, r.end, r.lengths, r.tags, r.alpha, r.pre,
                                       r.frame_score, underflow_threshold(r.alpha.scalar_type(), r.alpha.size(2)), g_em,
@@ -364,7 +355,6 @@ std::array<at::Tensor, 4> backward_pass(const at::Tensor& grad, const ChainRecor
     else
       cuda::chain_backward<S>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
                               g_em, g_trans, g_start, g_end);
-#endif
   } else {
     AT_DISPATCH_FLOATING_TYPES(r.alpha.scalar_type(), "fused_chain_backward", [&] {
       backward_cpu<S, scalar_t>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
@@ -437,13 +427,9 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
              arg = at::empty(em.sizes(), len.options()), end_arg = at::empty({B}, len.options()),
              path = at::empty({B, Tn}, len.options());
   if (em.is_cuda()) {
-#if TRELLIS_WITH_CUDA
     cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
                                      loglik);
     cuda::chain_backtrace(arg, end_arg, len, path);
-#else
-    throw Error("this Trellis build has no CUDA kernels");
-#endif
     return {path, score};
   }
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {

@@ -2,7 +2,7 @@
 // runs the semiring recursion per sequence and keeps its messages; the backward pass is its exact reverse-mode
 // derivative (an adjoint recursion weighted by S::weight), so the gradient of the LogSemiring score gives the node
 // marginals and the gradient of the MaxSemiring score the indicator of the Viterbi path. CPU loops here, CUDA kernels
-// in cuda/linear_chain_crf.cu; both are generic over the semiring.
+// in cuda/chain_fused.cu; both are generic over the semiring.
 #pragma once
 #include <ATen/core/Tensor.h>
 

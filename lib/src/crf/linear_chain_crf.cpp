@@ -13,10 +13,7 @@
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring/semiring_ops.h"
-#if TRELLIS_WITH_CUDA
 #include "cuda/chain_kernels.h"
-#include "cuda/semiring_kernels.h"
-#endif
 
 namespace trellis {
 namespace {
@@ -178,7 +175,6 @@ bool needs_grad(const ChainPotentials& p) {
 at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   const at::Tensor lengths = lengths_or_full(p, s);
   const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
-#if TRELLIS_WITH_CUDA
   if (p.emissions.is_cuda() && cuda::scaled_chain_supported(s.B, s.K)) {
     const at::Tensor alpha = cuda::scaled_chain_forward(
         p.emissions.contiguous(), w.original[0], w.scaled[0], w.colmax.view({s.K}),
@@ -188,7 +184,6 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   }
   // Many sequences: the fused chain kernels (one launch for all steps) where they take K.
   if (p.emissions.is_cuda() && detail::fused_chain_supported<LogSemiring>(p.emissions)) return chain_score<LogSemiring>(p, s);
-#endif
   // Each step's alpha is kept minus its largest entry, the offsets summed in float64: alphas of long sequences would
   // otherwise grow to about -T, where float32 keeps only about 1e-2 absolutely.
   const auto largest = [](const at::Tensor& a) {
@@ -350,7 +345,6 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 }
 
 ViterbiResult viterbi(const ChainPotentials& p) {
-#if TRELLIS_WITH_CUDA
   // Past the shared-memory kernels' reach in float64 (where a long float32 chain would be widened), the streaming
   // max-semiring kernels: they rebase each step's messages as the CPU recursion does, so float32 runs as it is.
   if (p.emissions.defined() && p.emissions.dim() == 3 && p.emissions.is_cuda() &&
@@ -364,7 +358,6 @@ ViterbiResult viterbi(const ChainPotentials& p) {
                              v.path, v.score);
     return v;
   }
-#endif
   if (widened_on_gpu(p)) {
     ViterbiResult v = viterbi(widened(p));
     v.score = v.score.to(at::kFloat);

@@ -6,9 +6,8 @@
 #include <cmath>
 
 #include "trellis/semiring/semiring.h"
-#if TRELLIS_WITH_CUDA
+#include "cuda/kernels_built.h"
 #include "cuda/semiring_kernels.h"
-#endif
 
 namespace trellis::detail {
 namespace {
@@ -57,9 +56,8 @@ at::Tensor scaled_log_matmul(const at::Tensor& a, const ScaledRight& b) {
   at::Tensor c = (s.log() + rowmax + b.colmax).contiguous();
   const double threshold = underflow_threshold(ac.scalar_type(), ac.size(2));
   if (ac.is_cuda()) {
-#if TRELLIS_WITH_CUDA
-    cuda::log_matmul_fixup(ac, b.original, s, c, threshold);  // no host synchronisation
-#endif
+    // No host synchronisation. A build without the kernels leaves the scaled result as it is.
+    if (cuda::kernels_built()) cuda::log_matmul_fixup(ac, b.original, s, c, threshold);
   } else {
     AT_DISPATCH_FLOATING_TYPES(ac.scalar_type(), "log_matmul_fixup",
                                [&] { fixup_cpu<scalar_t>(ac, b.original, s, c, threshold); });

@@ -6,9 +6,7 @@
 
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
-#if TRELLIS_WITH_CUDA
 #include "cuda/semiring_kernels.h"
-#endif
 
 namespace trellis {
 namespace {
@@ -18,12 +16,6 @@ using torch::autograd::variable_list;
 
 // From this inner size on, the log-semiring forward runs as one scaled GEMM (exact; see scaled_log_matmul.h).
 constexpr int64_t kScaledMinInner = 128;
-
-#if !TRELLIS_WITH_CUDA
-[[noreturn]] void no_cuda() {
-  throw Error("this Trellis build has no CUDA kernels (nvcc was not found when it was built)");
-}
-#endif
 
 // ---- CPU reference loops (one per operation, generic over the semiring) ----
 
@@ -111,11 +103,7 @@ void reduce_backward_cpu(const at::Tensor& g, const at::Tensor& x, const at::Ten
 template <class S>
 void matmul_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, at::Tensor& arg) {
   if (a.is_cuda()) {
-#if TRELLIS_WITH_CUDA
     return cuda::semiring_matmul_forward<S>(a, b, c, arg);
-#else
-    no_cuda();
-#endif
   }
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul", [&] { matmul_forward_cpu<S, scalar_t>(a, b, c, arg); });
 }
@@ -125,11 +113,7 @@ at::Tensor matmul_grad_left(const at::Tensor& gc, const at::Tensor& a, const at:
                             const at::Tensor& arg) {
   at::Tensor ga = at::empty({c.size(0), a.size(1), a.size(2)}, a.options());
   if (a.is_cuda()) {
-#if TRELLIS_WITH_CUDA
     cuda::semiring_matmul_grad_left<S>(gc, a, b, c, arg, ga);
-#else
-    no_cuda();
-#endif
   } else {
     AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul_backward",
                                [&] { matmul_grad_left_cpu<S, scalar_t>(gc, a, b, c, arg, ga); });
@@ -176,11 +160,7 @@ struct SemiringSumFunction : torch::autograd::Function<SemiringSumFunction<S>> {
     at::Tensor out = at::empty({x.size(0)}, x.options());
     at::Tensor arg = S::kIsMax ? at::empty({x.size(0)}, x.options().dtype(at::kLong)) : at::Tensor();
     if (x.is_cuda()) {
-#if TRELLIS_WITH_CUDA
       cuda::semiring_reduce_forward<S>(x, out, arg);
-#else
-      no_cuda();
-#endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "semiring_sum", [&] { reduce_forward_cpu<S, scalar_t>(x, out, arg); });
     }
@@ -193,11 +173,7 @@ struct SemiringSumFunction : torch::autograd::Function<SemiringSumFunction<S>> {
     const at::Tensor g = grads[0].contiguous();
     at::Tensor gx = at::empty_like(saved[0]);
     if (gx.is_cuda()) {
-#if TRELLIS_WITH_CUDA
       cuda::semiring_reduce_backward<S>(g, saved[0], saved[1], saved[2], gx);
-#else
-      no_cuda();
-#endif
     } else {
       AT_DISPATCH_FLOATING_TYPES(gx.scalar_type(), "semiring_sum_backward",
                                  [&] { reduce_backward_cpu<S, scalar_t>(g, saved[0], saved[1], saved[2], gx); });

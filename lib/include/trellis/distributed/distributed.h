@@ -27,6 +27,8 @@ class Store;
 
 namespace trellis {
 
+// The processes of a data-parallel run (torchrun) and the collectives Trellis uses between them. Every collective is
+// called by every rank in the same order; one object per process, used from one thread.
 class DistributedContext {
  public:
   // A single process (rank 0 of 1).
@@ -38,14 +40,19 @@ class DistributedContext {
   static DistributedContext from_environment(const std::string& device,
                                              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   ~DistributedContext();
+  // Moves the process group; the moved-from object is left without one.
   DistributedContext(DistributedContext&&) noexcept;
+  // Moves the process group; the moved-from object is left without one.
   DistributedContext& operator=(DistributedContext&&) noexcept;
 
+  // This process's rank, from 0.
   int rank() const { return rank_; }
+  // The number of processes.
   int world_size() const { return world_size_; }
   bool distributed() const;       // a process group exists
   std::string backend() const;    // "gloo", "nccl", or "none"
   std::string describe() const;   // "rank 1 of 3"
+  // How long a collective waits for the other ranks before it fails.
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10::intrusive_ptr<c10d::ProcessGroup> group() const;  // null for a single process
 
@@ -65,6 +72,7 @@ class DistributedContext {
 
   // Point to point: rank 0 gathering results in order. Shapes and dtypes must agree on both sides.
   void send(const at::Tensor& tensor, int destination) const;
+  // Fills `tensor` with what rank `source` sends (see send).
   void receive(const at::Tensor& tensor, int source) const;
 
   // Waits that are long by design (a rank done before the others, a rank waiting for rank 0 to write the ranks before
@@ -77,6 +85,7 @@ class DistributedContext {
   // A turn that rank `rank` gives: it signals `name`, the others await it (a name is used once between two
   // wait_for_all calls).
   void signal(const std::string& name) const;
+  // Returns once rank `rank` has signalled `name`, bounded as the waits above.
   void await(const std::string& name, int rank) const;
 
  private:

@@ -14,8 +14,9 @@
 
 namespace trellis {
 
+// An HMM model file's contents: the model and what the commands keep beside it.
 struct HMMModelFile {
-  std::variant<CategoricalHMM, GaussianHMM> model;
+  std::variant<CategoricalHMM, GaussianHMM> model;  // the parameters
   std::vector<std::string> state_names;         // optional (empty)
   std::vector<std::string> vocabulary;          // optional (empty)
   std::vector<double> log_likelihood_history;   // total log-likelihood before each EM update; optional
@@ -23,6 +24,7 @@ struct HMMModelFile {
 };
 // Tensors come back as float64 on the CPU.
 HMMModelFile load_hmm(const std::string& path);
+// Writes a model file atomically (a temporary renamed into place); Error naming the path on failure.
 void save_hmm(const std::string& path, const HMMModelFile& file);
 
 // A 1-d string dataset (e.g. "vocabulary", "label_names") of any HDF5 file; empty when the file has none.
@@ -36,29 +38,40 @@ struct SequenceBatch {
   at::Tensor labels;        // [B,T] int64 with -1 at padding; undefined unless asked for
 };
 
+// A dataset file of observation sequences (and optionally labels), read in batches of consecutive sequences.
 class HMMDataset {
  public:
   // Opens the file and checks its structure: datasets present, types, ranks, offsets (starting at 0, strictly
   // increasing, ending at the number of rows). Observation values are checked as batches are read.
   explicit HMMDataset(const std::string& path);
   ~HMMDataset();
+  // Takes over the open file.
   HMMDataset(HMMDataset&&) noexcept;
+  // Takes over the open file.
   HMMDataset& operator=(HMMDataset&&) noexcept;
 
+  // The file's path.
   const std::string& path() const;
+  // Whether observations are symbol ids (rather than feature vectors).
   bool categorical() const;
   int64_t num_features() const;  // F for continuous observations, 0 for categorical ones
+  // The number of sequences.
   int64_t num_sequences() const;
+  // The number of observations over all sequences.
   int64_t num_tokens() const;
+  // Whether the file holds a label per observation.
   bool has_labels() const;
+  // Where each sequence starts among the rows, and the number of rows last ([num_sequences + 1]).
   const std::vector<int64_t>& offsets() const;
   std::vector<std::string> vocabulary() const;   // empty when the file has none
   std::vector<std::string> label_names() const;  // empty when the file has none
 
   // Reading checks ids against these bounds (when set) and continuous values for NaN/inf.
   void expect_symbols(int64_t num_symbols);
+  // Labels must then lie in [0, num_labels).
   void expect_labels(int64_t num_labels);
 
+  // Sequences [first, first + count), padded, with their labels when with_labels (the file must have them).
   SequenceBatch read(int64_t first, int64_t count, bool with_labels = false) const;
   // Consecutive [first, first + count) ranges of at most max_tokens tokens each (a longer sequence is a range alone).
   std::vector<std::pair<int64_t, int64_t>> batches(int64_t max_tokens) const;
@@ -74,8 +87,10 @@ class HMMDatasetWriter {
   // num_features = 0: categorical (int32 ids); otherwise float32 [total_T, F].
   HMMDatasetWriter(const std::string& path, int64_t num_features, bool with_labels);
   ~HMMDatasetWriter();  // without commit() the temporary file is removed
+  // One padded batch: observations [B,T] (or [B,T,F]), lengths [B], labels [B,T] when the writer has them.
   void append(const at::Tensor& observations, const at::Tensor& lengths, const at::Tensor& labels = {});
   void write_strings(const std::string& name, const std::vector<std::string>& values);  // vocabulary, label_names
+  // Finishes the file and renames it into place.
   void commit();
 
  private:
@@ -95,6 +110,7 @@ class HMMInferenceWriter {
   // One batch: log_likelihood and viterbi_log_prob [B], paths [B,T], lengths [B], posteriors [B,T,K].
   void append(const at::Tensor& log_likelihood, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,
               const at::Tensor& lengths, const at::Tensor& posteriors = {});
+  // Finishes the file and renames it into place (without it the temporary file is removed).
   void commit();
 
  private:
@@ -102,8 +118,11 @@ class HMMInferenceWriter {
   std::unique_ptr<Impl> impl_;
 };
 
+// Tokens scored and tokens whose predicted label matched.
 struct LabelAccuracy {
-  int64_t tokens = 0, correct = 0;
+  int64_t tokens = 0;   // tokens scored
+  int64_t correct = 0;  // of which the label matched
+  // Percentage correct (0..100); 0 when no token was scored.
   double accuracy() const { return tokens ? 100.0 * correct / tokens : 0.0; }
 };
 // Token accuracy of `predictions` (an infer output's /labels, or /states) against the dataset's /labels. `coarse`

@@ -15,16 +15,23 @@
 
 namespace trellis {
 
+// Chunk counts of one type (or of all): chunks found in both, in the guesses, in the gold tags.
 struct ChunkCounts {
-  std::size_t correct = 0, guessed = 0, gold = 0;
+  std::size_t correct = 0;  // chunks with the same span and type in the gold and the guessed tags
+  std::size_t guessed = 0;  // chunks in the guessed tags
+  std::size_t gold = 0;     // chunks in the gold tags
   // Percentages (0..100) as conlleval computes them; 0 when the denominator is 0.
   double precision() const;
+  // Percentage of gold chunks found (0..100); 0 when there are none.
   double recall() const;
+  // The harmonic mean of precision and recall (0..100); 0 when both are 0.
   double f1() const;
 };
 
+// conlleval's scores over sentences added one at a time.
 struct ChunkEvaluation {
-  std::size_t tokens = 0, correct_tokens = 0;  // a token is correct when gold and guessed prefix and type match
+  std::size_t tokens = 0;                      // tokens added
+  std::size_t correct_tokens = 0;              // a token is correct when gold and guessed prefix and type match
   ChunkCounts overall;                         // includes chunks of tags with an empty type ("B", "I" without '-')
   std::map<std::string, ChunkCounts> by_type;  // every non-empty chunk type that started a gold or guessed chunk
 

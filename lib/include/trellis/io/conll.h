@@ -10,21 +10,25 @@
 
 namespace trellis {
 
+// One sentence of a column file: its tokens' fields.
 struct ConllSentence {
   std::vector<std::vector<std::string>> rows;  // rows[token][column]
   std::size_t first_line = 0;                  // 1-based line number of the first token in the source
 };
 
+// How read_conll reads a file.
 struct ConllReadOptions {
   std::string comment_prefix;  // empty: no comment skipping ('#' is a real token in CoNLL-2000); "#" for CoNLL-U
   bool validate_utf8 = true;   // invalid UTF-8 -> ParseError naming file:line
   bool allow_empty = false;    // a file with no sentences is an error unless this is set
 };
 
+// A whole column file as read_conll reads it.
 struct ConllCorpus {
   std::string source;           // file name (or the name given for a stream)
   std::size_t num_columns = 0;  // same for every token of the file; 0 when there are no tokens
-  std::vector<ConllSentence> sentences;
+  std::vector<ConllSentence> sentences;  // in file order
+  // The tokens of all sentences.
   std::size_t num_tokens() const;
 };
 
@@ -35,6 +39,7 @@ struct ConllCorpus {
 // invalid UTF-8 (column = 1-based byte offset in the line), or when there are no tokens and !options.allow_empty.
 // The path overload throws Error("cannot open 'path': <strerror>") when the file cannot be opened.
 ConllCorpus read_conll(const std::string& path, const ConllReadOptions& options = {});
+// The same from a stream; source_name stands for the file name in errors and in ConllCorpus::source.
 ConllCorpus read_conll(std::istream& in, const std::string& source_name, const ConllReadOptions& options = {});
 
 // Writes sentences as whitespace-joined columns (tab-separated), a blank line after each sentence.

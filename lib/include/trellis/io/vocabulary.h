@@ -9,8 +9,11 @@
 
 namespace trellis {
 
+// Word ids for a model's observations, with unknown words mapped to "<unk>" or to signature classes ("<unk-...>": TnT's
+// capitalisation, digit and suffix shapes).
 class Vocabulary {
  public:
+  // What an unseen word becomes: an error (id -1), the one "<unk>" symbol, or its most specific signature class.
   enum class Unknown { error, single, signatures };
 
   // Words seen at most this often teach the signature classes (TnT's choice), whether or not they keep their own id.
@@ -28,10 +31,14 @@ class Vocabulary {
   int64_t id(const std::string& word) const;
   // Whether the word maps to a word of the vocabulary (itself or its lowercase form), not to an unknown class.
   bool known(const std::string& word) const;
+  // Every symbol, in id order (words and unknown classes).
   const std::vector<std::string>& symbols() const { return symbols_; }
+  // The number of symbols.
   int64_t size() const { return static_cast<int64_t>(symbols_.size()); }
+  // The unknown-word scheme.
   Unknown unknown() const { return unknown_; }
 
+  // Whether a symbol names an unknown class ("<unk>" or "<unk-...>").
   static bool is_unknown_class(const std::string& symbol);
 
  private:

@@ -29,21 +29,29 @@
 
 namespace trellis::nn {
 
+// The module's options: the number of tags and the layout of its inputs.
 struct CRFOptions {
+  // K tags; the layout is batch-first.
   /* implicit */ CRFOptions(int64_t num_tags) : num_tags_(num_tags) {}
+  // K, the number of tags.
   TORCH_ARG(int64_t, num_tags);
   // true: emissions [B,T,K], tags and mask [B,T]; false: [T,B,K] and [T,B], and per-position results time-first.
   TORCH_ARG(bool, batch_first) = true;
 };
 
+// A linear-chain CRF layer with pytorch-crf's parameters and methods (use it as trellis::nn::CRF, a module holder).
 class CRFImpl : public torch::nn::Cloneable<CRFImpl> {
  public:
+  // K tags, batch-first inputs.
   explicit CRFImpl(int64_t num_tags) : CRFImpl(CRFOptions(num_tags)) {}
+  // Registers the parameters (initialised by reset_parameters) and unconstrained buffers.
   explicit CRFImpl(const CRFOptions& options);
 
+  // Registers the parameters and buffers again from the options (torch::nn::Cloneable's hook).
   void reset() override;
   // uniform(-0.1, 0.1) for every parameter, as pytorch-crf; constraints are left as they are.
   void reset_parameters();
+  // "trellis::nn::CRF(num_tags=K, batch_first=true|false)".
   void pretty_print(std::ostream& stream) const override;
 
   // Log-likelihood of tags under the unconstrained model, reduced by "sum" (the default), "none" ([B]), "mean" (over
@@ -64,17 +72,19 @@ class CRFImpl : public torch::nn::Cloneable<CRFImpl> {
   // BIO/BIOES scheme over the labels in tag order.
   void set_constraints(const TransitionConstraints& allowed);
   void set_constraints(const std::vector<std::string>& labels, TagScheme scheme);
+  // Allows every transition, start and end again.
   void clear_constraints();
 
   // The potentials the module's methods run on: the caller's emissions and mask with the module's parameters,
   // constrained or not.
   ChainPotentials potentials(const at::Tensor& emissions, const at::Tensor& mask, bool constrained) const;
 
-  CRFOptions options;
+  CRFOptions options;  // as constructed
   at::Tensor transitions, start_transitions, end_transitions;  // parameters
   at::Tensor allowed_transitions, allowed_start, allowed_end;   // buffers: nonzero where allowed
 };
 
+// The module holder of CRFImpl (a shared pointer, as every torch::nn module).
 TORCH_MODULE(CRF);
 
 }  // namespace trellis::nn

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 
+// Marks the policies' functions for both host and device code under nvcc (inline elsewhere).
 #if defined(__CUDACC__)
 #define TRELLIS_HD __host__ __device__ __forceinline__
 #else
@@ -19,6 +20,7 @@
 
 namespace trellis {
 
+// The semirings' zero: log 0 = -inf in T.
 template <class T>
 TRELLIS_HD T neg_inf() {
   return -std::numeric_limits<T>::infinity();
@@ -33,6 +35,7 @@ TRELLIS_HD T exp_(T x) {
   return std::exp(x);
 #endif
 }
+// The natural logarithm, as exp_.
 template <class T>
 TRELLIS_HD T log_(T x) {
 #if defined(__CUDA_ARCH__)
@@ -42,26 +45,30 @@ TRELLIS_HD T log_(T x) {
 #endif
 }
 
-// ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
-//   (m1,s1) ⊕ (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
-// so no term is ever exponentiated above 1 and -inf terms contribute exactly zero (never NaN).
 // What both semirings share: scores in log space, ⊗ = +, zero = -inf, one = 0.
 struct LogSpaceScores {
+  // ⊕'s identity: -inf.
   template <class T>
   TRELLIS_HD static T zero() { return neg_inf<T>(); }
+  // ⊗'s identity: 0.
   template <class T>
   TRELLIS_HD static T one() { return T(0); }
+  // a ⊗ b = a + b.
   template <class T>
   TRELLIS_HD static T times(T a, T b) { return a + b; }
 };
 
+// ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
+//   (m1,s1) ⊕ (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
+// so no term is ever exponentiated above 1 and -inf terms contribute exactly zero (never NaN).
 struct LogSemiring : LogSpaceScores {
-  static constexpr bool kIsMax = false;
+  static constexpr bool kIsMax = false;  // a sum: no argmax to record
 
+  // ⊕ of the terms added so far, as (max, sum of e^(term − max)).
   template <class T>
   struct Accumulator {
-    T max = neg_inf<T>();
-    T sum = T(0);
+    T max = neg_inf<T>();  // the largest term so far (-inf while empty)
+    T sum = T(0);          // Σ e^(term − max) over the terms so far
 
     TRELLIS_HD void add(T x, int64_t /*index*/) {
       if (x > max) {
@@ -71,6 +78,7 @@ struct LogSemiring : LogSpaceScores {
         sum += exp_(x - max);
       }
     }
+    // Adds another accumulator's terms (a partial ⊕ from another tile, block or device).
     TRELLIS_HD void merge(const Accumulator& o) {
       if (o.max > max) {
         sum = sum * exp_(max - o.max) + o.sum;
@@ -79,7 +87,9 @@ struct LogSemiring : LogSpaceScores {
         sum += o.sum * exp_(o.max - max);
       }
     }
+    // log Σ e^term: max + log(sum), or -inf when no finite term was added.
     TRELLIS_HD T value() const { return max > neg_inf<T>() ? max + log_(sum) : neg_inf<T>(); }
+    // No argmax: -1.
     TRELLIS_HD int64_t arg() const { return -1; }
   };
 
@@ -124,29 +134,35 @@ TRELLIS_HD T exact_log_dot(const T* a, const T* w, int64_t n, int64_t stride) {
 // ⊕ = max (remembering the first index that reached it), ⊗ = +. The gradient is routed to that one argmax, so
 // differentiating a Viterbi score gives the indicator of one best path even when several tie.
 struct MaxSemiring : LogSpaceScores {
-  static constexpr bool kIsMax = true;
+  static constexpr bool kIsMax = true;  // a maximum: the argmax is recorded (back-pointers)
 
+  // ⊕ of the terms added so far: the maximum and the first index that reached it.
   template <class T>
   struct Accumulator {
-    T max = neg_inf<T>();
-    int64_t index = -1;
+    T max = neg_inf<T>();  // the largest term so far
+    int64_t index = -1;    // its index (the smallest one among ties); -1 while empty
 
+    // Adds term x of index k.
     TRELLIS_HD void add(T x, int64_t k) {
       if (x > max || index < 0) {
         max = x;
         index = k;
       }
     }
+    // Adds another accumulator's terms; ties go to the smaller index, as one pass over all terms would.
     TRELLIS_HD void merge(const Accumulator& o) {
       if (o.index >= 0 && (o.max > max || index < 0 || (o.max == max && o.index < index))) {
         max = o.max;
         index = o.index;
       }
     }
+    // The maximum (-inf while empty).
     TRELLIS_HD T value() const { return max; }
+    // The index of the maximum, -1 while empty.
     TRELLIS_HD int64_t arg() const { return index; }
   };
 
+  // ⊕ of term(0), ..., term(n-1), in index order.
   template <class T, class F>
   TRELLIS_HD static Accumulator<T> reduce(int n, F term) {
     Accumulator<T> acc;
@@ -154,6 +170,7 @@ struct MaxSemiring : LogSpaceScores {
     return acc;
   }
 
+  // ∂(⊕_k x_k)/∂x_k: 1 for the recorded argmax, 0 for every other term.
   template <class T>
   TRELLIS_HD static T weight(T /*term*/, T /*result*/, int64_t k, int64_t arg) {
     return k == arg ? T(1) : T(0);

@@ -16,8 +16,11 @@ at::Tensor semiring_matmul(const at::Tensor& a, const at::Tensor& b);
 template <class S>
 at::Tensor semiring_sum(const at::Tensor& x, int64_t dim);
 
+// semiring_matmul<LogSemiring>: C[i,j] = log Σ_k exp(A[i,k] + B[k,j]).
 inline at::Tensor log_matmul(const at::Tensor& a, const at::Tensor& b) { return semiring_matmul<LogSemiring>(a, b); }
+// semiring_matmul<MaxSemiring>: C[i,j] = max_k A[i,k] + B[k,j].
 inline at::Tensor max_matmul(const at::Tensor& a, const at::Tensor& b) { return semiring_matmul<MaxSemiring>(a, b); }
+// semiring_sum<LogSemiring>: log Σ exp over dimension dim.
 inline at::Tensor logsumexp(const at::Tensor& x, int64_t dim) { return semiring_sum<LogSemiring>(x, dim); }
 
 }  // namespace trellis

@@ -1,4 +1,4 @@
-// The fused linear-chain kernels for many labels (LogSemiring, K past what cuda/linear_chain_crf.cu keeps in shared
+// The fused linear-chain kernels for many labels (LogSemiring, K past what cuda/chain_fused.cu keeps in shared
 // memory): the forward recursion with its messages in ONE launch for the whole batch and every position, and its exact
 // reverse mode in one more, in scaled probability space like the CPU path (lib/src/crf/chain_fused.cpp, ScaledLogStep):
 //   forward  s = v·P, v = exp(alpha − max alpha), P = exp(W − colmax);  pre = log s + max alpha + colmax
@@ -19,6 +19,7 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -343,19 +344,9 @@ __global__ void __launch_bounds__(kThreads) scaled_chain_backward_kernel(
 template <class Kernel, class... Args>
 void launch(Kernel kernel, const Plan& p, int B, const char* what, Args... args) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)), what);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((B + kSeq - 1) / kSeq * p.C));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = p.smem;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = p.C;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  check(cudaLaunchKernelEx(&config, kernel, args...), what);
+  const LaunchShape shape{dim3(static_cast<unsigned>((B + kSeq - 1) / kSeq * p.C)), dim3(kThreads), p.smem,
+                          at::cuda::getCurrentCUDAStream(), static_cast<unsigned>(p.C)};
+  check(launch_kernel(kernel, shape, args...), what);
 }
 
 Chain chain_of(const Plan& p, int64_t B, int64_t Tn, int64_t K, double threshold) {
