@@ -51,14 +51,16 @@ flush = None if args.cpu else torch.empty(256 << 20, dtype=torch.uint8, device=d
 started = time.monotonic()
 
 
-def timed(fn, less=0):
-    """Median milliseconds and peak extra bytes (less `less`) of fn(), as in the method above."""
+def timed(fn, less=0, reset=lambda: None):
+    """Median milliseconds and peak extra bytes (less `less`) of fn(), as in the method above; reset() runs before
+    each call, outside the timing and the memory count (it frees the last call's gradients)."""
     fn()
     if args.cpu:
         return 1.0, 0
     torch.cuda.synchronize()
     times, peak, spent = [], 0, 0.0
     while len(times) < 25 and (len(times) < 3 or spent < 400):
+        reset()
         flush.zero_()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -80,8 +82,8 @@ def peers():
     if "liger" in wanted:
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-            import liger_kernel
-            version = getattr(liger_kernel, "__version__", "")
+            from importlib.metadata import version as installed
+            version = installed("liger-kernel")
 
             def liger(x, w, t, softcap, reduction="mean"):
                 return LigerFusedLinearCrossEntropyLoss(reduction=reduction, softcap=softcap)(w, x, t)
@@ -184,10 +186,13 @@ def measure_shape(name, N, D, V, softcap, peer_losses):
         x = x0.detach().clone().requires_grad_()
         w = w0.detach().clone().requires_grad_()
 
-        def step():
+        def clear():
             x.grad = w.grad = None
+
+        def step():
+            clear()
             loss_fn(x, w, t, softcap).backward()
-        step_ms, step_bytes = timed(step, less=gradient_bytes)
+        step_ms, step_bytes = timed(step, less=gradient_bytes, reset=clear)
         step()
         row = dict(common, implementation=implementation, budget=budget, fwd_bwd_ms=step_ms, ratio=step_ms / gemm_ms,
                    extra_bytes=step_bytes, fwd_ms=fwd_ms, fwd_ratio=fwd_ms / gemm_ms, fwd_extra_bytes=fwd_bytes,

@@ -275,14 +275,14 @@ TEST(LinearCrossEntropy, MemoryBudgetPicksRoutesThatMatchTheReference) {
   check_budgets({40, 16, 1031, at::kBFloat16, true, 2.0, 0.1, 1e-4, Reduction::mean, true});
   check_budgets({40, 16, 1031, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::none, true});
   check_budgets({40, 16, 1031, at::kFloat, true, std::nullopt, 0.1, 0, Reduction::mean, true});
-  // More rows than kBudgetMinSlabRows: several slabs of 256 rows.
-  Case many{700, 16, 97, at::kDouble, true, 1.5, 0, 1e-3, Reduction::sum, false};
+  // More rows than kBudgetMinSlabRows: several slabs of 512 rows.
+  Case many{1200, 16, 97, at::kDouble, true, 1.5, 0, 1e-3, Reduction::sum, false};
   const Inputs in = random_inputs(many);
   HeadOptions h = head_of(in, many, 0);
-  h.memory_budget = (int64_t(1) << 20) + many.N * 64 + 2 * many.V * 8 + 300 * many.V * 16;
+  h.memory_budget = (int64_t(1) << 20) + many.N * 64 + 2 * many.V * 8 + 600 * many.V * 16;
   const HeadMemoryPlan plan = plan_head_memory(in.x, in.w, h);
   EXPECT_FALSE(plan.recompute_logits);
-  EXPECT_EQ(plan.slab_bytes, 256 * many.V * 8);
+  EXPECT_EQ(plan.slab_bytes, 512 * many.V * 8);
   EXPECT_LE(plan.extra_bytes, h.memory_budget);
   check_case(many, at::kCPU, false, 0, {true, true, true}, h.memory_budget);
 }
@@ -505,8 +505,8 @@ TEST(LinearCrossEntropyCuda, MemoryBudgetIsRespected) {
     const int64_t grads = (x.numel() + w.numel()) * x.element_size();
     linear_cross_entropy(x, w, t).backward();
     const at::Tensor dx = x.grad().clone(), dw = w.grad().clone();
-    // A whole slab, slabs of 256 rows, the recompute route with dx's sum beside its chunks, then in dW's last rows.
-    for (const int64_t budget : {1024 * MiB, 64 * MiB, 12 * MiB, 3 * MiB}) {
+    // A whole slab, slabs of 512 rows, the recompute route with dx's sum beside its chunks, then in dW's last rows.
+    for (const int64_t budget : {1024 * MiB, 80 * MiB, 12 * MiB, 3 * MiB}) {
       SCOPED_TRACE(c10::str(dtype, " memory_budget=", budget));
       HeadOptions h;
       h.memory_budget = budget;

@@ -52,9 +52,10 @@ struct HeadOptions {
   int64_t memory_budget = -1;
 };
 
-// The least rows of a slab that memory_budget picks the slab route for: below it the per-slab GEMMs (dW's sum over a
-// short K, dx's few row tiles) cost more than forming the logits twice.
-inline constexpr int64_t kBudgetMinSlabRows = 256;
+// The least rows of a slab that memory_budget picks the slab route for: below it the per-slab GEMMs (dW read, added to
+// and written again over a short K; dx's few row tiles) cost more than forming the logits twice (the H100 rows in
+// docs/benchmarks.md: 256-row slabs of the Llama-3 8B head were slower than the recompute route).
+inline constexpr int64_t kBudgetMinSlabRows = 512;
 // The least vocabulary columns of the recompute route's chunk slab under a budget.
 inline constexpr int64_t kBudgetMinColumns = 8;
 
