@@ -24,7 +24,7 @@ import time
 import torch
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--library", required=True, help="libtrellis_ops.so")
+parser.add_argument("--library", help="libtrellis_ops.so (required unless --from-json)")
 parser.add_argument("--json", help="rows are written here (after every shape)")
 parser.add_argument("--plot", help="PNG of time against memory, one panel per shape")
 parser.add_argument("--shapes", default="llama3-8b,qwen2.5-7b,gemma2-9b,small",
@@ -35,6 +35,7 @@ parser.add_argument("--time-limit", type=float, default=1e9,
                     help="seconds: no shape is started after this (the rows so far are kept)")
 parser.add_argument("--commit", default=os.environ.get("TRELLIS_COMMIT", "unknown"))
 parser.add_argument("--cpu", action="store_true", help="check the script itself on the CPU (float32, small shapes)")
+parser.add_argument("--from-json", nargs="+", help="measure nothing: plot the rows of these files (--plot)")
 args = parser.parse_args()
 
 # name: (D, V, softcap)
@@ -44,7 +45,8 @@ MiB = 1 << 20
 # memory_budget values (bytes beyond the gradients): None is the default (no budget), 64 MiB the O(N) route's.
 BUDGETS = [None, 1024 * MiB, 256 * MiB, 128 * MiB, 64 * MiB]
 
-torch.ops.load_library(args.library)
+if not args.from_json:
+    torch.ops.load_library(args.library)
 ops = torch.ops.trellis
 device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
 flush = None if args.cpu else torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -239,6 +241,10 @@ def plot(path):
     figure.savefig(path, dpi=110)
 
 
+if args.from_json:
+    rows = [r for path in args.from_json for r in json.load(open(path))]
+    plot(args.plot)
+    raise SystemExit(0)
 peer_losses = peers()
 shapes = [(n, int(N)) for N in args.rows.split(",") for n in args.shapes.split(",")]
 if args.cpu:
