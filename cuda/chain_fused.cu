@@ -64,11 +64,12 @@ __device__ T max_lanes(T v, int R) {
   return v;
 }
 
-// A sequence's length as the kernels use it: lengths outside [1, T] (values the host did not check, to spare a
-// synchronisation) are clamped so that every access stays inside the sequence's rows, and flagged.
+// A sequence's length as the kernels use it (no lengths: every sequence is T long): lengths outside [1, T] (values the
+// host did not check, to spare a synchronisation) are clamped so that every access stays inside the sequence's rows,
+// and flagged.
 __device__ inline int usable_length(const int64_t* __restrict__ len, int b, int B, int Tn, bool& bad) {
   if (b >= B) return 0;
-  const int64_t L = len[b];
+  const int64_t L = len ? len[b] : Tn;
   bad = L < 1 || L > Tn;
   return L < 1 ? 1 : L > Tn ? Tn : static_cast<int>(L);
 }
@@ -213,7 +214,8 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   int* bs = best + s * K;
   // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G. A sequence the forward pass
   // scored NaN (a length or tag out of range) gets NaN gradients: S::weight would take its NaN score for a zero one.
-  const T gb = b < B ? (isnan(score[b]) ? T(NAN) : tags ? -G[b] : G[b]) : T(0);
+  const T g = G ? G[b < B ? b : 0] : T(1);
+  const T gb = b < B ? (isnan(score[b]) ? T(NAN) : tags ? -g : g) : T(0);
   const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
   T g_end = T(0);
   if (owner) {
@@ -306,16 +308,48 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   }
 }
 
+// The column sums of the backward kernel's per-block partials [rows][K*K | K | K], each written to its own gradient
+// (separate tensors, not views of one: an operator's outputs may not share storage), in a fixed order.
+template <class T>
+__global__ void sum_partials_kernel(const T* __restrict__ part, int rows, int K, T* __restrict__ g_trans,
+                                    T* __restrict__ g_start, T* __restrict__ g_end) {
+  const int n = K * K + 2 * K, e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= n) return;
+  T s[4] = {T(0), T(0), T(0), T(0)};
+  int q = 0;
+  for (; q + 4 <= rows; q += 4)
+    for (int u = 0; u < 4; ++u) s[u] += part[static_cast<int64_t>(q + u) * n + e];
+  for (; q < rows; ++q) s[0] += part[static_cast<int64_t>(q) * n + e];
+  const T total = (s[0] + s[1]) + (s[2] + s[3]);
+  if (e < K * K)
+    g_trans[e] = total;
+  else if (e < K * K + K)
+    g_start[e - K * K] = total;
+  else
+    g_end[e - K * K - K] = total;
+}
+
+template <class T>
 __global__ void chain_backtrace_kernel(const int64_t* __restrict__ arg, const int64_t* __restrict__ end_arg,
-                                       const int64_t* __restrict__ len, int64_t* __restrict__ path, int B, int Tn, int K) {
+                                       const int64_t* __restrict__ len, const T* __restrict__ score,
+                                       int64_t* __restrict__ path, int B, int Tn, int K) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= B) return;
-  const int L = static_cast<int>(len[b]);
+  const T best = score[b];
+  const bool nothing_allowed = isinf(best) && best < T(0);
+  const int L = nothing_allowed ? 0 : len ? static_cast<int>(len[b]) : Tn;
   int64_t* p = path + static_cast<int64_t>(b) * Tn;
   for (int t = L; t < Tn; ++t) p[t] = -1;
+  if (nothing_allowed) return;
   int64_t y = end_arg[b];
   p[L - 1] = y;
   for (int t = L - 1; t >= 1; --t) p[t - 1] = y = arg[(static_cast<int64_t>(b) * Tn + t) * K + y];
+}
+
+// A tensor's data, or nullptr for an undefined one.
+template <class T>
+const T* optional_data(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
 template <class Kernel>
@@ -346,7 +380,7 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
         em.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
-        lengths.data_ptr<int64_t>(), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
+        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
         pre.data_ptr<scalar_t>(),
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
         score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr,
@@ -370,24 +404,30 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
     auto kernel = chain_backward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
-        grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
+        optional_data<scalar_t>(grad), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), optional_data<int64_t>(lengths),
         tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
         S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
         part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_backward");
-  const at::Tensor total = part.sum(0);
-  g_trans = total.narrow(0, 0, K * K).view({K, K});
-  g_start = total.narrow(0, K * K, K);
-  g_end = total.narrow(0, K * K + K, K);
+  const int64_t n = K * K + 2 * K;
+  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_partials_cuda", [&] {
+    sum_partials_kernel<<<grid_dim(n, 128), 128, 0, stream>>>(part.data_ptr<scalar_t>(), l.blocks, int(K),
+                                                             g_trans.data_ptr<scalar_t>(), g_start.data_ptr<scalar_t>(),
+                                                             g_end.data_ptr<scalar_t>());
+  });
+  check_launch("chain_backward partials");
 }
 
-void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path) {
+void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths,
+                     const at::Tensor& score, at::Tensor& path) {
   const int64_t B = arg.size(0), Tn = arg.size(1), K = arg.size(2);
   if (B == 0) return;
-  chain_backtrace_kernel<<<grid_dim(B, 128), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
-      arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
-      int(B), int(Tn), int(K));
+  AT_DISPATCH_FLOATING_TYPES(score.scalar_type(), "chain_backtrace_cuda", [&] {
+    chain_backtrace_kernel<<<grid_dim(B, 128), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+        arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), optional_data<int64_t>(lengths), score.data_ptr<scalar_t>(),
+        path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
+  });
   check_launch("chain_backtrace");
 }
 

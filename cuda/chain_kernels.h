@@ -1,6 +1,8 @@
 // Launchers of the linear-chain kernels: the fused ones (cuda/chain_fused.cu, and cuda/chain_fused_scaled.cu for many
 // labels), the streamed forward (cuda/scaled_chain_forward.cu) and the many-label Viterbi (cuda/many_label_viterbi.cu).
-// Tensors are contiguous CUDA tensors of one dtype (lengths int64); outputs are preallocated by the caller. See lib/src/crf/chain_fused.h for the semantics.
+// Tensors are contiguous CUDA tensors of one dtype (lengths int64; chain_forward, chain_backward and chain_backtrace
+// also take undefined lengths: every sequence T long); outputs are preallocated by the caller. See
+// lib/src/crf/chain_fused.h for the semantics.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -22,9 +24,9 @@ void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, c
                    at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score,
                    at::Tensor& loglik);
 
-// Given the gradient of the forward's output [B] (score, or loglik with tags) and the forward's frame_score as
-// `score`, fills grad_emissions [B,T,K] (zero at padding; NaN for a sequence the forward pass scored NaN) and sets
-// grad_transitions [K,K], grad_start [K] and grad_end [K].
+// Given the gradient of the forward's output [B] (score, or loglik with tags; undefined: all ones) and the forward's
+// frame_score as `score`, fills grad_emissions [B,T,K] (zero at padding; NaN for a sequence the forward pass scored
+// NaN) and grad_transitions [K,K], grad_start [K] and grad_end [K] (preallocated, contiguous, each its own storage).
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
                     const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
@@ -32,8 +34,10 @@ void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions,
                     at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
 
 // Viterbi backtrace from MaxSemiring's forward record: path [B,T] int64 gets each sequence's best labels (following
-// arg from end_arg at the last position) and -1 at padding. One thread per sequence.
-void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths, at::Tensor& path);
+// arg from end_arg at the last position) and -1 at padding; a sequence whose best score is -inf (no label sequence
+// allowed) gets -1 everywhere. One thread per sequence.
+void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths,
+                     const at::Tensor& score, at::Tensor& path);
 
 // The fused LogSemiring chain for many labels (cuda/chain_fused_scaled.cu): whether it takes K labels of this dtype,
 // and the same forward and backward as chain_forward / chain_backward, given also the scaled transitions

@@ -295,6 +295,16 @@ Backend backend(const at::Tensor& em) {
   return Backend::kNone;
 }
 
+at::TensorOptions long_options(const at::Tensor& like) { return like.options().dtype(at::kLong); }
+
+// Lengths as the CPU loops and the many-label kernels read them: every sequence T long where none are given (the
+// shared-memory kernels take none, which spares the launch that would fill them).
+at::Tensor materialised(const at::Tensor& lengths, const at::Tensor& em) {
+  return lengths.defined() ? lengths : at::full({em.size(0)}, em.size(1), long_options(em));
+}
+
+at::Tensor contiguous_or_none(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
+
 // What the fused forward pass keeps for its backward pass: its inputs and its messages.
 struct ChainRecord {
   at::Tensor trans, end, lengths, tags, alpha, pre, arg, end_arg, frame_score;
@@ -308,12 +318,15 @@ at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at:
   const int64_t B = em.size(0);
   r.trans = trans;
   r.end = end;
-  r.lengths = lengths;
+  r.lengths = backend<S>(em) == Backend::kCudaShared ? lengths : materialised(lengths, em);
   r.tags = tags;
   r.alpha = at::empty_like(em);
   r.pre = at::empty_like(em);
-  r.frame_score = at::empty({B}, em.options());
-  at::Tensor score = at::empty({B}, em.options()), loglik = at::empty({tags.numel() ? B : 0}, em.options());
+  // The [B] results in one allocation, the returned one first (an operator's output starts its storage).
+  const at::Tensor results = at::empty({tags.numel() ? 3 : 2, B}, em.options());
+  at::Tensor loglik = tags.numel() ? results[0] : at::empty({0}, em.options()),
+             score = results[tags.numel() ? 1 : 0];
+  r.frame_score = results[tags.numel() ? 2 : 1];
   const auto long_opts = em.options().dtype(at::kLong);
   if (S::kIsMax) {
     r.arg = at::empty(em.sizes(), long_opts);
@@ -324,26 +337,30 @@ at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at:
       const ScaledRight w = scale_right(trans.unsqueeze(0));
       r.scaled = w.scaled[0].contiguous();
       r.colmax = w.colmax.view({em.size(2)});
-      cuda::scaled_chain_crf_forward(em, trans, r.scaled, r.colmax, start, end, lengths, tags,
+      cuda::scaled_chain_crf_forward(em, trans, r.scaled, r.colmax, start, end, r.lengths, tags,
                                      underflow_threshold(em.scalar_type(), em.size(2)), r.alpha, r.pre, score, loglik);
       r.frame_score = score;  // the scaled kernel keeps its alphas in the score's frame
     } else {
-      cuda::chain_forward<S>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
+      cuda::chain_forward<S>(em, trans, start, end, r.lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
                              r.frame_score, loglik);
     }
   } else {
     AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-      forward_cpu<S, scalar_t>(em, trans, start, end, lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
+      forward_cpu<S, scalar_t>(em, trans, start, end, r.lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
                                r.frame_score, loglik);
     });
   }
   return tags.numel() ? loglik : score;
 }
 
-// The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b], from the forward pass' record.
+// The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b] (grad undefined: Σ_b score[b]), from the
+// forward pass' record.
 template <class S>
 std::array<at::Tensor, 4> backward_pass(const at::Tensor& grad, const ChainRecord& r) {
-  const at::Tensor g = grad.contiguous();
+  const bool shared = r.alpha.is_cuda() && !r.scaled.defined();
+  const at::Tensor g = grad.defined() ? grad.contiguous()
+                       : shared       ? grad  // the shared-memory kernel reads no gradient as all ones
+                                      : at::ones({r.alpha.size(0)}, r.alpha.options());
   // The CUDA kernel writes the padding's zeros itself.
   at::Tensor g_em = r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
              g_trans = at::empty_like(r.trans), g_start = at::empty_like(r.end), g_end = at::empty_like(r.end);
@@ -370,7 +387,7 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                             const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                             const at::Tensor& tags) {
     ChainRecord r;
-    const at::Tensor out = forward_pass<S>(em, trans, start, end, lengths, tags, r);
+    const at::Tensor out = forward_pass<S>(em, trans, start, end, lengths.numel() ? lengths : at::Tensor(), tags, r);
     ctx->save_for_backward({r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
                             r.scaled, r.colmax});
     return out;
@@ -399,9 +416,11 @@ template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags) {
   return FusedChainFunction<S>::apply(emissions.contiguous(), transitions.contiguous(), start.contiguous(),
-                                      end.contiguous(), lengths.contiguous(),
-                                      // autograd needs defined inputs: no tags is an empty tensor
-                                      tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()));
+                                      end.contiguous(),
+                                      // autograd takes defined inputs only: no lengths (all T long) and no tags are
+                                      // empty tensors
+                                      lengths.defined() ? lengths.contiguous() : at::empty({0}, long_options(emissions)),
+                                      tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)));
 }
 
 template <class S>
@@ -411,8 +430,9 @@ std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emis
   ChainRecord r;
   const at::Tensor score =
       forward_pass<S>(emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
-                      lengths.contiguous(), tags.defined() ? tags.contiguous() : at::empty({0}, lengths.options()), r);
-  auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(at::ones_like(score), r);
+                      contiguous_or_none(lengths),
+                      tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)), r);
+  auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(at::Tensor(), r);
   return {score, g_em, g_trans, g_start, g_end};
 }
 
@@ -420,32 +440,36 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
                                                 const at::Tensor& start, const at::Tensor& end,
                                                 const at::Tensor& lengths) {
   const at::Tensor em = emissions.contiguous(), trans = transitions.contiguous(), st = start.contiguous(),
-                   en = end.contiguous(), len = lengths.contiguous(), no_tags = at::empty({0}, len.options());
+                   en = end.contiguous(), no_tags = at::empty({0}, long_options(em));
+  const at::Tensor len = em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous();
   const int64_t B = em.size(0), Tn = em.size(1);
   at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options()),
              frame_score = at::empty({B}, em.options()), loglik = at::empty({0}, em.options()),
-             arg = at::empty(em.sizes(), len.options()), end_arg = at::empty({B}, len.options()),
-             path = at::empty({B, Tn}, len.options());
+             arg = at::empty(em.sizes(), no_tags.options()), end_arg = at::empty({B}, no_tags.options()),
+             path = at::empty({B, Tn}, no_tags.options());
   if (em.is_cuda()) {
     cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
                                      loglik);
-    cuda::chain_backtrace(arg, end_arg, len, path);
+    cuda::chain_backtrace(arg, end_arg, len, score, path);
     return {path, score};
   }
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
     forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
                                        loglik);
-  });
-  const int64_t K = em.size(2);
-  const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();
-  int64_t* P = path.data_ptr<int64_t>();
-  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t* p = P + b * Tn;
-      std::fill(p + L[b], p + Tn, int64_t(-1));
-      int64_t y = p[L[b] - 1] = E[b];
-      for (int64_t t = L[b] - 1; t >= 1; --t) p[t - 1] = y = A[(b * Tn + t) * K + y];
-    }
+    const int64_t K = em.size(2);
+    const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();
+    const scalar_t* S = score.data_ptr<scalar_t>();
+    int64_t* P = path.data_ptr<int64_t>();
+    at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t* p = P + b * Tn;
+        const bool nothing_allowed = S[b] == -std::numeric_limits<scalar_t>::infinity();
+        std::fill(p + (nothing_allowed ? 0 : L[b]), p + Tn, int64_t(-1));
+        if (nothing_allowed) continue;
+        int64_t y = p[L[b] - 1] = E[b];
+        for (int64_t t = L[b] - 1; t >= 1; --t) p[t - 1] = y = A[(b * Tn + t) * K + y];
+      }
+    });
   });
   return {path, score};
 }

@@ -18,7 +18,8 @@ bool fused_chain_supported(const at::Tensor& emissions);
 
 // score [B] = ⊕ over label sequences of start ⊗ emissions ⊗ transitions ⊗ end, each sequence up to lengths[b];
 // with tags [B,T] (int64), the tagged sequence's score minus that, i.e. the log-likelihood for LogSemiring.
-// emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on that device.
+// emissions [B,T,K], transitions [K,K], start [K], end [K] share dtype and device; lengths [B] int64 on that device,
+// or undefined when every sequence is T long (the shared-memory CUDA kernels then read no lengths at all).
 // Lengths in [1, T] and tags in [0, K) are the caller's to check unless shared_chain_kernels_take the emissions.
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
