@@ -205,8 +205,7 @@ at::Tensor caller_layout(const at::Tensor& batch_first_result, bool batch_first)
 }
 
 ViterbiResult caller_layout(const ViterbiResult& r, bool batch_first) {
-  const at::Tensor nothing_allowed = (r.score == -std::numeric_limits<double>::infinity()).unsqueeze(1);
-  return {caller_layout(r.path.masked_fill(nothing_allowed, -1), batch_first), r.score.contiguous()};
+  return {caller_layout(r.path, batch_first), r.score.contiguous()};
 }
 
 KBestResult caller_layout(const KBestResult& r, bool batch_first, const at::Device& device) {

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "lib/src/crf/chain_fused.h"
+#include "lib/src/crf/chain_routes.h"
 #include "lib/src/io/message.h"
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
@@ -19,7 +20,6 @@ namespace trellis {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-constexpr int64_t kScaledMinLabels = 128;  // from here on a GEMM per step beats K² log-space terms per step
 
 struct Shape {
   int64_t B, T, K;
@@ -29,6 +29,14 @@ at::Tensor lengths_or_full(const ChainPotentials& p, const Shape& s) {
   const auto opts = p.emissions.options().dtype(at::kLong);
   return p.lengths.defined() ? p.lengths.to(opts) : at::full({s.B}, s.T, opts);
 }
+
+// The lengths as the fused routes take them: undefined when every sequence is T long.
+at::Tensor given_lengths(const ChainPotentials& p) {
+  return p.lengths.defined() ? p.lengths.to(p.emissions.options().dtype(at::kLong)) : at::Tensor();
+}
+
+// [B,1] true for a sequence whose best score is -inf: no label sequence is allowed, so it has no path.
+at::Tensor no_path(const at::Tensor& best_score) { return best_score.isneginf().unsqueeze(1); }
 
 // [B,T] true where t < length.
 at::Tensor position_mask(const at::Tensor& lengths, int64_t T) {
@@ -124,13 +132,17 @@ at::Tensor chain_forward(const ChainPotentials& p, const Shape& s, const at::Ten
   return semiring_sum<S>(alpha + or_zeros(p.end, p, s.K), -1);
 }
 
-// The same recursion as chain_forward, fused into one autograd node: the fast path for whole-chain scores wherever
-// the fused kernels take the label count.
+// The same recursion as chain_forward, fused into one autograd node.
+template <class S>
+at::Tensor fused_score(const ChainPotentials& p, const Shape& s) {
+  return detail::fused_chain_score<S>(p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K),
+                                      given_lengths(p));
+}
+
+// The whole-chain score: fused wherever the fused passes take the label count, else composed.
 template <class S>
 at::Tensor chain_score(const ChainPotentials& p, const Shape& s) {
-  if (!detail::fused_chain_supported<S>(p.emissions)) return chain_forward<S>(p, s, at::Tensor());
-  return detail::fused_chain_score<S>(p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K),
-                                      lengths_or_full(p, s));
+  return detail::fused_chain_supported<S>(p.emissions) ? fused_score<S>(p, s) : chain_forward<S>(p, s, at::Tensor());
 }
 
 // Total score of the given labels (tags validated by check()).
@@ -158,13 +170,6 @@ ChainPotentials detached_with_emission_leaf(const ChainPotentials& p) {
   if (p.start.defined()) q.start = p.start.detach();
   if (p.end.defined()) q.end = p.end.detach();
   return q;
-}
-
-bool needs_grad(const ChainPotentials& p) {
-  if (!c10::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end})
-    if (t->defined() && t->requires_grad()) return true;
-  return false;
 }
 
 // The forward recursion for many labels when no gradient is wanted (likelihoods, e.g. of large HMMs): each step is
@@ -210,68 +215,81 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   return (z.to(at::kDouble) + offset.squeeze(1)).to(z.scalar_type());
 }
 
-// Log-space messages grow to about −T·(nats per step), where float32 keeps only about 1e-2 absolutely. The CPU
-// recursion and the shared-memory CUDA kernels rebase their messages each step; the other CUDA routes keep them
-// unshifted. Long float32 sequences on those routes therefore run in float64 and come back in float32 (with autograd
-// through the conversion), and so do very long ones on the shared-memory kernels, whose backward pass does not
-// renormalise its adjoints as the CPU's does (rounding drifts by about 2e-9 per step): marginals stay within 1e-4 of
-// float64 at every length.
-constexpr int64_t kGpuFloat32MaxSteps = 256, kGpuRebasedFloat32MaxSteps = 16384;
-bool widened_on_gpu(const ChainPotentials& p) {
-  if (!p.emissions.is_cuda() || p.emissions.scalar_type() != at::kFloat) return false;
-  const int64_t T = p.emissions.size(1);
-  const bool rebased = detail::shared_chain_kernels_take(p.emissions) && p.emissions.size(2) < kScaledMinLabels;
-  return T > (rebased ? kGpuRebasedFloat32MaxSteps : kGpuFloat32MaxSteps);
-}
+// The float64 copy that the widened route computes on (values already checked by the caller).
 ChainPotentials widened(const ChainPotentials& p) {
   ChainPotentials q = p;
   for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end})
     if (t->defined()) *t = t->to(at::kDouble);
+  q.values_checked = true;
   return q;
 }
+
+using detail::ChainQuantity;
+using detail::ChainRoute;
 
 }  // namespace
 
 at::Tensor log_partition(const ChainPotentials& p) {
-  if (widened_on_gpu(p)) return log_partition(widened(p)).to(at::kFloat);
   const Shape s = check(p);
-  if (s.K >= kScaledMinLabels && !needs_grad(p)) return scaled_log_partition(p, s);
-  return chain_score<LogSemiring>(p, s);
+  switch (detail::choose_route(ChainQuantity::kLogPartition, p)) {
+    case ChainRoute::kWidened: {
+      const detail::ForcedChainRoute automatic(std::nullopt);
+      return log_partition(widened(p)).to(at::kFloat);
+    }
+    case ChainRoute::kScaledForward: return scaled_log_partition(p, s);
+    case ChainRoute::kFused: return fused_score<LogSemiring>(p, s);
+    default: return chain_forward<LogSemiring>(p, s, at::Tensor());
+  }
 }
 
 at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags) {
-  if (widened_on_gpu(p)) return gold_score(widened(p), tags).to(at::kFloat);
+  if (detail::float32_widened_on_gpu(p)) return gold_score(widened(p), tags).to(at::kFloat);
   const Shape s = check(p, &tags);
   return gold_score_unchecked(p, s, tags);
 }
 
+// Whether the values (lengths, tags) are left to the route: the shared-memory kernels check them on the device, where
+// a host check would make the host wait for the GPU to finish the work queued so far.
+namespace {
+bool checked_on_device(ChainRoute route, const ChainPotentials& p) {
+  return route == ChainRoute::kFused && detail::shared_chain_kernels_take(p.emissions);
+}
+}  // namespace
+
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
-  if (widened_on_gpu(p)) return log_likelihood(widened(p), tags).to(at::kFloat);
-  // A host check of the values would make the host wait for the GPU to finish the work queued so far.
-  const Shape s = check(p, &tags, detail::shared_chain_kernels_take(p.emissions));
-  if (!detail::fused_chain_supported<LogSemiring>(p.emissions)) return gold_score_unchecked(p, s, tags) - log_partition(p);
-  // One fused node computes gold score − log Z and its gradient (gold indicators minus marginals).
-  return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
-                                                 or_zeros(p.end, p, s.K), lengths_or_full(p, s),
-                                                 tags.to(p.emissions.device(), at::kLong));
+  const ChainRoute route = detail::choose_route(ChainQuantity::kLogLikelihood, p);
+  const Shape s = check(p, &tags, checked_on_device(route, p));
+  switch (route) {
+    case ChainRoute::kWidened: {
+      const detail::ForcedChainRoute automatic(std::nullopt);
+      return log_likelihood(widened(p), tags).to(at::kFloat);
+    }
+    case ChainRoute::kFused:  // one fused node: gold score − log Z and its gradient (gold indicators − marginals)
+      return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
+                                                     or_zeros(p.end, p, s.K), given_lengths(p),
+                                                     tags.to(p.emissions.device(), at::kLong));
+    default: return gold_score_unchecked(p, s, tags) - log_partition(p);
+  }
 }
 
 LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags) {
-  if (widened_on_gpu(p)) {
+  const ChainRoute route = detail::choose_route(ChainQuantity::kLogLikelihood, p);
+  const Shape s = check(p, &tags, checked_on_device(route, p));
+  if (route == ChainRoute::kWidened) {
+    const detail::ForcedChainRoute automatic(std::nullopt);
     LogLikelihoodGradients g = log_likelihood_with_gradients(widened(p), tags);
     for (at::Tensor* t : {&g.log_likelihood, &g.emissions, &g.transitions, &g.start, &g.end})
       if (t->defined()) *t = t->to(at::kFloat);
     return g;
   }
-  const Shape s = check(p, &tags, detail::shared_chain_kernels_take(p.emissions));
   const at::Tensor y = tags.to(p.emissions.device(), at::kLong);
-  if (detail::fused_chain_supported<LogSemiring>(p.emissions)) {
+  if (route == ChainRoute::kFused) {
+    // (Not recorded by autograd: the fused passes are called directly.)
     const auto [ll, g_em, g_trans, g_start, g_end] = detail::fused_chain_score_and_gradients<LogSemiring>(
-        p.emissions.detach(), p.transitions.detach(), or_zeros(p.start, p, s.K).detach(),
-        or_zeros(p.end, p, s.K).detach(), lengths_or_full(p, s), y);
+        p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K), given_lengths(p), y);
     return {ll, g_em, g_trans, p.start.defined() ? g_start : at::Tensor(), p.end.defined() ? g_end : at::Tensor()};
   }
-  // The other routes through autograd.
+  // The composed route, through autograd.
   c10::AutoGradMode grad_on(true);
   ChainPotentials q = p;
   std::vector<at::Tensor> leaves;
@@ -320,19 +338,22 @@ at::Tensor backward_log_betas(const ChainPotentials& p) {
 }
 
 Marginals marginals(const ChainPotentials& p, bool with_edges) {
-  if (widened_on_gpu(p)) {
+  const Shape s = check(p);
+  const ChainRoute route = detail::choose_route(ChainQuantity::kMarginals, p, with_edges);
+  if (route == ChainRoute::kWidened) {
+    const detail::ForcedChainRoute automatic(std::nullopt);
     Marginals m = marginals(widened(p), with_edges);
     for (at::Tensor* t : {&m.log_partition, &m.nodes, &m.edges})
       if (t->defined()) *t = t->to(at::kFloat);
     return m;
   }
-  const Shape s = check(p);
   c10::AutoGradMode grad_on(true);
   const ChainPotentials q = detached_with_emission_leaf(p);
   // Edge marginals need per-position transitions, which only the composed recursion takes.
   at::Tensor edge;
   if (with_edges) edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
-  const at::Tensor log_z = with_edges ? chain_forward<LogSemiring>(q, s, edge) : chain_score<LogSemiring>(q, s);
+  const at::Tensor log_z =
+      route == ChainRoute::kFused ? fused_score<LogSemiring>(q, s) : chain_forward<LogSemiring>(q, s, edge);
   torch::autograd::variable_list inputs{q.emissions};
   if (with_edges) inputs.push_back(edge);
   const auto grads = torch::autograd::grad({log_z.sum()}, inputs, {}, /*retain_graph=*/false, /*create_graph=*/false,
@@ -345,30 +366,29 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
 }
 
 ViterbiResult viterbi(const ChainPotentials& p) {
-  // Past the shared-memory kernels' reach in float64 (where a long float32 chain would be widened), the streaming
-  // max-semiring kernels: they rebase each step's messages as the CPU recursion does, so float32 runs as it is.
-  if (p.emissions.defined() && p.emissions.dim() == 3 && p.emissions.is_cuda() &&
-      !cuda::chain_supported(p.emissions.size(2), at::kDouble) && cuda::many_label_viterbi_supported(p.emissions.size(2))) {
-    const Shape s = check(p);
-    c10::NoGradGuard no_grad;
+  const Shape s = check(p);
+  const ChainRoute route = detail::choose_route(ChainQuantity::kViterbi, p);
+  if (route == ChainRoute::kWidened) {
+    const detail::ForcedChainRoute automatic(std::nullopt);
+    ViterbiResult v = viterbi(widened(p));
+    v.score = v.score.to(at::kFloat);
+    return v;
+  }
+  c10::NoGradGuard no_grad;
+  if (route == ChainRoute::kManyLabelViterbi) {
+    // The streaming max-semiring kernels rebase each step's messages as the CPU recursion does: float32 runs as it is.
     const at::Tensor lengths = lengths_or_full(p, s).contiguous();
     ViterbiResult v{at::empty({s.B, s.T}, lengths.options()), at::empty({s.B}, p.emissions.options())};
     cuda::many_label_viterbi(p.emissions.contiguous(), p.transitions.contiguous(),
                              or_zeros(p.start, p, s.K).contiguous(), or_zeros(p.end, p, s.K).contiguous(), lengths,
                              v.path, v.score);
+    v.path.masked_fill_(no_path(v.score), -1);
     return v;
   }
-  if (widened_on_gpu(p)) {
-    ViterbiResult v = viterbi(widened(p));
-    v.score = v.score.to(at::kFloat);
-    return v;
-  }
-  const Shape s = check(p);
-  c10::NoGradGuard no_grad;
-  if (detail::fused_chain_supported<MaxSemiring>(p.emissions)) {
+  if (route == ChainRoute::kFused) {
     // The fused MaxSemiring recursion records each step's argmax; the backtrace follows it (on the device).
     auto [path, score] = detail::fused_viterbi(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
-                                               or_zeros(p.end, p, s.K), lengths_or_full(p, s));
+                                               or_zeros(p.end, p, s.K), given_lengths(p));
     return {path, score};
   }
   // Otherwise the gradient of the composed MaxSemiring recursion is the indicator of one best path.
@@ -377,7 +397,7 @@ ViterbiResult viterbi(const ChainPotentials& p) {
   const at::Tensor score = chain_forward<MaxSemiring>(q, s, at::Tensor());
   const at::Tensor onehot = torch::autograd::grad({score.sum()}, {q.emissions})[0];
   const at::Tensor mask = position_mask(lengths_or_full(p, s), s.T);
-  return {onehot.argmax(2).masked_fill(~mask, -1), score.detach()};
+  return {onehot.argmax(2).masked_fill(~mask | no_path(score), -1), score.detach()};
 }
 
 namespace {
@@ -459,7 +479,7 @@ KBestResult kbest_viterbi(const ChainPotentials& p, int64_t k) {
 }
 
 at::Tensor viterbi_score(const ChainPotentials& p) {
-  if (widened_on_gpu(p)) return viterbi_score(widened(p)).to(at::kFloat);
+  if (detail::float32_widened_on_gpu(p)) return viterbi_score(widened(p)).to(at::kFloat);
   const Shape s = check(p);
   return chain_score<MaxSemiring>(p, s);
 }

@@ -97,8 +97,8 @@ inline bool any_constraint(const TransitionConstraints& c) {
 // A batch-first result [B,T,...] in the caller's layout ([T,B,...] when not batch_first), contiguous.
 at::Tensor caller_layout(const at::Tensor& batch_first_result, bool batch_first);
 
-// Results in the caller's layout on `device`: paths [B,T] or [T,B], all -1 where no label sequence is allowed
-// (score -inf); k-best paths [B,k,T] or [T,B,k]; node marginals [B,T,K] or [T,B,K], edges [B,T-1,K,K] or [T-1,B,K,K].
+// Results in the caller's layout on `device`: paths [B,T] or [T,B] (viterbi() has set -1 where no label sequence is
+// allowed); k-best paths [B,k,T] or [T,B,k]; node marginals [B,T,K] or [T,B,K], edges [B,T-1,K,K] or [T-1,B,K,K].
 ViterbiResult caller_layout(const ViterbiResult& r, bool batch_first);
 KBestResult caller_layout(const KBestResult& r, bool batch_first, const at::Device& device);
 Marginals caller_layout(const Marginals& m, bool batch_first);

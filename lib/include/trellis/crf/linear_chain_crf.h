@@ -59,7 +59,7 @@ struct Marginals {
 Marginals marginals(const ChainPotentials& p, bool with_edges = false);
 
 struct ViterbiResult {
-  at::Tensor path;   // [B,T] int64 best labels; -1 at padding
+  at::Tensor path;   // [B,T] int64 best labels; -1 at padding, and everywhere when no label sequence is allowed
   at::Tensor score;  // [B] score of that path; -inf when no label sequence is allowed
 };
 ViterbiResult viterbi(const ChainPotentials& p);
