@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <future>
@@ -40,6 +41,16 @@ constexpr int64_t kTokensPerBlock = 1024;
 constexpr int64_t kGradientTasks = 512;
 
 using Clock = std::chrono::steady_clock;
+
+// Runs task(i) for every i in [0, n) on LibTorch's threads, each thread taking the next task when it is done with one
+// (at::parallel_for gives each thread one contiguous range: tasks of unequal cost then leave threads idle). Which
+// thread runs a task never changes what it computes.
+void for_each_task(int64_t n, const std::function<void(int64_t)>& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) task(i);
+  });
+}
 
 // The training set's features, extracted once: the dictionary (features seen at least min_count times, in
 // first-seen order) and every training token's feature ids in it.
@@ -307,9 +318,11 @@ class BlockedObjective {
     if (!score_gradients_.defined()) score_gradients_ = at::empty({tokens_, K}, model.weights.options());
     std::vector<double> block_nll(blocks);
     std::vector<std::vector<at::Tensor>> block_gradients(blocks);  // transitions, start, end
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    // The longest sentences' blocks first: they cost the most, and a thread that takes one last would finish last.
+    for_each_task(blocks, [&](int64_t task) {
       c10::AutoGradMode grad_on(true);  // grad mode is thread-local: on for this block's graph on any thread
-      for (int64_t k = b0; k < b1; ++k) {
+      {
+        const int64_t k = blocks - 1 - task;
         const EncodedBatch& b = blocks_[k];
         // The block's leaves: its token scores, and its own handles on the shared transition, start and end weights.
         at::Tensor scores;
@@ -342,10 +355,19 @@ class BlockedObjective {
     for (int64_t k = 0; k < blocks; ++k) nll += block_nll[k];
     gradients.assign(4, at::Tensor());
     for (int i = 0; i < 3; ++i) {
+      // In block order, as float adds on raw pointers: hundreds of small tensors, where ATen's per-call cost would
+      // be a serial part of every evaluation.
       gradients[i + 1] = block_gradients[0][i].clone();
-      for (int64_t k = 1; k < blocks; ++k) gradients[i + 1].add_(block_gradients[k][i]);
+      float* sum = gradients[i + 1].data_ptr<float>();
+      const int64_t n = gradients[i + 1].numel();
+      for (int64_t k = 1; k < blocks; ++k) {
+        const float* g = block_gradients[k][i].contiguous().data_ptr<float>();
+        for (int64_t j = 0; j < n; ++j) sum[j] += g[j];
+      }
     }
-    gradients[0] = at::empty_like(model.weights);
+    // The weight gradient's buffer is reused: a fresh one every evaluation would be page-faulted in again.
+    if (!weight_gradient_.defined() || weight_gradient_.use_count() > 1) weight_gradient_ = at::empty_like(model.weights);
+    gradients[0] = weight_gradient_;
     float* out = gradients[0].data_ptr<float>();
     const float* score = score_gradients_.data_ptr<float>();
     const bool seen = model.feature_pairs() == FeaturePairs::Seen;
@@ -353,9 +375,9 @@ class BlockedObjective {
     const int64_t* pair_label = seen ? model.pair_labels().data_ptr<int64_t>() : nullptr;
     // Summed in float64: a frequent feature's gradient is a small difference of many large terms.
     const int64_t tasks = static_cast<int64_t>(task_start_.size()) - 1;
-    at::parallel_for(0, tasks, 1, [&](int64_t task0, int64_t task1) {
+    for_each_task(tasks, [&](int64_t task) {
       std::vector<double> sum(K);
-      for (int64_t f = task_start_[task0]; f < task_start_[task1]; ++f) {
+      for (int64_t f = task_start_[task]; f < task_start_[task + 1]; ++f) {
         std::fill(sum.begin(), sum.end(), 0.0);
         for (int64_t i = occurrence_start_[f]; i < occurrence_start_[f + 1]; ++i) {
           const float* s = score + occurrence_token_[i] * K;
@@ -379,6 +401,7 @@ class BlockedObjective {
   // occurrence_start_[f + 1]), in increasing order.
   std::vector<int64_t> occurrence_start_, occurrence_token_;
   std::vector<int64_t> task_start_;  // the weight-gradient pass's tasks: features task_start_[i] .. task_start_[i + 1]
+  at::Tensor weight_gradient_;  // the weights' gradient, rewritten by every evaluation
   at::Tensor score_gradients_;  // [tokens, K]: ∂(-log-likelihood)/∂(token score), rewritten by every evaluation
 };
 
