@@ -63,9 +63,13 @@ int train(const std::vector<std::string>& args) {
        "the input columns, e.g. 0,1: the first is the word, each other one (POS, ...) is embedded "
        "(default: those before the label column)")
       ("epochs", po::value(&o.epochs)->default_value(o.epochs), "maximum epochs")
-      ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch (bucketed by length)")
-      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.002"), "Adam learning rate")
+      ("batch-size", po::value(&batch_size)->default_value(64), "sentences per minibatch (bucketed by length)")
+      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.004"), "Adam learning rate")
       ("lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay, "0.95"), "learning rate factor per epoch")
+      ("beta2", po::value(&o.beta2)->default_value(o.beta2, "0.999"), "Adam's decay of the squared-gradient average")
+      ("average", po::value(&o.average)->default_value(o.average, "0.999"),
+       "decay per step of a moving average of the weights, which the dev set scores and the model keeps (0: off, "
+       "the last weights)")
       ("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")
       ("dropout", po::value(&o.dropout)->default_value(o.dropout, "0.33"), "dropout on inputs, between layers and before the emissions")
       ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.25"),
@@ -79,7 +83,8 @@ int train(const std::vector<std::string>& args) {
       ("layers", po::value(&o.layers)->default_value(o.layers), "BiLSTM layers, or dilated convolution blocks")
       ("patience", po::value(&o.patience)->default_value(o.patience), "with --dev: stop after N epochs without a better dev score (0: never)")
       ("embeddings", po::value(&o.pretrained_embeddings), "pretrained word vectors to start from (word2vec/GloVe text format)")
-      ("hybrid", po::bool_switch(&hybrid), "add the built-in sparse CRF features to the emissions")
+      ("hybrid", po::value(&hybrid)->default_value(true)->implicit_value(true),
+       "add the built-in sparse CRF features to the emissions (--hybrid=false: the network alone)")
       ("template,t", po::value(&template_path), "add the sparse features of this CRF++ template to the emissions (implies --hybrid)")
       ("min-freq", po::value(&o.min_feature_count)->default_value(1), "hybrid: drop sparse features seen fewer times in training")
       ("c2", po::value(&o.c2)->default_value(1.0), "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")

@@ -12,7 +12,6 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/rnn.h>
 #include <torch/nn/utils/rnn.h>
-#include <torch/optim/adam.h>
 #include <ATen/Context.h>
 
 #include <algorithm>
@@ -33,6 +32,7 @@
 #include "lib/src/train/training_start.h"
 #include "trellis/io/atomic_file.h"
 #include "trellis/io/chunk_eval.h"
+#include "trellis/crf/linear_chain_crf.h"
 #include "trellis/error.h"
 #include "trellis/nn/crf.h"
 
@@ -45,8 +45,10 @@ constexpr const char* kKind = "neural-crf";
 constexpr int64_t kPad = 0, kUnknown = 1;            // ids in every vocabulary
 constexpr int64_t kWordBegin = 2, kWordEnd = 3;      // character vocabulary: markers around each word
 constexpr std::size_t kMaxWordChars = 50;            // longer tokens (URLs) are cut for the character model
-constexpr int64_t kTagTokens = 16384;                // tokens per batch when tagging
-constexpr int64_t kTagSentences = 2048;
+// Padded tokens and sentences per batch when tagging: each batch costs the device a fixed time (the BiLSTM's steps
+// over its longest sentence, kernel launches), so a file is best cut into few of them.
+constexpr int64_t kTagTokens = 65536;
+constexpr int64_t kTagSentences = 8192;
 constexpr int64_t kDefaultWordDim = 100;             // without pretrained vectors
 
 using Clock = std::chrono::steady_clock;
@@ -109,7 +111,10 @@ class Vocabulary {
     return it->second;
   }
   int64_t find(std::string_view s, int64_t missing = kUnknown) const {
-    const auto it = ids_.find(std::string(s));
+    // The key in a reused buffer: tagging looks up dozens of sparse features per token, on every thread.
+    thread_local std::string key;
+    key.assign(s.data(), s.size());
+    const auto it = ids_.find(key);
     return it == ids_.end() ? missing : it->second;
   }
   bool unique() const { return ids_.size() == items_.size(); }
@@ -133,17 +138,20 @@ struct Architecture {
   double dropout = 0;
 };
 
-// A batch on the model's device. Token-level tensors list the real tokens in order (sentence after sentence);
-// positions maps them into the padded [B,T] layout.
+// A batch on the model's device, its rows sorted by length, longest first (as packing the BiLSTM's input needs).
+// Token-level tensors list the real tokens row after row; positions maps them into the padded [B,T] layout.
 struct Batch {
   int64_t B = 0, T = 0, N = 0;
+  std::vector<std::size_t> rows;    // the index, among the sentences given, of each row
   at::Tensor words, shapes;         // [B,T] int64
   std::vector<at::Tensor> extra;    // [B,T] int64 each
-  at::Tensor chars, char_lengths;   // [N,L], [N] int64
+  at::Tensor chars, char_lengths;   // [N,L], [N] int64: the tokens' characters, the longest word first
   at::Tensor char_lengths_cpu;      // the same on the CPU (the character BiLSTM packs by it)
-  at::Tensor positions;             // [N] int64: b*T + t
+  at::Tensor char_positions;        // [N] int64: b*T + t of each row of chars
+  at::Tensor positions;             // [N] int64: b*T + t of each token
   at::Tensor mask;                  // [B,T] bool
   at::Tensor lengths;               // [B] int64, on the CPU (packing reads it there)
+  at::Tensor device_lengths;        // [B] int64 on the device
   at::Tensor tags;                  // [B,T] int64 (0 at padding); undefined without labels
   at::Tensor feature_ids, feature_offsets;  // hybrid: [nnz], [N]
 };
@@ -263,7 +271,7 @@ class NetworkImpl : public torch::nn::Module {
           const NoAutocast fp32;
           namespace rnn = torch::nn::utils::rnn;
           const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
-                                                        /*batch_first=*/true, /*enforce_sorted=*/false);
+                                                        /*batch_first=*/true, /*enforce_sorted=*/true);
           const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
           c = at::cat({last[0], last[1]}, 1);  // [N,2H]
         } else {
@@ -272,7 +280,8 @@ class NetworkImpl : public torch::nn::Module {
               at::arange(c.size(2), b.char_lengths.options()).unsqueeze(0).ge(b.char_lengths.unsqueeze(1));
           c = c.masked_fill(past_end.unsqueeze(1), -std::numeric_limits<float>::infinity()).amax(2);  // [N,F]
         }
-        parts.push_back(at::zeros({b.B * b.T, c.size(1)}, c.options()).index_copy(0, b.positions, c).view({b.B, b.T, -1}));
+        parts.push_back(
+            at::zeros({b.B * b.T, c.size(1)}, c.options()).index_copy(0, b.char_positions, c).view({b.B, b.T, -1}));
       }
       for (auto& p : parts) p = p.to(at::kFloat);
       at::Tensor x = dropout(at::cat(parts, 2));
@@ -280,7 +289,7 @@ class NetworkImpl : public torch::nn::Module {
       if (lstm) {
         const NoAutocast fp32;
         namespace rnn = torch::nn::utils::rnn;
-        const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/false);
+        const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/true);
         h = std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)),
                                                  /*batch_first=*/true, 0.0, b.T));
       } else {
@@ -440,11 +449,17 @@ struct NeuralTagger::Impl {
     return out;
   }
 
-  // The sentences as one padded batch on the model's device. With a random generator, training words become unknown
-  // with probability a/(a+c) (c: the word's training count).
+  // The sentences as one padded batch on the model's device, longest first. With a random generator, training words
+  // become unknown with probability a/(a+c) (c: the word's training count). Every index goes to the device in one
+  // copy from pinned memory that does not wait for the device, so the host prepares the next batch while the device
+  // works on this one.
   Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout) const {
     Batch b;
     b.B = static_cast<int64_t>(sentences.size());
+    b.rows.resize(sentences.size());
+    std::iota(b.rows.begin(), b.rows.end(), 0);
+    std::stable_sort(b.rows.begin(), b.rows.end(),
+                     [&](std::size_t x, std::size_t y) { return sentences[x]->size() > sentences[y]->size(); });
     int64_t L = 0;
     for (const auto* s : sentences) {
       b.T = std::max<int64_t>(b.T, s->size());
@@ -452,17 +467,44 @@ struct NeuralTagger::Impl {
       for (int64_t c : s->char_counts) L = std::max(L, c);
     }
     const bool labelled = !sentences.empty() && !sentences.front()->tags.empty();
-    std::vector<int64_t> w(b.B * b.T, kPad), sh(b.B * b.T, kPad), tags(labelled ? b.B * b.T : 0, 0);
-    std::vector<std::vector<int64_t>> ex(extra.size(), std::vector<int64_t>(b.B * b.T, kPad));
-    std::vector<int64_t> ch(b.N * L, kPad), chl, pos, len, fid, foff;
-    std::vector<uint8_t> mask(b.B * b.T, 0);
+    int64_t nnz = 0;
+    if (hybrid)
+      for (const auto* s : sentences) nnz += static_cast<int64_t>(s->feature_ids.size());
+    // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars [N,L], char lengths, char positions,
+    // positions, offsets [N] each, lengths [B], feature ids [nnz].
+    const int64_t BT = b.B * b.T, E = static_cast<int64_t>(extra.size());
+    const int64_t tag_cells = labelled ? BT : 0;
+    const int64_t total = BT * (2 + E) + tag_cells + b.N * L + 4 * b.N + b.B + nnz;
+    const bool pinned = device.is_cuda();
+    const at::Tensor host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
+    int64_t* const h = host.data_ptr<int64_t>();
+    std::fill(h, h + BT * (2 + E) + tag_cells + b.N * L, kPad);  // padding; tags 0 there
+    int64_t* const w = h;
+    int64_t* const sh = w + BT;
+    int64_t* const ex = sh + BT;
+    int64_t* const tags = ex + BT * E;
+    int64_t* const ch = tags + tag_cells;
+    int64_t* const chl = ch + b.N * L;
+    int64_t* const chp = chl + b.N;
+    int64_t* const pos = chp + b.N;
+    int64_t* const foff = pos + b.N;
+    int64_t* const len = foff + b.N;
+    int64_t* const fid = len + b.B;
+    // Rows of chars, longest word first (the character BiLSTM packs them so): token index, character count, offset.
+    struct Word {
+      int64_t token, count;
+      const int64_t* chars;
+    };
+    std::vector<Word> word_rows;
+    word_rows.reserve(b.N);
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
     const double a = options.word_dropout;
+    int64_t token = 0, features = 0;
     for (int64_t i = 0; i < b.B; ++i) {
-      const EncodedSentence& s = *sentences[i];
-      len.push_back(static_cast<int64_t>(s.size()));
+      const EncodedSentence& s = *sentences[b.rows[i]];
+      len[i] = static_cast<int64_t>(s.size());
       std::size_t c0 = 0, f0 = 0;
-      for (std::size_t t = 0; t < s.size(); ++t) {
+      for (std::size_t t = 0; t < s.size(); ++t, ++token) {
         const int64_t p = i * b.T + static_cast<int64_t>(t);
         int64_t word = s.words[t];
         if (word_dropout && a > 0 && word >= 2) {
@@ -471,39 +513,68 @@ struct NeuralTagger::Impl {
         }
         w[p] = word;
         sh[p] = s.shapes[t];
-        for (std::size_t c = 0; c < extra.size(); ++c) ex[c][p] = s.extra[c][t];
+        for (int64_t c = 0; c < E; ++c) ex[c * BT + p] = s.extra[c][t];
         if (labelled) tags[p] = s.tags[t];
-        mask[p] = 1;
-        const int64_t token = static_cast<int64_t>(pos.size());
-        for (int64_t k = 0; k < s.char_counts[t]; ++k) ch[token * L + k] = s.chars[c0 + k];
+        word_rows.push_back({token, s.char_counts[t], s.chars.data() + c0});
         c0 += static_cast<std::size_t>(s.char_counts[t]);
-        chl.push_back(s.char_counts[t]);
-        pos.push_back(p);
+        pos[token] = p;
         if (hybrid) {
-          foff.push_back(static_cast<int64_t>(fid.size()));
-          fid.insert(fid.end(), s.feature_ids.begin() + f0, s.feature_ids.begin() + f0 + s.feature_counts[t]);
-          f0 += static_cast<std::size_t>(s.feature_counts[t]);
+          foff[token] = features;
+          const std::size_t n = static_cast<std::size_t>(s.feature_counts[t]);
+          std::copy(s.feature_ids.begin() + f0, s.feature_ids.begin() + f0 + n, fid + features);
+          f0 += n;
+          features += static_cast<int64_t>(n);
+        } else {
+          foff[token] = 0;
         }
       }
     }
-    const auto on_device = [&](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
-      return at::tensor(v, at::kLong).view(shape).to(device);
+    std::stable_sort(word_rows.begin(), word_rows.end(), [](const Word& x, const Word& y) { return x.count > y.count; });
+    for (int64_t r = 0; r < b.N; ++r) {
+      std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
+      chl[r] = word_rows[r].count;
+      chp[r] = pos[word_rows[r].token];
+    }
+    const at::Tensor on_device = pinned ? host.to(device, /*non_blocking=*/true) : host.to(device);
+    int64_t offset = 0;
+    const auto take = [&](int64_t n) {
+      const at::Tensor t = on_device.narrow(0, offset, n);
+      offset += n;
+      return t;
     };
-    b.words = on_device(w, {b.B, b.T});
-    b.shapes = on_device(sh, {b.B, b.T});
-    for (const auto& e : ex) b.extra.push_back(on_device(e, {b.B, b.T}));
-    b.chars = on_device(ch, {b.N, L});
-    b.char_lengths_cpu = at::tensor(chl, at::kLong);
-    b.char_lengths = b.char_lengths_cpu.to(device);
-    b.positions = on_device(pos, {b.N});
-    b.mask = at::tensor(at::ArrayRef<uint8_t>(mask), at::kByte).view({b.B, b.T}).to(device, at::kBool);
-    b.lengths = at::tensor(len, at::kLong);
-    if (labelled) b.tags = on_device(tags, {b.B, b.T});
+    b.words = take(BT).view({b.B, b.T});
+    b.shapes = take(BT).view({b.B, b.T});
+    for (int64_t c = 0; c < E; ++c) b.extra.push_back(take(BT).view({b.B, b.T}));
+    if (labelled) b.tags = take(BT).view({b.B, b.T});
+    b.chars = take(b.N * L).view({b.N, L});
+    b.char_lengths = take(b.N);
+    b.char_positions = take(b.N);
+    b.positions = take(b.N);
+    const at::Tensor offsets = take(b.N);
+    b.device_lengths = take(b.B);
+    const at::Tensor ids = take(nnz);
+    b.char_lengths_cpu = host.narrow(0, chl - h, b.N);
+    b.lengths = host.narrow(0, len - h, b.B);
+    b.mask = at::arange(b.T, b.device_lengths.options()).unsqueeze(0) < b.device_lengths.unsqueeze(1);
     if (hybrid) {
-      b.feature_ids = on_device(fid, {static_cast<int64_t>(fid.size())});
-      b.feature_offsets = on_device(foff, {b.N});
+      b.feature_ids = ids;
+      b.feature_offsets = offsets;
     }
     return b;
+  }
+
+  // The chain potentials of a batch for training and decoding: the batch's lengths need no check (and no wait for
+  // the device), as the batch was built here.
+  ChainPotentials potentials(const at::Tensor& emissions, const Batch& b, bool constrained) const {
+    ChainPotentials p;
+    p.emissions = emissions;
+    p.transitions = net->crf->transitions;
+    p.start = net->crf->start_transitions;
+    p.end = net->crf->end_transitions;
+    p.lengths = b.device_lengths;
+    p.values_checked = true;
+    if (!constrained || scheme == "none") return p;
+    return constrain(p, {net->crf->allowed_transitions.ne(0), net->crf->allowed_start.ne(0), net->crf->allowed_end.ne(0)});
   }
 
   // Length-sorted chunks of at most kTagSentences sentences and kTagTokens padded tokens (fewer when
@@ -535,31 +606,44 @@ struct NeuralTagger::Impl {
   }
 
   // Viterbi label ids of every sentence (and, with marginals, each chosen label's marginal and the sequence's
-  // probability).
+  // probability). Every chunk is queued on the device before the first result is read back, so the host builds a
+  // chunk's batch while the device computes the ones before it.
   std::vector<TaggedSentence> decode(const std::vector<const EncodedSentence*>& sentences, bool with_marginals) const {
     c10::NoGradGuard no_grad;
-    std::vector<TaggedSentence> out(sentences.size());
+    struct Decoded {
+      std::vector<std::size_t> sentence;       // of each row
+      at::Tensor path, chosen, probability;  // on the device until read back
+    };
+    std::vector<Decoded> decoded;
     for_each_chunk(sentences, 0, 1, [&](const std::vector<std::size_t>& chunk) {
       Batch b;
       const at::Tensor e = emissions_of(sentences, chunk, &b);
-      const ViterbiResult v = net->crf->decode(e, b.mask);
-      const at::Tensor path = v.path.cpu();
-      const auto P = path.accessor<int64_t, 2>();
-      at::Tensor chosen, probability;
+      Decoded d;
+      for (std::size_t row : b.rows) d.sentence.push_back(chunk[row]);
+      const ViterbiResult v = viterbi(potentials(e, b, /*constrained=*/true));
+      d.path = v.path;
       if (with_marginals) {
         const Marginals m = net->crf->marginals(e, b.mask);
-        chosen = m.nodes.gather(2, v.path.clamp_min(0).unsqueeze(2)).squeeze(2).to(at::kCPU, at::kDouble);
-        probability = (v.score - m.log_partition).exp().to(at::kCPU, at::kDouble);
+        d.chosen = m.nodes.gather(2, v.path.clamp_min(0).unsqueeze(2)).squeeze(2).to(at::kDouble);
+        d.probability = (v.score - m.log_partition).exp().to(at::kDouble);
       }
-      for (std::size_t i = 0; i < chunk.size(); ++i) {
-        TaggedSentence& s = out[chunk[i]];
-        for (std::size_t t = 0; t < sentences[chunk[i]]->size(); ++t) {
+      decoded.push_back(std::move(d));
+    });
+    std::vector<TaggedSentence> out(sentences.size());
+    for (const Decoded& d : decoded) {
+      const at::Tensor path = d.path.cpu();
+      const auto P = path.accessor<int64_t, 2>();
+      at::Tensor chosen, probability;
+      if (with_marginals) chosen = d.chosen.cpu(), probability = d.probability.cpu();
+      for (std::size_t i = 0; i < d.sentence.size(); ++i) {
+        TaggedSentence& s = out[d.sentence[i]];
+        for (std::size_t t = 0; t < sentences[d.sentence[i]]->size(); ++t) {
           s.labels.push_back(labels[P[i][t]]);
           if (with_marginals) s.marginals.push_back(chosen.accessor<double, 2>()[i][t]);
         }
         if (with_marginals) s.probability = probability.data_ptr<double>()[i];
       }
-    });
+    }
     return out;
   }
 
@@ -583,14 +667,15 @@ struct NeuralTagger::Impl {
       const auto Pa = paths.accessor<int64_t, 3>();
       const auto Pr = prob.accessor<double, 2>();
       for (std::size_t i = 0; i < chunk.size(); ++i) {
+        const std::size_t sentence = chunk[b.rows[i]];
         std::vector<TaggedSentence> alternatives;
         for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
           TaggedSentence s;
-          for (std::size_t t = 0; t < sentences[chunk[i]]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
+          for (std::size_t t = 0; t < sentences[sentence]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
           s.probability = Pr[i][n];
           alternatives.push_back(std::move(s));
         }
-        out[chunk[i]] = std::move(alternatives);
+        out[sentence] = std::move(alternatives);
       }
     });
     return out;
@@ -659,6 +744,8 @@ void check_options(const NeuralTaggerOptions& o) {
     throw Error("--batch-size must be at least 1, not " + std::to_string(static_cast<int64_t>(o.batch_size)));
   if (!std::isfinite(o.learning_rate) || o.learning_rate <= 0)
     throw Error("--lr must be a finite number > 0, not " + show(o.learning_rate));
+  if (!std::isfinite(o.beta2) || o.beta2 < 0 || o.beta2 >= 1) throw Error("--beta2 must be in [0, 1), not " + show(o.beta2));
+  probability(o.average, "--average");
   if (!std::isfinite(o.lr_decay) || o.lr_decay <= 0 || o.lr_decay > 1)
     throw Error("--lr-decay must be in (0, 1], not " + show(o.lr_decay));
   if (!std::isfinite(o.clip) || o.clip < 0) throw Error("--clip must be a finite number >= 0 (0: off), not " + show(o.clip));
@@ -680,6 +767,41 @@ void clip_gradient_norm(const std::vector<at::Tensor>& parameters, double max_no
   const at::Tensor total = at::stack(at::_foreach_norm(grads, 2)).norm();
   at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
 }
+
+// Adam (Kingma & Ba) in one fused operation over every parameter (ATen's, as torch.optim.Adam(fused=True)): a
+// per-parameter loop of small operations would cost the host more time per step than the device spends.
+class AdamState {
+ public:
+  explicit AdamState(std::vector<at::Tensor> params) : params_(std::move(params)) {
+    c10::NoGradGuard no_grad;
+    for (const auto& p : params_) {
+      exp_avg_.push_back(at::zeros_like(p));
+      exp_avg_sq_.push_back(at::zeros_like(p));
+      steps_.push_back(at::zeros({}, p.options().dtype(at::kFloat)));
+    }
+  }
+  void zero_grad() {
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  }
+  void step(double lr, double beta2) {
+    c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].grad().defined()) continue;
+      params.push_back(params_[i]);
+      grads.push_back(params_[i].grad());
+      exp_avg.push_back(exp_avg_[i]);
+      exp_avg_sq.push_back(exp_avg_sq_[i]);
+      steps.push_back(steps_[i]);
+    }
+    at::_foreach_add_(steps, 1);  // the fused step reads the count after this step, as torch.optim.Adam gives it
+    at::_fused_adam_(params, grads, exp_avg, exp_avg_sq, {}, steps, lr, /*beta1=*/0.9, beta2, /*weight_decay=*/0.0,
+                     /*eps=*/1e-8, /*amsgrad=*/false, /*maximize=*/false);
+  }
+
+ private:
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, steps_;
+};
 
 // word2vec/GloVe text vectors: an optional "COUNT DIM" line, then "word v1 ... vD" per line. Words are lowercased as
 // the vocabulary is (the first vector of a lowercased form wins).
@@ -1047,7 +1169,22 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   for (const auto& e : dev_set) dev_ptrs.push_back(&e);
   m->move_to(device, o.precision);
 
-  torch::optim::Adam adam(m->net->parameters(), torch::optim::AdamOptions(o.learning_rate));
+  const std::vector<at::Tensor> params = m->net->parameters();
+  AdamState adam(params);
+  // The weights the dev set scores and the model keeps: the parameters, or their moving average.
+  std::vector<at::Tensor> averaged;
+  if (o.average > 0)
+    for (const auto& p : params) averaged.push_back(p.detach().clone());
+  int64_t average_steps = 0;
+  // Exchanges the parameters' values with the average's (to score the average on the dev set, and back).
+  const auto exchange_average = [&] {
+    c10::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < averaged.size(); ++i) {
+      const at::Tensor weights = params[i].detach().clone();
+      params[i].copy_(averaged[i]);
+      averaged[i].copy_(weights);
+    }
+  };
   NeuralTrainSummary sum;
   for (const auto& p : m->net->parameters()) sum.parameters += static_cast<std::size_t>(p.numel());
   sum.words = static_cast<std::size_t>(m->words.size());
@@ -1062,7 +1199,6 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   for (int epoch = 1; epoch <= o.epochs; ++epoch) {
     const auto epoch_start = Clock::now();
     const double lr = o.learning_rate * std::pow(o.lr_decay, epoch - 1);
-    for (auto& group : adam.param_groups()) group.options().set_lr(lr);
     // Buckets of similar lengths: a random order, sorted by length (ties stay random), cut into minibatches whose
     // order is shuffled.
     std::vector<std::size_t> order(train_set.size());
@@ -1082,7 +1218,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     for (const auto& sentences : batches) {
       const Batch b = m->batch(sentences, &rng);
       adam.zero_grad();
-      const at::Tensor nll = -m->net->crf->forward(m->net->emissions(b, m->bf16), b.tags, b.mask, "sum");
+      const at::Tensor nll = -log_likelihood(m->potentials(m->net->emissions(b, m->bf16), b, false), b.tags).sum();
       (nll / static_cast<double>(b.B)).backward();
       if (m->hybrid && o.c2 > 0) {
         // The batch's share (by tokens) of c2·‖w‖², scaled as its log-likelihood is: the gradient only.
@@ -1091,8 +1227,16 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
         w.mutable_grad().add_(w, 2 * o.c2 * static_cast<double>(b.N) / static_cast<double>(train_tokens) /
                                      static_cast<double>(b.B));
       }
-      if (o.clip > 0) clip_gradient_norm(m->net->parameters(), o.clip);
-      adam.step();
+      if (o.clip > 0) clip_gradient_norm(params, o.clip);
+      adam.step(lr, o.beta2);
+      if (!averaged.empty()) {
+        // Early on the average follows the weights more closely (TensorFlow's ExponentialMovingAverage with
+        // num_updates), so that the first epochs' scores are not those of the random initial weights.
+        ++average_steps;
+        const double decay = std::min(o.average, (1.0 + average_steps) / (10.0 + average_steps));
+        c10::NoGradGuard no_grad;
+        at::_foreach_lerp_(averaged, params, 1.0 - decay);
+      }
       total += nll.detach();
     }
     const double loss = total.item<double>() / static_cast<double>(train_tokens);
@@ -1105,6 +1249,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     bool stop = false;
     if (dev) {
       m->net->eval();
+      exchange_average();
       const std::vector<TaggedSentence> tagged = m->decode(dev_ptrs, false);
       ChunkEvaluation ev;
       for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(dev->labels[s], tagged[s].labels);
@@ -1119,8 +1264,9 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
         sum.best_dev_f1 = rec.dev_f1;
         sum.seconds_to_best = elapsed();
         best.clear();
-        for (const auto& p : m->net->parameters()) best.push_back(p.detach().clone());
+        for (const auto& p : params) best.push_back(p.detach().clone());
       }
+      exchange_average();
       if (o.patience > 0 && epoch - sum.best_epoch >= o.patience) sum.stopped_early = stop = true;
     }
     rec.seconds = elapsed();
@@ -1129,9 +1275,9 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   }
   if (!best.empty()) {
     c10::NoGradGuard no_grad;
-    auto params = m->net->parameters();
     for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(best[i]);
   } else {
+    exchange_average();
     sum.best_epoch = sum.epochs;
     sum.seconds_to_best = elapsed();
   }

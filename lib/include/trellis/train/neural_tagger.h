@@ -24,9 +24,9 @@ namespace trellis {
 struct NeuralTaggerOptions {
   std::string encoder = "bilstm";  // "bilstm" or "cnn" (a stack of dilated convolutions)
   int64_t word_dim = 0;            // word embedding size; 0: the pretrained vectors' size, or 100 without them
-  int64_t char_dim = 30;           // character embedding size (0: no character representation)
-  int64_t char_filters = 50;       // char CNN filters, or char BiLSTM units per direction
-  std::string char_encoder = "cnn";  // "cnn" (max over a convolution) or "bilstm" (last states of both directions)
+  int64_t char_dim = 50;           // character embedding size (0: no character representation)
+  int64_t char_filters = 100;      // char CNN filters, or char BiLSTM units per direction
+  std::string char_encoder = "bilstm";  // "bilstm" (last states of both directions) or "cnn" (max over a convolution)
   int64_t feature_dim = 20;        // embedding size of the word shape and of each extra input column
   int64_t hidden = 200;            // BiLSTM units per direction; convolution channels are twice this
   int64_t layers = 2;              // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
@@ -35,8 +35,12 @@ struct NeuralTaggerOptions {
   std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;
-  std::size_t batch_size = 32;  // sentences per minibatch (of similar lengths)
-  double learning_rate = 2e-3;  // Adam
+  std::size_t batch_size = 64;  // sentences per minibatch (of similar lengths)
+  double learning_rate = 4e-3;  // Adam
+  double beta2 = 0.999;         // Adam's decay of the squared-gradient average
+  // Decay per step of an exponential moving average of the weights (Polyak averaging), which is what the dev set
+  // scores and the model keeps (0: off, the weights themselves).
+  double average = 0.999;
   double lr_decay = 0.95;       // the learning rate is multiplied by this after every epoch
   double clip = 5.0;            // gradient norm clipping (0: off)
   int patience = 8;             // with a dev set: stop after this many epochs without a better dev score (0: never)
