@@ -27,7 +27,10 @@ small=(--embedding-dim 16 --char-dim 8 --char-filters 8 --feature-dim 4 --hidden
 # The loss falls from the first epoch to the last.
 awk '/^epoch/ { loss[n++] = $4 + 0 } END { exit !(n == 4 && loss[3] < 0.7 * loss[0]) }' train.log && ok || fail "loss did not fall"
 "$trellis" crf dump model.ncrf >dump.txt && grep -q '^kind: neural CRF' dump.txt && grep -q '^encoder: bilstm' dump.txt &&
-  ok || fail "dump: $(cat dump.txt)"
+  grep -q '^hybrid sparse features' dump.txt && grep -q 'characters .* -> BiLSTM' dump.txt &&
+  ok || fail "dump (the default is the hybrid with a character BiLSTM): $(cat dump.txt)"
+"$trellis" crf train --encoder bilstm --train train.txt -m network.ncrf --epochs 1 --hybrid=false "${small[@]}" 2>/dev/null &&
+  ! "$trellis" crf dump network.ncrf | grep -q 'hybrid sparse features' && ok || fail "--hybrid=false"
 
 # eval: above the majority tag's accuracy on dev.
 majority=$(awk 'NF { n[$2]++; all++ } END { for (l in n) if (n[l] > best) best = n[l]; printf "%.2f", 100 * best / all }' dev.txt)

@@ -58,6 +58,7 @@ NeuralTaggerOptions small_options() {
   o.word_dim = 16;
   o.char_dim = 8;
   o.char_filters = 8;
+  o.char_encoder = "cnn";
   o.feature_dim = 4;
   o.hidden = 16;
   o.layers = 1;
@@ -65,6 +66,7 @@ NeuralTaggerOptions small_options() {
   o.epochs = 6;
   o.batch_size = 8;
   o.learning_rate = 0.01;
+  o.average = 0;
   o.threads = 1;
   return o;
 }
@@ -146,6 +148,43 @@ TEST(NeuralTagger, LearnsAToyTaskBeyondTheMajorityTag) {
   // The model returned is the best epoch's.
   EXPECT_NEAR(accuracy(m, dev), *sum.best_dev_accuracy, 1e-9);
   EXPECT_EQ(sum.parameters, m.num_parameters());
+}
+
+TEST(NeuralTagger, TheAveragedWeightsAreWhatTheDevSetScoresAndTheModelKeeps) {
+  const LabeledSentences train = toy_corpus(150, 1, "train"), dev = toy_corpus(60, 2, "dev");
+  NeuralTaggerOptions o = small_options();
+  o.epochs = 4;
+  const auto train_and_save = [&](double average, NeuralTrainSummary* sum) {
+    o.average = average;
+    const NeuralTagger m = train_neural_tagger(train, &dev, nullptr, o, {}, sum);
+    const std::string path = temp_path("average" + std::to_string(average) + ".ncrf");
+    m.save(path);
+    std::string bytes = read_bytes(path);
+    std::remove(path.c_str());
+    return std::pair(accuracy(m, dev), bytes);
+  };
+  NeuralTrainSummary plain_sum, averaged_sum;
+  const auto plain = train_and_save(0, &plain_sum);
+  const auto averaged = train_and_save(0.9, &averaged_sum);
+  // The same steps (the average does not steer training), but another model: the average of the weights.
+  EXPECT_NE(averaged.second, plain.second);
+  ASSERT_TRUE(averaged_sum.best_dev_accuracy.has_value());
+  EXPECT_NEAR(averaged.first, *averaged_sum.best_dev_accuracy, 1e-9);
+  EXPECT_GT(averaged.first, 90);
+}
+
+TEST(NeuralTagger, TagsDoNotDependOnTheOtherSentencesTaggedWithThem) {
+  const NeuralTagger& m = trained_model();
+  const LabeledSentences test = toy_corpus(40, 3, "test");
+  const auto together = m.tag(pointers(test), true);
+  ASSERT_EQ(together.size(), test.inputs.size());
+  for (std::size_t s = 0; s < test.inputs.size(); ++s) {
+    const auto alone = m.tag({&test.inputs[s]}, true);
+    ASSERT_EQ(together[s].labels.size(), test.inputs[s].size());
+    EXPECT_EQ(together[s].labels, alone[0].labels) << "sentence " << s;
+    for (std::size_t t = 0; t < alone[0].marginals.size(); ++t)
+      EXPECT_NEAR(together[s].marginals[t], alone[0].marginals[t], 1e-5) << "sentence " << s << ", token " << t;
+  }
 }
 
 TEST(NeuralTagger, SavedModelTagsIdenticallyAfterLoading) {
