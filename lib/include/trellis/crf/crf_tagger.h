@@ -76,11 +76,12 @@ class CrfTagger {
   void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
   int64_t label_id(const std::string& label) const;  // -1 when unknown
 
+  // Which (feature, label) pairs have weights: all of them, or those seen in the training data.
   FeaturePairs feature_pairs() const { return pair_labels_.defined() ? FeaturePairs::Seen : FeaturePairs::All; }
   // With FeaturePairs::Seen: feature f's weights are weights[pair_offsets()[f] .. pair_offsets()[f + 1]), for the
   // labels pair_labels() at the same places (int64 CPU tensors [F+1] and [P]). Undefined with FeaturePairs::All.
   const at::Tensor& pair_offsets() const { return pair_offsets_; }
-  const at::Tensor& pair_labels() const { return pair_labels_; }
+  const at::Tensor& pair_labels() const { return pair_labels_; }  // see pair_offsets()
   // The feature and label of weights.flatten()[j].
   std::pair<int64_t, int64_t> weight_pair(int64_t j) const;
 

@@ -20,10 +20,12 @@
 
 namespace trellis {
 
+// How a loss over rows is reduced: one value per row, their sum, or their mean over the counted rows.
 enum class Reduction { none, sum, mean };
 // "none", "sum" or "mean"; anything else is an error naming the value.
 Reduction parse_reduction(const std::string& name);
 
+// The head's parameters beside x and the weight, and how it uses memory.
 struct HeadOptions {
   at::Tensor bias;                      // [V], the dtype of x; undefined for none
   std::optional<double> softcap;        // c > 0: logits become c·tanh(logit / c)
@@ -69,8 +71,10 @@ struct HeadMemoryPlan {
   bool own_dx_sum = false;          // recompute route, 16-bit x: dx's float32 sum in a buffer of its own (not in dW)
   int64_t extra_bytes = 0;          // the most the step allocates beyond inputs and gradients (an upper estimate)
 };
+// The plan that training with these shapes and options follows (no work is done).
 HeadMemoryPlan plan_head_memory(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
 
+// The loss: its reduction, label smoothing and z-loss.
 struct LossOptions {
   Reduction reduction = Reduction::mean;  // mean: over the targets that are not ignore_index
   double label_smoothing = 0;             // ε: loss = (1-ε)·NLL + ε·(mean over the vocabulary of -log p)
@@ -80,6 +84,7 @@ struct LossOptions {
 // log Σ_v exp(logit_v) per row: [...]. No autograd state (head_statistics_backward is its backward).
 at::Tensor linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
 
+// What token_logprobs returns.
 struct TokenLogprobs {
   at::Tensor logprobs;  // [...]: log p(target); 0 where the target is ignore_index
   at::Tensor entropy;   // [...]: -Σ_v p_v log p_v of each row; undefined unless asked for
@@ -101,8 +106,11 @@ at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, c
 struct LinearCrossEntropyForward {
   at::Tensor loss;                 // what linear_cross_entropy returns
   at::Tensor lse;                  // [N], each row's log-sum-exp: backward's input where it forms the gradients
-  at::Tensor dx, dweight, dbias;   // the loss's own gradients where the forward formed them (a mean or sum reduction)
+  at::Tensor dx;                   // the loss's gradient for x where the forward formed it (a mean or sum reduction)
+  at::Tensor dweight;              // the same for the weight
+  at::Tensor dbias;                // the same for the bias
 };
+// The forward half: the loss, the rows' log-sum-exp and, with a mean or sum reduction, the wanted gradients.
 LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,
                                                        const at::Tensor& targets, const HeadOptions& head,
                                                        const LossOptions& loss, std::array<bool, 3> want);

@@ -25,12 +25,13 @@ class ProcessGroup;
 
 namespace trellis {
 
+// This rank's part of a vocabulary split over the ranks of a process group: its weight rows are a consecutive slice.
 struct VocabularySlice {
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // NCCL for CUDA tensors, Gloo for CPU ones
   // This rank's first row in the whole vocabulary and the whole vocabulary's size. Left at -1 and 0, they are
   // gathered from every rank's weight.size(0) in rank order (one more small all-gather per call).
   int64_t offset = -1;
-  int64_t vocabulary = 0;
+  int64_t vocabulary = 0;  // the whole vocabulary's size (see offset)
 };
 
 // log Σ_v exp(logit_v) over the whole vocabulary, per row: [...], with autograd for x (whole on every rank), this
@@ -47,11 +48,15 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 // operators). The forward's rows: [N] each, flattened.
 struct ParallelHeadRows {
   at::Tensor lse;                  // over the whole vocabulary
-  at::Tensor logprobs, entropy;    // undefined without targets, and without with_entropy
+  at::Tensor logprobs;             // log p(target); undefined without targets
+  at::Tensor entropy;              // each row's entropy; undefined without with_entropy
   // This rank's slice as the backward needs it: its share of each row's probability, e^(lse_slice − lse), and (with
   // the entropy) Σ q·z − Σ p·z, its own softmax q's expected logit less the whole vocabulary's p.
-  at::Tensor slice_share, slice_expected_logit_excess;
+  at::Tensor slice_share;
+  at::Tensor slice_expected_logit_excess;  // see slice_share
 };
+// The forward half of linear_logsumexp and token_logprobs over the slices: each row's statistics, merged across the
+// ranks.
 ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                          const HeadOptions& head, bool with_entropy, const VocabularySlice& slice);
 // The gradients for x (all-reduced: the same on every rank), this rank's weight slice and bias slice (undefined
@@ -78,6 +83,8 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
                                                        const at::Tensor& targets, const HeadOptions& head,
                                                        const LossOptions& loss, const VocabularySlice& slice,
                                                        std::array<bool, 3> want = {false, false, false});
+// The backward half: the gradients of grad·loss for x, this rank's weight slice and bias slice (undefined where not
+// wanted), from the forward's results.
 std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor& x,
                                                         const at::Tensor& weight, const at::Tensor& targets,
                                                         const HeadOptions& head, const LossOptions& loss,

@@ -34,27 +34,33 @@ struct CategoricalHMM {
   at::Tensor log_transitions;  // [K,K] log P(s_t = j | s_{t-1} = i)
   at::Tensor log_emissions;    // [K,V] log P(o_t = v | s_t = k)
 
-  int64_t num_states() const { return log_transitions.size(0); }
-  int64_t num_symbols() const { return log_emissions.size(1); }
+  int64_t num_states() const { return log_transitions.size(0); }   // K
+  int64_t num_symbols() const { return log_emissions.size(1); }    // V
 
   // A random model (rows drawn from a Dirichlet(1)), float64 on the CPU.
   static CategoricalHMM random(int64_t num_states, int64_t num_symbols, uint64_t seed);
+  // Error naming the tensors at fault unless every tensor is there with shapes that agree.
   void check() const;
+  // The same model with its tensors converted (device, dtype).
   CategoricalHMM to(const at::TensorOptions& options) const;
   // log P(o_t | s_t = k), [B,T,K]; zero at padding.
   at::Tensor emission_scores(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
+  // The linear-chain potentials of the sequences (emission scores, transitions, start): every chain function applies.
   ChainPotentials potentials(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
   at::Tensor sample_emissions(const at::Tensor& states, at::Generator& gen) const;  // [n] -> [n]
 
   // Expected (or, from labels, observed) sufficient statistics, summed over sequences.
   struct Statistics {
-    at::Tensor start, transitions;  // [K], [K,K]
+    at::Tensor start;               // [K] first states
+    at::Tensor transitions;         // [K,K] state pairs
     at::Tensor emissions;           // [K,V]
     double log_likelihood = 0;      // of the sequences accumulated (E-step only)
+    // Adds another batch's (or rank's) statistics.
     Statistics& operator+=(const Statistics& other);
   };
   // Adds Σ_t posteriors[b,t,k] · [o_t = v] to stats (posteriors [B,T,K], zero at padding).
   void accumulate_emissions(Statistics& stats, const at::Tensor& posteriors, const at::Tensor& observations) const;
+  // The M-step: the model that maximises the likelihood of the statistics (with options' smoothing).
   CategoricalHMM maximise(const Statistics& stats, const MStepOptions& options = {}) const;
 };
 
@@ -67,25 +73,35 @@ struct GaussianHMM {
   at::Tensor means;            // [K,F]
   at::Tensor variances;        // [K,F] diagonal covariances, > 0
 
-  int64_t num_states() const { return log_transitions.size(0); }
-  int64_t num_features() const { return means.size(1); }
+  int64_t num_states() const { return log_transitions.size(0); }  // K
+  int64_t num_features() const { return means.size(1); }          // F
 
   // A random model: Dirichlet(1) start and transition rows, means ~ N(0, 3²), variances ~ U(0.5, 2).
   static GaussianHMM random(int64_t num_states, int64_t num_features, uint64_t seed);
+  // Error naming the tensors at fault unless every tensor is there with shapes that agree.
   void check() const;
+  // The same model with its tensors converted (device, dtype).
   GaussianHMM to(const at::TensorOptions& options) const;
+  // log N(x_t; μ_k, diag(σ²_k)), [B,T,K]; zero at padding.
   at::Tensor emission_scores(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
+  // The linear-chain potentials of the sequences (emission scores, transitions, start): every chain function applies.
   ChainPotentials potentials(const at::Tensor& observations, const at::Tensor& lengths = {}) const;
   at::Tensor sample_emissions(const at::Tensor& states, at::Generator& gen) const;  // [n] -> [n,F]
 
+  // Expected (or, from labels, observed) sufficient statistics, summed over sequences.
   struct Statistics {
-    at::Tensor start, transitions;  // [K], [K,K]
+    at::Tensor start;               // [K] first states
+    at::Tensor transitions;         // [K,K] state pairs
     at::Tensor weight;              // [K]   Σ_t γ_t(k)
-    at::Tensor first, second;       // [K,F] Σ_t γ_t(k) x_t and Σ_t γ_t(k) x_t²
-    double log_likelihood = 0;
+    at::Tensor first;               // [K,F] Σ_t γ_t(k) x_t
+    at::Tensor second;              // [K,F] Σ_t γ_t(k) x_t²
+    double log_likelihood = 0;      // of the sequences accumulated (E-step only)
+    // Adds another batch's (or rank's) statistics.
     Statistics& operator+=(const Statistics& other);
   };
+  // Adds the posterior-weighted sums of x and x² (posteriors [B,T,K], zero at padding) to stats.
   void accumulate_emissions(Statistics& stats, const at::Tensor& posteriors, const at::Tensor& observations) const;
+  // The M-step: the model that maximises the likelihood of the statistics (variances with options' covars_prior).
   GaussianHMM maximise(const Statistics& stats, const MStepOptions& options = {}) const;
 };
 
@@ -112,6 +128,7 @@ Marginals chain_posteriors(const ChainPotentials& p);
 // - streamed: the many-state CUDA kernels (cuda/scaled_chain_forward.cu, cuda/hmm_expectations.cu), two launches per
 //   step and direction, messages rebased each step; CUDA potentials, no gradients.
 enum class HMMRoute { chain, streamed };
+// The quantities that have a route: log P(observations), node posteriors, the E-step's expected statistics.
 enum class HMMQuantity { log_likelihood, posteriors, expected_statistics };
 
 // The route `quantity` takes for these potentials: streamed for CUDA potentials of at least 128 states that want no
@@ -123,6 +140,7 @@ HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p);
 // on others, choose_route throws an Error.
 class ForcedHMMRoute {
  public:
+  // Forces `route` for `quantity` on this thread until destroyed (then the previous forcing, if any, applies again).
   ForcedHMMRoute(HMMQuantity quantity, HMMRoute route);
   ~ForcedHMMRoute();
   ForcedHMMRoute(const ForcedHMMRoute&) = delete;
@@ -133,11 +151,13 @@ class ForcedHMMRoute {
   std::optional<HMMRoute> previous_;
 };
 
+// The forward and backward messages of sequences, and their log-likelihoods.
 struct ForwardBackward {
   at::Tensor log_alpha;       // [B,T,K] log P(o_0..o_t, s_t = k)
   at::Tensor log_beta;        // [B,T,K] log P(o_{t+1}.. | s_t = k)
   at::Tensor log_likelihood;  // [B]
 };
+// Both message passes, in log space.
 template <class HMM>
 ForwardBackward forward_backward(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths = {});
 
@@ -159,6 +179,7 @@ template <class HMM>
 typename HMM::Statistics labelled_statistics(const HMM& shape, const at::Tensor& observations, const at::Tensor& states,
                                              const at::Tensor& lengths = {});
 
+// Sampled sequences and the hidden states that produced them.
 struct HMMSample {
   at::Tensor states;        // [B,T] int64, -1 at padding
   at::Tensor observations;  // [B,T] int64 or [B,T,F], zero at padding
@@ -180,25 +201,30 @@ struct TrigramCounts {
   at::Tensor bigrams;    // [K+1,K]: row K is the sequence start
   at::Tensor trigrams;   // [K+1,K,K]: [a][b][c], a = K for the sequence start
   at::Tensor emissions;  // [K,V]
+  // Adds another batch's counts.
   TrigramCounts& operator+=(const TrigramCounts& other);
 };
+// The counts of labelled sequences (labels [B,T] in [0, num_labels), observations [B,T] in [0, num_symbols)).
 TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& labels, const at::Tensor& lengths,
                              int64_t num_labels, int64_t num_symbols);
 // Transitions interpolate trigram, bigram and unigram estimates with TnT's deleted-interpolation weights; emissions
 // get additive smoothing.
 CategoricalHMM second_order_hmm(const TrigramCounts& counts, double emission_smoothing);
+// The current label of a second-order model's state (its pair's second label).
 inline int64_t pair_label(int64_t state, int64_t num_labels) { return state % num_labels; }
 
+// When baum_welch stops, and its M-step.
 struct BaumWelchOptions {
-  int max_iterations = 100;
+  int max_iterations = 100;  // EM iterations at most
   double tolerance = 1e-6;  // stop when the total log-likelihood gains less than this (relative to the token count)
-  MStepOptions m_step;
+  MStepOptions m_step;       // each iteration's M-step
 };
+// What baum_welch returns.
 template <class HMM>
 struct BaumWelchResult {
-  HMM model;
+  HMM model;                           // the model after the last update
   std::vector<double> log_likelihood;  // total log-likelihood of the data before each update
-  bool converged = false;
+  bool converged = false;              // whether the tolerance was met before max_iterations
 };
 // EM from `initial` on sequences held in memory (trellis hmm fit streams batches from files with the same pieces).
 template <class HMM>

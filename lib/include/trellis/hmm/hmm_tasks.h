@@ -15,6 +15,7 @@
 
 namespace trellis {
 
+// How the dataset commands run: device, precision, memory, threads and processes.
 struct HMMRunOptions {
   std::string device = "cpu";          // "cpu" or "cuda"
   at::ScalarType dtype = at::kDouble;  // precision of the computation (the model is kept in float64)
@@ -31,8 +32,11 @@ struct HMMRunOptions {
 // This rank's share of the dataset's sequences: consecutive sequences [first, first + count), as near 1/world of the
 // tokens as whole sequences allow. The whole dataset for a single process.
 struct DatasetShare {
-  int64_t first = 0, count = 0, tokens = 0;
+  int64_t first = 0;   // the first sequence
+  int64_t count = 0;   // the number of sequences
+  int64_t tokens = 0;  // their observations
 };
+// This rank's share of `data` under `distributed` (null: the whole dataset).
 DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* distributed);
 
 // Tokens per batch that keep one batch's working tensors within options.memory_budget.
@@ -41,14 +45,18 @@ int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_
 // Called after each batch with the totals so far.
 using BatchProgress = std::function<void(int64_t sequences, int64_t tokens)>;
 
+// What infer_dataset did.
 struct InferSummary {
-  int64_t sequences = 0, tokens = 0;
+  int64_t sequences = 0;      // sequences inferred
+  int64_t tokens = 0;         // their observations
   double log_likelihood = 0;  // total over the dataset
-  double seconds = 0;
+  double seconds = 0;         // wall time of the whole call
   double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
-  // Of `seconds`, this rank's: the model put on the device and the output file made; reading batches (to the device);
-  // computing them (until their results are on the device); writing them (or keeping them for rank 0).
-  double setup_seconds = 0, read_seconds = 0, compute_seconds = 0, write_seconds = 0;
+  // Of `seconds`, this rank's time in each stage:
+  double setup_seconds = 0;    // the model put on the device and the output file made
+  double read_seconds = 0;     // reading batches (to the device)
+  double compute_seconds = 0;  // computing them (until their results are on the device)
+  double write_seconds = 0;    // writing them (or keeping them for rank 0)
 };
 // Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
 // Data-parallel: every rank computes its share and rank 0 alone writes the file, receiving the other ranks' results in
@@ -56,6 +64,7 @@ struct InferSummary {
 InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const std::string& output, bool with_posteriors,
                            const HMMRunOptions& options, const BatchProgress& progress = {});
 
+// What fit_dataset estimates, and from where it starts.
 struct HMMFitOptions {
   bool supervised = false;  // maximum likelihood from /labels instead of EM
   int order = 1;            // supervised only: 2 for a second-order (trigram) model over label pairs
@@ -63,14 +72,16 @@ struct HMMFitOptions {
   int64_t symbols = 0;      // V for categorical data (0: the vocabulary's size, or the largest id + 1)
   std::optional<HMMModelFile> initial;  // EM start; otherwise random starts
   int restarts = 1;         // random starts; the one reaching the highest log-likelihood is kept
-  uint64_t seed = 0;
-  BaumWelchOptions em;
+  uint64_t seed = 0;        // of the random starts
+  BaumWelchOptions em;      // iterations, tolerance and M-step of EM
 };
+// One EM iteration, as reported to fit_dataset's on_iteration.
 struct EMIteration {
-  int restart = 0, iteration = 0;
+  int restart = 0;            // which random start, from 0
+  int iteration = 0;          // within the restart, from 0
   double log_likelihood = 0;  // total, before this iteration's update
-  int64_t tokens = 0;
-  double seconds = 0;
+  int64_t tokens = 0;         // observations the E-step covered
+  double seconds = 0;         // wall time of the iteration
 };
 // Data-parallel: the statistics of each E-step (and of supervised counts) are summed over the ranks' shares, so every
 // rank holds the same model after every iteration; the caller writes it from one rank.
@@ -94,15 +105,20 @@ at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std:
 // joined by '|' ("AUX|VBZ"): a tagger whose states are fine labels, scored on the first part (score_predictions).
 // Columns count from 0; negative ones from the end.
 struct ConversionSummary {
-  int64_t sentences = 0, tokens = 0, unknown_tokens = 0;
+  int64_t sentences = 0;       // sequences written
+  int64_t tokens = 0;          // observations written
+  int64_t unknown_tokens = 0;  // of which words outside the vocabulary (mapped to an unknown class)
 };
+// Writes the CoNLL file at conll_path as a dataset at `output` under the rules above.
 ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
                                 int word_column, const std::vector<std::string>* labels,
                                 const std::vector<int>& label_columns, const std::string& comment_prefix = "");
 // The words and the distinct labels (in order of first appearance) of a CoNLL file, with the same column rules.
 struct ConllVocabulary {
-  std::vector<std::string> words, labels;
+  std::vector<std::string> words;   // every word token, in file order
+  std::vector<std::string> labels;  // the distinct labels, in order of first appearance
 };
+// Reads them from the file at conll_path (comment lines starting with comment_prefix skipped when it is set).
 ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_column,
                                        const std::vector<int>& label_columns, const std::string& comment_prefix = "");
 

@@ -71,7 +71,7 @@ class CRFImpl : public torch::nn::Cloneable<CRFImpl> {
   // Allowed transitions [K,K], starts [K] and ends [K] (bool; an undefined part allows everything), or those of a
   // BIO/BIOES scheme over the labels in tag order.
   void set_constraints(const TransitionConstraints& allowed);
-  void set_constraints(const std::vector<std::string>& labels, TagScheme scheme);
+  void set_constraints(const std::vector<std::string>& labels, TagScheme scheme);  // the scheme's constraints
   // Allows every transition, start and end again.
   void clear_constraints();
 
@@ -80,8 +80,12 @@ class CRFImpl : public torch::nn::Cloneable<CRFImpl> {
   ChainPotentials potentials(const at::Tensor& emissions, const at::Tensor& mask, bool constrained) const;
 
   CRFOptions options;  // as constructed
-  at::Tensor transitions, start_transitions, end_transitions;  // parameters
-  at::Tensor allowed_transitions, allowed_start, allowed_end;   // buffers: nonzero where allowed
+  at::Tensor transitions;          // parameter [K,K]: score of tag i followed by tag j
+  at::Tensor start_transitions;    // parameter [K]: score of starting with each tag
+  at::Tensor end_transitions;      // parameter [K]: score of ending with each tag
+  at::Tensor allowed_transitions;  // buffer [K,K] bool: nonzero where tag i may be followed by tag j
+  at::Tensor allowed_start;        // buffer [K] bool: nonzero where a sequence may start with the tag
+  at::Tensor allowed_end;          // buffer [K] bool: nonzero where a sequence may end with the tag
 };
 
 // The module holder of CRFImpl (a shared pointer, as every torch::nn module).
