@@ -8,7 +8,8 @@
 #   DATA_DIR  the shared data folder (ud-en-ewt/, conll2000/, wnut17/ as in its README)
 #   OUT_DIR   models, logs, tagged files and results-TASKS.json go here
 #   TASK      ewt, conll2000, wnut17 (default: all three)
-# Environment: DEVICE (default cuda), ENCODER (bilstm), FLAGS (more `crf train` flags, e.g. "--hybrid --layers 1"),
+# Environment: DEVICE (default cuda), ENCODER (bilstm), FLAGS (more `crf train` flags, e.g. "--hybrid=false --layers 1";
+#   none: the documented defaults), TRELLIS_COMMIT (the commit recorded in the JSON; default: git's HEAD),
 #   CONLL2000_DEV (sentences held out of CoNLL-2000's train.txt as its dev set, default 1000: the folder has no dev).
 set -euo pipefail
 trellis=$1
@@ -95,7 +96,7 @@ done
 {
   printf '{"device": "%s", "gpu": "%s", "encoder": "%s", "flags": "%s", "commit": "%s",\n' "$device" \
     "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" "$encoder" "${FLAGS:-}" \
-    "$(git -C "$(dirname "$0")" rev-parse --short HEAD 2>/dev/null)"
+    "${TRELLIS_COMMIT:-$(git -C "$(dirname "$0")" rev-parse --short HEAD 2>/dev/null)}"
   for i in "${!results[@]}"; do
     printf ' %s%s\n' "${results[$i]}" "$([ "$i" -lt $((${#results[@]} - 1)) ] && echo ,)"
   done
