@@ -33,7 +33,7 @@ struct ChainInputs {
   at::Tensor end;          // [K] or undefined
   at::Tensor mask;         // [B,T] or [T,B] bool/uint8, or undefined
   at::Tensor lengths;      // [B] integer, or undefined
-  bool batch_first = true;
+  bool batch_first = true;  // the layout of emissions, mask and tags: [B,T,...] (true) or [T,B,...]
 };
 
 // float64 when any defined tensor given is float64, else float32. A tensor that is not float16, bfloat16, float32 or
@@ -42,8 +42,10 @@ at::ScalarType chain_compute_type(std::initializer_list<std::pair<const char*, a
 
 // [B,T] or [T,B] (batch_first) positions → the batch size and the number of steps.
 struct BatchShape {
-  int64_t batch, steps;
+  int64_t batch;  // B
+  int64_t steps;  // T
 };
+// See BatchShape.
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first);
 
 // The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given (or B = 0). A mask's
@@ -74,7 +76,9 @@ TransitionConstraints allowed_constraints(const at::Tensor& allowed, const at::T
 class AutogradScope {
  public:
   AutogradScope();
+  // t itself, or a copy autograd can take when t was made in inference mode.
   at::Tensor usable(const at::Tensor& t) const;
+  // The potentials with each tensor as usable(t) gives it.
   ChainPotentials usable(const ChainPotentials& p) const;
 
  private:
@@ -85,9 +89,9 @@ class AutogradScope {
 // The library's log_partition, log_likelihood, marginals and viterbi, with an empty batch answered here: the fused
 // CUDA kernels launch no empty grid.
 at::Tensor batch_log_partition(const ChainPotentials& p);
-at::Tensor batch_log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
-Marginals batch_marginals(const ChainPotentials& p, bool with_edges);
-ViterbiResult batch_viterbi(const ChainPotentials& p);
+at::Tensor batch_log_likelihood(const ChainPotentials& p, const at::Tensor& tags);  // see batch_log_partition
+Marginals batch_marginals(const ChainPotentials& p, bool with_edges);              // see batch_log_partition
+ViterbiResult batch_viterbi(const ChainPotentials& p);                             // see batch_log_partition
 
 // Whether any of allowed, allowed_start, allowed_end is given.
 inline bool any_constraint(const TransitionConstraints& c) {
@@ -100,7 +104,7 @@ at::Tensor caller_layout(const at::Tensor& batch_first_result, bool batch_first)
 // Results in the caller's layout on `device`: paths [B,T] or [T,B] (viterbi() has set -1 where no label sequence is
 // allowed); k-best paths [B,k,T] or [T,B,k]; node marginals [B,T,K] or [T,B,K], edges [B,T-1,K,K] or [T-1,B,K,K].
 ViterbiResult caller_layout(const ViterbiResult& r, bool batch_first);
-KBestResult caller_layout(const KBestResult& r, bool batch_first, const at::Device& device);
-Marginals caller_layout(const Marginals& m, bool batch_first);
+KBestResult caller_layout(const KBestResult& r, bool batch_first, const at::Device& device);  // see above
+Marginals caller_layout(const Marginals& m, bool batch_first);                               // see above
 
 }  // namespace trellis

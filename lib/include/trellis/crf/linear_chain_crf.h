@@ -41,15 +41,21 @@ at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
 // kernels where they take the input (for callers that want both at once, like a training step), autograd elsewhere.
 // Lengths and tags are checked as by log_likelihood.
 struct LogLikelihoodGradients {
-  at::Tensor log_likelihood, emissions, transitions, start, end;
+  at::Tensor log_likelihood;  // [B]
+  at::Tensor emissions;       // the gradient for the emissions [B,T,K]
+  at::Tensor transitions;     // for the transitions [K,K]
+  at::Tensor start;           // for the start scores [K]; undefined without them
+  at::Tensor end;             // for the end scores [K]; undefined without them
 };
+// See LogLikelihoodGradients.
 LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags);
 
 // Forward and backward log-messages [B,T,K]: alpha[b,t,k] scores every prefix ending in label k at t (emission at t
 // included), beta[b,t,k] every suffix after t given label k at t (end score included). Zero-filled at padding.
 at::Tensor forward_log_alphas(const ChainPotentials& p);
-at::Tensor backward_log_betas(const ChainPotentials& p);
+at::Tensor backward_log_betas(const ChainPotentials& p);  // see forward_log_alphas
 
+// What marginals returns.
 struct Marginals {
   at::Tensor log_partition;  // [B]
   at::Tensor nodes;          // [B,T,K]: P(y_t = k); zero at padding
@@ -58,19 +64,22 @@ struct Marginals {
 // Marginals as the gradient of the log-partition with respect to the potentials (not themselves differentiable).
 Marginals marginals(const ChainPotentials& p, bool with_edges = false);
 
+// The best label sequence of each sequence and its score.
 struct ViterbiResult {
   at::Tensor path;   // [B,T] int64 best labels; -1 at padding, and everywhere when no label sequence is allowed
   at::Tensor score;  // [B] score of that path; -inf when no label sequence is allowed
 };
+// The best label sequence of each sequence (ties go to the lowest label), without gradients.
 ViterbiResult viterbi(const ChainPotentials& p);
 
 // The k best label sequences of each sequence, best first (ties: lower labels first). paths [B,k,T] int64 with -1 at
 // padding, scores [B,k]; where fewer than k sequences exist (or are allowed), the rest have score -inf and path -1.
 // Computed on the CPU (inputs on other devices are copied).
 struct KBestResult {
-  at::Tensor paths;
-  at::Tensor scores;
+  at::Tensor paths;   // [B,k,T] int64
+  at::Tensor scores;  // [B,k]
 };
+// See KBestResult.
 KBestResult kbest_viterbi(const ChainPotentials& p, int64_t k);
 
 // The best path's score [B] with autograd: its gradient is the indicator of one best path (ties go to the lowest
@@ -84,6 +93,7 @@ struct TransitionConstraints {
   at::Tensor end;          // [K] bool
 };
 
+// Chunk tagging schemes: B(egin)/I(nside)/O(utside), and with E(nd) and S(ingle).
 enum class TagScheme { BIO, BIOES };
 
 // Constraints of a chunk tagging scheme for labels named "O", "B-X", "I-X" (and "E-X", "S-X" for BIOES).

@@ -21,6 +21,7 @@
 
 namespace trellis {
 
+// The neural tagger's architecture and how train_neural_tagger trains it.
 struct NeuralTaggerOptions {
   std::string encoder = "bilstm";  // "bilstm" or "cnn" (a stack of dilated convolutions)
   int64_t word_dim = 0;            // word embedding size; 0: the pretrained vectors' size, or 100 without them
@@ -34,7 +35,7 @@ struct NeuralTaggerOptions {
   double word_dropout = 0.25;      // a training word seen c times becomes unknown with probability a/(a+c)
   std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
-  int epochs = 50;
+  int epochs = 50;              // passes over the training set at most
   std::size_t batch_size = 64;  // sentences per minibatch (of similar lengths)
   double learning_rate = 4e-3;  // Adam
   double beta2 = 0.999;         // Adam's decay of the squared-gradient average
@@ -52,41 +53,55 @@ struct NeuralTaggerOptions {
   double c2 = 1.0;                 // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
 };
 
+// One training epoch, as reported to train_neural_tagger's callback.
 struct NeuralEpoch {
-  int epoch;
+  int epoch;                 // from 1
   double loss;               // training negative log-likelihood per token (dropout on)
   double learning_rate;      // used during the epoch
   double tokens_per_second;  // of the training pass
   double seconds;            // since training started
-  std::optional<double> dev_accuracy, dev_f1;  // percentages
+  std::optional<double> dev_accuracy;  // percentage of dev tokens tagged right, with a dev set
+  std::optional<double> dev_f1;        // dev chunk F1 (percentage), with a dev set of chunk labels
 };
 
+// What train_neural_tagger did.
 struct NeuralTrainSummary {
-  int epochs = 0;
+  int epochs = 0;              // epochs run
   bool stopped_early = false;  // by patience
-  std::size_t parameters = 0;
-  std::size_t words = 0, characters = 0, features = 0;  // vocabulary sizes (features: hybrid's sparse features)
-  double seconds = 0, setup_seconds = 0;
-  int best_epoch = 0;
+  std::size_t parameters = 0;  // the model's parameters (dense and, in a hybrid, sparse)
+  // Vocabulary sizes:
+  std::size_t words = 0;       // words
+  std::size_t characters = 0;  // characters
+  std::size_t features = 0;    // the hybrid's sparse features
+  double seconds = 0;          // wall time of the whole call
+  double setup_seconds = 0;    // of `seconds`, before the first epoch
+  int best_epoch = 0;          // the epoch whose weights are returned
   double seconds_to_best = 0;  // from the start of training to the end of the best epoch
-  std::optional<double> best_dev_accuracy, best_dev_f1;
+  std::optional<double> best_dev_accuracy;  // the returned weights' dev accuracy, with a dev set
+  std::optional<double> best_dev_f1;        // their dev chunk F1, with a dev set of chunk labels
 };
 
+// A trained neural CRF tagger (train_neural_tagger, or load): tags sentences, saves itself. One thread at a time.
 class NeuralTagger {
  public:
+  // Takes over the model.
   NeuralTagger(NeuralTagger&&) noexcept;
+  // Takes over the model.
   NeuralTagger& operator=(NeuralTagger&&) noexcept;
   ~NeuralTagger();
 
+  // The labels, in id order.
   const std::vector<std::string>& labels() const;
   int64_t label_id(const std::string& label) const;  // -1 when unknown
+  // The number of input columns the tagger reads (the label column excluded).
   std::size_t input_columns() const;
+  // The CoNLL layout of the training data (stored in the model file).
   const ColumnLayout& layout() const;
   void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
   const NeuralTaggerOptions& options() const;  // the architecture's fields; training fields as trained
   bool hybrid() const;                         // sparse features add to the emissions
   std::string describe() const;                // architecture, vocabulary and parameter counts, one line each
-  std::size_t num_parameters() const;
+  std::size_t num_parameters() const;          // the model's parameters
 
   // Moves the model to `device`; precision as in NeuralTaggerOptions ("auto": bf16 encoder on CUDA).
   void to(const at::Device& device, const std::string& precision = "auto");
@@ -94,8 +109,10 @@ class NeuralTagger {
   // As CrfTagger's: Viterbi labels, with marginals and the sequence's probability when asked for; the k best
   // sequences with their probabilities. Sentences hold the input columns only.
   std::vector<TaggedSentence> tag(const std::vector<const TokenRows*>& sentences, bool with_marginals = false) const;
+  // The k best label sequences of each sentence, best first, with their probabilities.
   std::vector<std::vector<TaggedSentence>> tag_kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const;
 
+  // Writes the model file atomically (a temporary renamed into place); Error naming the path on failure.
   void save(const std::string& path) const;
   // A corrupt, truncated or foreign file, a parameter whose name or shape does not fit the stored architecture and
   // weights that are not finite are Errors naming the file.
