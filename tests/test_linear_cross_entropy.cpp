@@ -285,6 +285,16 @@ TEST(LinearCrossEntropy, MemoryBudgetPicksRoutesThatMatchTheReference) {
   EXPECT_EQ(plan.slab_bytes, 512 * many.V * 8);
   EXPECT_LE(plan.extra_bytes, h.memory_budget);
   check_case(many, at::kCPU, false, 0, {true, true, true}, h.memory_budget);
+  // 16-bit with V < 4N: dx's float32 sum cannot sit in dW, and the budget holds it only without chunks beside it; slabs
+  // of fewer than kBudgetMinSlabRows rows are what fits.
+  Case narrow{64, 16, 97, at::kBFloat16, false, std::nullopt, 0, 0, Reduction::mean, false};
+  const Inputs narrow_in = random_inputs(narrow);
+  HeadOptions nh;
+  nh.memory_budget = (int64_t(1) << 20) + narrow.N * 64 + 6 * 1024;
+  const HeadMemoryPlan narrow_plan = plan_head_memory(narrow_in.x, narrow_in.w, nh);
+  EXPECT_FALSE(narrow_plan.recompute_logits);
+  EXPECT_LE(narrow_plan.extra_bytes, nh.memory_budget);
+  check_case(narrow, at::kCPU, false, 0, {true, true, true}, nh.memory_budget);
 }
 
 TEST(LinearCrossEntropy, IgnoreIndexInsideTheVocabulary) {

@@ -126,16 +126,18 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
   }
   const int64_t budget = o.memory_budget - f.fixed;
   const int64_t rows = budget > 0 ? budget / (V * f.slab_element) : 0;
-  if (rows >= std::min(kBudgetMinSlabRows, N)) {
+  const auto slabs = [&] {
     const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);
     p.slab_bytes = whole * V * acc;
     p.extra_bytes = f.fixed + whole * V * f.slab_element;
     return p;
-  }
+  };
+  if (rows >= std::min(kBudgetMinSlabRows, N)) return slabs();
   // dx's sum beside the chunks where both fit, so that no chunk runs twice; in dW's last rows where it can go there.
   const int64_t least = N * kBudgetMinColumns * f.chunk_element;
   const bool own_sum = f.dx_sum > 0 && (!sum_in_dw || budget - f.dx_sum >= least);
   const int64_t for_chunks = budget - (own_sum ? f.dx_sum : 0);
+  if (for_chunks < least && rows >= 1) return slabs();  // dx's sum alone would exceed it: the slabs that fit
   if (for_chunks < least)
     throw Error(message::text("linear head: memory_budget = ", o.memory_budget, " bytes is below the least that ",
                               "training on N = ", h.rows(), ", V = ", V, ", D = ", D, " needs: ",
