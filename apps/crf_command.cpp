@@ -41,7 +41,7 @@ int train(const std::vector<std::string>& args) {
   std::string train_path, dev_path, model_path, template_path, input_columns;
   int label_column = -1;
   int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
-  std::string feature_pairs, c2_text;
+  std::string feature_pairs, c2_text, algorithm;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")
       ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
@@ -61,7 +61,7 @@ int train(const std::vector<std::string>& args) {
        "data a large one)")
       ("c1", po::value(&o.c1)->default_value(0.0),
        "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")
-      ("algorithm", po::value(&o.algorithm)->default_value("lbfgs"),
+      ("algorithm", po::value(&algorithm)->default_value("lbfgs"),
        "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")
       ("learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")
       ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch")
@@ -79,6 +79,7 @@ int train(const std::vector<std::string>& args) {
 
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
   o.feature_pairs = parse_feature_pairs(feature_pairs);
+  o.algorithm = parse_crf_algorithm(algorithm);
   const bool c2_auto = c2_text == "auto";
   if (c2_auto && dev_path.empty()) throw Error("--c2 auto chooses c2 by the dev score: it needs --dev");
   if (!c2_auto) o.c2 = parse_number(c2_text, "--c2 (a number, or auto)");
@@ -111,7 +112,7 @@ int train(const std::vector<std::string>& args) {
   if (dist.distributed()) {
     std::ostringstream line;  // written at once: the ranks share the terminal
     line << dist.describe() << " (" << dist.backend() << "): ";
-    if (o.algorithm == "lbfgs") {
+    if (o.algorithm == CrfAlgorithm::Lbfgs) {
       const TrainingShare share = training_share(tr, &dist);
       line << "sentences "
            << (share.count ? std::to_string(share.first) + "-" + std::to_string(share.first + share.count - 1) : "none")

@@ -197,7 +197,7 @@ TEST(CrfTagger, MinibatchOptimisersLearnTheToyTask) {
   const LabeledSentences train = toy_corpus(60, 5), dev = toy_corpus(20, 6);
   for (const char* algorithm : {"sgd", "adagrad", "adam"}) {
     CrfTrainOptions o;
-    o.algorithm = algorithm;
+    o.algorithm = parse_crf_algorithm(algorithm);
     o.learning_rate = std::string(algorithm) == "sgd" ? 0.01 : 0.1;
     o.batch_size = 8;
     o.max_iterations = 15;
@@ -211,7 +211,7 @@ TEST(CrfTagger, MinibatchOptimisersLearnTheToyTask) {
     EXPECT_EQ(summary.best_dev_f1.value_or(0), 100.0) << algorithm;
   }
   CrfTrainOptions bad;
-  bad.algorithm = "newton";
+  bad.algorithm = static_cast<CrfAlgorithm>(7);
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), bad), Error);
 }
 
@@ -257,9 +257,9 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
   for (std::size_t s = 0; s < tagged.size(); ++s) EXPECT_EQ(tagged[s].labels, dev.labels[s]);
   EXPECT_LT(summary.nonzero_parameters, summary.parameters / 4);
   EXPECT_GT(summary.nonzero_parameters, 0u);
-  o.algorithm = "adam";
+  o.algorithm = CrfAlgorithm::Adam;
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);  // OWL-QN is full-batch
-  o.algorithm = "lbfgs";
+  o.algorithm = CrfAlgorithm::Lbfgs;
   o.c1 = -1;
   EXPECT_THROW(train_crf(train, nullptr, builtin_features(), o), Error);
 }

@@ -134,17 +134,17 @@ TEST(CrfTrain, EachInvalidOptionIsAnErrorNamingItsFlagBeforeAnyWork) {
       {[](auto& o) { o.c1 = kNaN; }, "--c1 must be a finite number >= 0, not nan"},
       {[](auto& o) { o.c1 = -kInf; }, "--c1 must be a finite number >= 0, not -inf"},
       {[](auto& o) { o.c1 = -0.5; }, "--c1 must be a finite number >= 0, not -0.5"},
-      {[](auto& o) { o.c1 = 0.5, o.algorithm = "adam"; },
+      {[](auto& o) { o.c1 = 0.5, o.algorithm = CrfAlgorithm::Adam; },
        "L1 regularisation (--c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs, not 'adam'"},
       {[](auto& o) { o.max_iterations = 0; }, "--max-iter must be at least 1, not 0"},
       {[](auto& o) { o.max_iterations = -5; }, "--max-iter must be at least 1, not -5"},
       {[](auto& o) { o.learning_rate = kNaN; }, "--learning-rate must be a finite number > 0, not nan"},
       {[](auto& o) { o.learning_rate = kInf; }, "--learning-rate must be a finite number > 0, not inf"},
       {[](auto& o) { o.learning_rate = 0; }, "--learning-rate must be a finite number > 0, not 0"},
-      {[](auto& o) { o.learning_rate = -0.1, o.algorithm = "sgd"; },
+      {[](auto& o) { o.learning_rate = -0.1, o.algorithm = CrfAlgorithm::Sgd; },
        "--learning-rate must be a finite number > 0, not -0.1"},
-      {[](auto& o) { o.batch_size = 0, o.algorithm = "sgd"; }, "--batch-size must be at least 1, not 0"},
-      {[](auto& o) { o.batch_size = static_cast<std::size_t>(-1), o.algorithm = "sgd"; },
+      {[](auto& o) { o.batch_size = 0, o.algorithm = CrfAlgorithm::Sgd; }, "--batch-size must be at least 1, not 0"},
+      {[](auto& o) { o.batch_size = static_cast<std::size_t>(-1), o.algorithm = CrfAlgorithm::Sgd; },
        "--batch-size must be at least 1, not -1"},
       {[](auto& o) { o.tolerance = kNaN; }, "--tolerance must be a finite number >= 0, not nan"},
       {[](auto& o) { o.tolerance = -1e-3; }, "--tolerance must be a finite number >= 0, not -0.001"},
@@ -152,7 +152,8 @@ TEST(CrfTrain, EachInvalidOptionIsAnErrorNamingItsFlagBeforeAnyWork) {
       {[](auto& o) { o.min_feature_count = 0; }, "--min-freq must be at least 1, not 0"},
       {[](auto& o) { o.early_stopping = -1; }, "--early-stopping must be >= 0 (0: off), not -1"},
       {[](auto& o) { o.threads = -2; }, "--threads must be >= 0 (0: all), not -2"},
-      {[](auto& o) { o.algorithm = "newton"; }, "--algorithm must be lbfgs, sgd, adagrad or adam, not 'newton'"},
+      {[](auto& o) { o.algorithm = static_cast<CrfAlgorithm>(7); },
+       "CrfTrainOptions::algorithm holds 7, which is no CrfAlgorithm"},
   };
   for (const Case& c : cases) {
     CrfTrainOptions o;
@@ -167,14 +168,26 @@ TEST(CrfTrain, EachInvalidOptionIsAnErrorNamingItsFlagBeforeAnyWork) {
   edge.c2 = 0, edge.c1 = 0, edge.tolerance = 0, edge.max_iterations = 1, edge.period = 1, edge.early_stopping = 0;
   edge.min_feature_count = 1;
   EXPECT_EQ(training_error(edge), "");
-  edge.algorithm = "sgd", edge.batch_size = 1, edge.learning_rate = 1e-300;
+  edge.algorithm = CrfAlgorithm::Sgd, edge.batch_size = 1, edge.learning_rate = 1e-300;
   EXPECT_EQ(training_error(edge), "");
+}
+
+TEST(CrfTrain, AlgorithmNamesAreTheFlagsValuesAndAnUnknownOneIsAnErrorNamingTheFlag) {
+  for (const CrfAlgorithm a : {CrfAlgorithm::Lbfgs, CrfAlgorithm::Sgd, CrfAlgorithm::Adagrad, CrfAlgorithm::Adam})
+    EXPECT_EQ(parse_crf_algorithm(crf_algorithm_name(a)), a) << crf_algorithm_name(a);
+  EXPECT_STREQ(crf_algorithm_name(CrfAlgorithm::Adagrad), "adagrad");
+  try {
+    parse_crf_algorithm("newton");
+    ADD_FAILURE() << "no error for 'newton'";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "--algorithm must be lbfgs, sgd, adagrad or adam, not 'newton'");
+  }
 }
 
 TEST(CrfTrain, DivergingTrainingIsAnErrorNotANanModel) {
   for (const char* algorithm : {"sgd", "adam"}) {
     CrfTrainOptions o;
-    o.algorithm = algorithm;
+    o.algorithm = parse_crf_algorithm(algorithm);
     o.learning_rate = 1e30;  // finite, but the weights overflow float32 within an epoch or two
     o.batch_size = 2;
     o.max_iterations = 5;
@@ -188,7 +201,7 @@ TEST(CrfTrain, ConvergedIsFalseWhenTheIterationsRunOut) {
   const LabeledSentences train = random_corpus(30, 2);
   for (const char* algorithm : {"lbfgs", "sgd"}) {
     CrfTrainOptions o;
-    o.algorithm = algorithm;
+    o.algorithm = parse_crf_algorithm(algorithm);
     o.max_iterations = 3;
     o.period = 1;
     o.tolerance = 1e-9;  // the objective still falls by much more than this at iteration 3
@@ -210,7 +223,7 @@ TEST(CrfTrain, ConvergedIsTrueWhenTheToleranceTestStops) {
   EXPECT_TRUE(summary.converged);
 
   // A minibatch run with a tolerance that the second epoch already meets.
-  o.algorithm = "adam";
+  o.algorithm = CrfAlgorithm::Adam;
   o.learning_rate = 0.01;
   o.tolerance = 0.9;
   o.period = 1;
@@ -222,7 +235,7 @@ TEST(CrfTrain, ConvergedIsTrueWhenTheToleranceTestStops) {
 TEST(CrfTrain, EarlyStoppingCountsAsConverged) {
   const LabeledSentences train = random_corpus(30, 3), dev = random_corpus(10, 4);
   CrfTrainOptions o;
-  o.algorithm = "sgd";  // no line search: only early stopping can end it before max_iterations (tolerance 0)
+  o.algorithm = CrfAlgorithm::Sgd;  // no line search: only early stopping can end it before max_iterations (tolerance 0)
   o.learning_rate = 0.05;
   o.batch_size = 4;
   o.tolerance = 0;
@@ -274,7 +287,7 @@ TEST(CrfTrain, MinibatchOptimisersReachTheFullBatchOptimum) {
   ASSERT_GT(max_abs(optimum), 0.5);
   for (const char* algorithm : {"sgd", "adagrad", "adam"}) {
     CrfTrainOptions mb = o;
-    mb.algorithm = algorithm;
+    mb.algorithm = parse_crf_algorithm(algorithm);
     mb.batch_size = 4;
     mb.learning_rate = std::string(algorithm) == "sgd" ? 0.02 : std::string(algorithm) == "adagrad" ? 0.2 : 0.005;
     mb.max_iterations = 400;

@@ -441,11 +441,19 @@ std::vector<Minibatch> random_minibatches(const CrfTagger& m, const LabeledSente
   return out;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(const std::string& name,
+std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(CrfAlgorithm algorithm,
                                                                   const std::vector<at::Tensor>& params, double lr) {
-  if (name == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
-  if (name == "adagrad") return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(lr));
-  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));  // "adam"
+  switch (algorithm) {
+    case CrfAlgorithm::Sgd:
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
+    case CrfAlgorithm::Adagrad:
+      return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(lr));
+    case CrfAlgorithm::Adam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
+    case CrfAlgorithm::Lbfgs:
+      break;
+  }
+  throw Error(std::string("no minibatch optimiser is called ") + crf_algorithm_name(algorithm));
 }
 
 // The chain potentials of a batch the trainer encoded itself: lengths and tags need no range check (and no sync).
@@ -488,8 +496,7 @@ std::string show(double v) {
 // Every option is checked before any work starts, so that a nonsensical value is an error rather than a model of NaNs
 // or zeros. The messages name the `trellis crf train` flags (period has none).
 void check_options(const CrfTrainOptions& o) {
-  if (o.algorithm != "lbfgs" && o.algorithm != "sgd" && o.algorithm != "adagrad" && o.algorithm != "adam")
-    throw Error("--algorithm must be lbfgs, sgd, adagrad or adam, not '" + o.algorithm + "'");
+  crf_algorithm_name(o.algorithm);  // a value outside the enumeration is an Error
   const auto non_negative = [](double v, const char* flag) {
     if (!std::isfinite(v) || v < 0) throw Error(std::string(flag) + " must be a finite number >= 0, not " + show(v));
   };
@@ -498,9 +505,9 @@ void check_options(const CrfTrainOptions& o) {
   };
   non_negative(o.c2, "--c2");
   non_negative(o.c1, "--c1");
-  if (o.c1 > 0 && o.algorithm != "lbfgs")
-    throw Error("L1 regularisation (--c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs, not '" + o.algorithm +
-                "'");
+  if (o.c1 > 0 && o.algorithm != CrfAlgorithm::Lbfgs)
+    throw Error("L1 regularisation (--c1 > 0) trains with OWL-QN, which needs --algorithm lbfgs, not '" +
+                std::string(crf_algorithm_name(o.algorithm)) + "'");
   if (!std::isfinite(o.learning_rate) || o.learning_rate <= 0)
     throw Error("--learning-rate must be a finite number > 0, not " + show(o.learning_rate));
   // A size above INT64_MAX is a negative number wrapped round by an unsigned parser: shown as the number typed.
@@ -516,6 +523,27 @@ void check_options(const CrfTrainOptions& o) {
 }
 
 }  // namespace
+
+CrfAlgorithm parse_crf_algorithm(const std::string& name) {
+  for (const CrfAlgorithm a : {CrfAlgorithm::Lbfgs, CrfAlgorithm::Sgd, CrfAlgorithm::Adagrad, CrfAlgorithm::Adam})
+    if (name == crf_algorithm_name(a)) return a;
+  throw Error("--algorithm must be lbfgs, sgd, adagrad or adam, not '" + name + "'");
+}
+
+const char* crf_algorithm_name(CrfAlgorithm algorithm) {
+  switch (algorithm) {
+    case CrfAlgorithm::Lbfgs:
+      return "lbfgs";
+    case CrfAlgorithm::Sgd:
+      return "sgd";
+    case CrfAlgorithm::Adagrad:
+      return "adagrad";
+    case CrfAlgorithm::Adam:
+      return "adam";
+  }
+  throw Error("CrfTrainOptions::algorithm holds " + std::to_string(static_cast<int>(algorithm)) +
+              ", which is no CrfAlgorithm");
+}
 
 TrainingShare training_share(const LabeledSentences& train, const DistributedContext* distributed) {
   std::vector<int64_t> lengths;
@@ -592,7 +620,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   if (dev) check_known_labels(model, *dev);
   device_ready.get();
   model.to(device);
-  const bool full_batch = o.algorithm == "lbfgs";
+  const bool full_batch = o.algorithm == CrfAlgorithm::Lbfgs;
   const DistributedContext* group = o.distributed && o.distributed->distributed() ? o.distributed : nullptr;
   std::mt19937_64 rng(o.seed);
   const TrainingShare share = training_share(train, group);

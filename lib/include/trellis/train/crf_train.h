@@ -28,11 +28,20 @@ LabeledSentences split_labels(const ConllCorpus& corpus, int label_column = -1);
 // A label the model was not trained on is an error naming its file and line.
 void check_known_labels(const CrfTagger& model, const LabeledSentences& data);
 
+// The optimiser of train_crf. Lbfgs: full-batch L-BFGS, or OWL-QN with an L1 term (an iteration is one quasi-Newton
+// step); Sgd, Adagrad, Adam: minibatches of batch_size sentences (an iteration is one epoch; the L2 term is shared out
+// over the minibatches).
+enum class CrfAlgorithm { Lbfgs, Sgd, Adagrad, Adam };
+
+// "lbfgs", "sgd", "adagrad" or "adam" (the `trellis crf train --algorithm` values); anything else is an Error naming
+// the flag.
+CrfAlgorithm parse_crf_algorithm(const std::string& name);
+// The name parse_crf_algorithm reads.
+const char* crf_algorithm_name(CrfAlgorithm algorithm);
+
 // How train_crf trains: the algorithm, its regularisation and stopping, the device, threads and processes.
 struct CrfTrainOptions {
-  // "lbfgs": full-batch L-BFGS (an iteration is one L-BFGS step); "sgd", "adagrad", "adam": minibatches of
-  // batch_size sentences (an iteration is one epoch; the L2 term is shared out over the minibatches).
-  std::string algorithm = "lbfgs";
+  CrfAlgorithm algorithm = CrfAlgorithm::Lbfgs;
   double learning_rate = 0.05;  // minibatch algorithms
   std::size_t batch_size = 32;  // sentences per minibatch
   int max_iterations = 100;   // iterations (L-BFGS steps or epochs) at most
