@@ -8,10 +8,10 @@ full-length sequences), so that the Python path's overhead is the difference of 
 
     # GPU machine: the peers from .whl (scripts/gpu_check.sh's build tree is build-gpu)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytorch_crf-*.whl .whl/torch_struct-*.whl
-    PYTHONPATH=/tmp/site python3 bench/crf_python.py --library build-gpu/lib/libtrellis_ops.so \\
+    PYTHONPATH=/tmp/site python3 bench/crf_python.py --library build-gpu/bindings/libtrellis_ops.so \\
         --trellis-bin build-gpu/apps/trellis --out crf_python.json
     # anywhere: a check of the script itself on tiny shapes, on the CPU
-    python bench/crf_python.py --library build/lib/libtrellis_ops.so --quick
+    python bench/crf_python.py --library build/bindings/libtrellis_ops.so --quick
 
 Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after two untimed warm-up
 calls; the median of up to --repeats timed calls within about --budget seconds per implementation (at least 3, so slow

@@ -1,7 +1,7 @@
 """HMM estimators from Python: trellis.hmm (CPU, and CUDA where there is a GPU) beside hmmlearn on the same models and
 data, score + predict (log-likelihood and Viterbi states of every sequence), categorical and diagonal-Gaussian.
 
-    PYTHONPATH=bindings/python TRELLIS_OPS_LIBRARY=build/lib/libtrellis_ops.so \
+    PYTHONPATH=bindings/python TRELLIS_OPS_LIBRARY=build/bindings/libtrellis_ops.so \
         python bench/hmm_estimator.py --out hmm.json
     ... --quick          # small sizes: a check of the script itself
 

@@ -4,7 +4,7 @@ Megatron-style vocab-parallel cross-entropy in plain PyTorch (local float32 logi
 LigerVocabParallelCEFunction (on materialised local logits, when liger_kernel imports), each with the local
 half-vocabulary GEMM x·W_rᵀ as the unit. W's rows are split in rank order; x and the targets are the same everywhere.
 
-    torchrun --nproc-per-node=P bench/vocab_parallel_head.py --library build/lib/libtrellis_ops.so --json out.json
+    torchrun --nproc-per-node=P bench/vocab_parallel_head.py --library build/bindings/libtrellis_ops.so --json out.json
 
 Method (docs/benchmarks.md): CUDA events around each call, a 256 MB buffer zeroed before every call to flush L2, one
 untimed warm-up, the median of up to 25 timed calls within about 400 ms (at least 3); memory is the peak allocated

@@ -81,7 +81,7 @@ if [ "$mode" = scale ]; then
   for ((p = 1; p <= gpus && ${TRELLIS_SCALE_HEAD:-1}; p++)); do
     step "scale_p$p" env TRELLIS_COMMIT="$commit" timeout -k 30 "${TRELLIS_SCALE_TIMEOUT:-240}" \
       torchrun --standalone --nproc-per-node="$p" bench/vocab_parallel_head.py \
-      --library "$build/lib/libtrellis_ops.so" --json "$out/scale.json"
+      --library "$build/bindings/libtrellis_ops.so" --json "$out/scale.json"
     grep '^{' "$out/scale_p$p.log"
   done
   # hmm infer/fit and crf train under torchrun at every world size (bench/data_parallel_scale.sh; sizes from
@@ -101,7 +101,7 @@ if [ "$mode" = package ]; then
   parts=" ${TRELLIS_PACKAGE_STEPS:-tests bench neural} "
   commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   export TRELLIS_COMMIT=$commit PYTHONPATH="$root/bindings/python${PYTHONPATH:+:$PYTHONPATH}" \
-    TRELLIS_OPS_LIBRARY="$build/lib/libtrellis_ops.so" PYTHONUNBUFFERED=1
+    TRELLIS_OPS_LIBRARY="$build/bindings/libtrellis_ops.so" PYTHONUNBUFFERED=1
   if [[ $parts == *" tests "* ]]; then
     step gpu_tests "$build/tests/trellis_tests" --gtest_filter="${TRELLIS_GPU_FILTER:-*Cuda*}"
     grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/gpu_tests.log"
@@ -112,7 +112,7 @@ if [ "$mode" = package ]; then
   if [[ $parts == *" bench "* ]]; then
     benches=" ${TRELLIS_BENCHES:-crf_python hmm_estimator} "
     if [[ $benches == *" crf_python "* ]]; then
-      step crf_python python3 bench/crf_python.py --library "$build/lib/libtrellis_ops.so" --trellis-bin "$build/apps/trellis" \
+      step crf_python python3 bench/crf_python.py --library "$build/bindings/libtrellis_ops.so" --trellis-bin "$build/apps/trellis" \
         --out "$out/crf_python.json"
       cat "$out/crf_python.log"
     fi

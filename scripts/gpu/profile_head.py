@@ -2,7 +2,7 @@
 linear_cross_entropy's forward+backward, with and without recompute_logits; the step's time by CUDA events, the GPU's
 idle gaps between kernels, and the host operations that took longest.
 
-    python3 scripts/gpu/profile_head.py BUILD/lib/libtrellis_ops.so [N D V]
+    python3 scripts/gpu/profile_head.py BUILD/bindings/libtrellis_ops.so [N D V]
 """
 import sys
 
