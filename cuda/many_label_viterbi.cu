@@ -1,12 +1,13 @@
 // Viterbi for chains with many labels (K past what cuda/chain_fused.cu keeps in shared memory), the max-semiring
 // counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W from memory once for the batch (the
-// blocks of every group of kGroup sequences that use one tile of W run side by side and share it through L2).
+// blocks of every group of kViterbiGroup sequences that use one tile of W run side by side and share it through L2).
 //
 // Sequences run longest first, so that at each step the ones still running are a prefix of that order and only they
 // are launched (padding costs nothing). Per step t ≥ 1, two launches:
-// - viterbi_step_kernel: a block takes kThreads·kVec columns and a span of rows of W for up to kGroup sequences; each
-//   thread owns kVec columns and keeps, for every sequence, the best (alpha_{t-1}[i] − max alpha_{t-1}) + W[i][j] over
-//   the span's rows i and its first row reaching it; it writes one (value, row) per span, sequence and column.
+// - viterbi_step_kernel: a block takes kThreads·kVec columns and a span of rows of W for up to kViterbiGroup
+//   sequences; each thread owns kVec columns and keeps, for every sequence, the best
+//   (alpha_{t-1}[i] − max alpha_{t-1}) + W[i][j] over the span's rows i and its first row reaching it; it writes one
+//   (value, row) per span, sequence and column.
 // - viterbi_finish_kernel: merges the spans in row order, adds the emission, records the back-pointer [B,T,K] int32,
 //   and writes per-block maxima that the next step reduces to max alpha_t; at a sequence's last position it also
 //   keeps alpha apart.
@@ -38,13 +39,17 @@ constexpr int kFinishCols = kThreads;
 
 template <class T>
 constexpr int kBlockCols = kThreads * kVec<T>;  // a thread's 16 bytes of each row
-// Rows of W a thread loads before using them, and a chunk of the max (fewer in float64, whose terms take twice the
-// registers).
+// Rows of W a thread loads before using them, and a chunk of the max.
 template <class T>
-constexpr int kRowsInFlight = sizeof(T) == 4 ? 8 : 4;
+constexpr int kRowsInFlight = 4;
+// Sequences per pass over W: a thread keeps a running maximum and its chunk for each of them and kVec columns, and at
+// 8 these, the two chunks of rows in flight and the rest fit 128 registers, so two blocks share an SM (16 warps to hide
+// the loads' latency; at 16 sequences one block took every register). The groups of a batch share each tile of W
+// through L2 (the grid's fastest index), so the smaller group costs no extra reads from memory.
+constexpr int kViterbiGroup = 8;
 
 template <class T, int NB>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     viterbi_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
                         const T* __restrict__ W, double* __restrict__ offset, T* __restrict__ part_val,
                         int* __restrict__ part_arg, int active, int K, int rows, bool vector_rows) {
@@ -294,7 +299,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
   const at::Tensor back = at::empty({B, Tn, K}, emissions.options().dtype(at::kInt));
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "many_label_viterbi_cuda", [&] {
     using T = scalar_t;
-    with_group(B, [&](auto group) {
+    with_group<kViterbiGroup>(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
       // One plan per count of running sequence groups; the partial maxima [splits, running, K] fit the largest.
       const int64_t groups = grid_dim(B, NB);

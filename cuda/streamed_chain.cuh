@@ -27,14 +27,20 @@ __device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {
   return isinf(m) ? T(0) : m;
 }
 
-// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to kGroup.
-template <class F>
+// Runs f(std::integral_constant<int, NB>) with the sequence group for B: the next power of two up to Max (a power of
+// two), instantiating f for those groups only.
+template <int NB, int Max, class F>
+void with_group_from(int64_t B, F&& f) {
+  if constexpr (NB >= Max) {
+    f(std::integral_constant<int, NB>());
+  } else {
+    if (B <= NB) f(std::integral_constant<int, NB>());
+    else with_group_from<2 * NB, Max>(B, f);
+  }
+}
+template <int Max = kGroup, class F>
 void with_group(int64_t B, F&& f) {
-  if (B <= 1) f(std::integral_constant<int, 1>());
-  else if (B <= 2) f(std::integral_constant<int, 2>());
-  else if (B <= 4) f(std::integral_constant<int, 4>());
-  else if (B <= 8) f(std::integral_constant<int, 8>());
-  else f(std::integral_constant<int, kGroup>());
+  with_group_from<1, Max>(B, f);
 }
 
 // *out = the largest m of the block's threads (every thread calls this): shuffles within each warp, then one thread
