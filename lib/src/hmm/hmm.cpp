@@ -18,10 +18,9 @@
 #include "lib/src/io/message.h"
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
-#if TRELLIS_WITH_CUDA
 #include "cuda/chain_kernels.h"
 #include "cuda/hmm_expectations.h"
-#endif
+#include "cuda/kernels_built.h"
 
 namespace trellis {
 namespace {
@@ -324,15 +323,11 @@ bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
 }
 
 // Whether the streamed CUDA kernels can take these potentials, whatever K (shapes as HMM::potentials builds them).
-bool streamed_kernels_take([[maybe_unused]] const ChainPotentials& p) {
-#if TRELLIS_WITH_CUDA
+bool streamed_kernels_take(const ChainPotentials& p) {
   const at::Tensor& e = p.emissions;
-  return e.defined() && e.dim() == 3 && e.is_cuda() && e.size(0) > 0 && e.size(1) > 0 && p.transitions.defined() &&
-         p.transitions.sizes() == at::IntArrayRef{e.size(2), e.size(2)} &&
+  return cuda::kernels_built() && e.defined() && e.dim() == 3 && e.is_cuda() && e.size(0) > 0 && e.size(1) > 0 &&
+         p.transitions.defined() && p.transitions.sizes() == at::IntArrayRef{e.size(2), e.size(2)} &&
          p.transitions.scalar_type() == e.scalar_type() && p.transitions.device() == e.device();
-#else
-  return false;
-#endif
 }
 
 const char* quantity_name(HMMQuantity q) {
@@ -347,7 +342,6 @@ const char* quantity_name(HMMQuantity q) {
 // The route each quantity is forced to on this thread (ForcedHMMRoute), if any.
 thread_local std::array<std::optional<HMMRoute>, 3> forced_routes;
 
-#if TRELLIS_WITH_CUDA
 // The sequence lengths [B] on the emissions' device, checked to lie in [1, T] (one host transfer).
 at::Tensor checked_lengths(const ChainPotentials& p) {
   const at::Tensor& e = p.emissions;
@@ -460,7 +454,6 @@ at::Tensor streamed_log_likelihood(const ChainPotentials& p) {
   return at::empty({B}, e.options())
       .index_copy_(0, batch.order, (at::logsumexp(alpha + end, -1).to(at::kDouble) + offset).to(e.scalar_type()));
 }
-#endif
 
 }  // namespace
 
@@ -488,15 +481,12 @@ ForcedHMMRoute::ForcedHMMRoute(HMMQuantity quantity, HMMRoute route)
 ForcedHMMRoute::~ForcedHMMRoute() { forced_routes[static_cast<std::size_t>(quantity_)] = previous_; }
 
 at::Tensor chain_log_likelihood(const ChainPotentials& p) {
-#if TRELLIS_WITH_CUDA
   if (choose_route(HMMQuantity::log_likelihood, p) == HMMRoute::streamed) return streamed_log_likelihood(p);
-#endif
   c10::NoGradGuard no_grad;
   return log_partition(p);
 }
 
 Marginals chain_posteriors(const ChainPotentials& p) {
-#if TRELLIS_WITH_CUDA
   if (choose_route(HMMQuantity::posteriors, p) == HMMRoute::streamed) {
     StreamedExpectations x = streamed_expectations(p, /*with_counts=*/false);
     Marginals m;
@@ -504,7 +494,6 @@ Marginals chain_posteriors(const ChainPotentials& p) {
     m.nodes = x.nodes;
     return m;
   }
-#endif
   return marginals(p);
 }
 
@@ -536,7 +525,6 @@ ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::
 template <class HMM>
 typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
   ChainPotentials p = hmm.potentials(observations, lengths);
-#if TRELLIS_WITH_CUDA
   if (choose_route(HMMQuantity::expected_statistics, p) == HMMRoute::streamed) {
     const StreamedExpectations x = streamed_expectations(p, /*with_counts=*/true);
     typename HMM::Statistics s;
@@ -546,7 +534,6 @@ typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& o
     hmm.accumulate_emissions(s, x.nodes, observations);
     return s;
   }
-#endif
   c10::AutoGradMode grad_on(true);
   p.emissions = p.emissions.detach().requires_grad_();
   p.start = p.start.detach().requires_grad_();
