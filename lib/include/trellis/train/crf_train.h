@@ -41,7 +41,7 @@ const char* crf_algorithm_name(CrfAlgorithm algorithm);
 
 // How train_crf trains: the algorithm, its regularisation and stopping, the device, threads and processes.
 struct CrfTrainOptions {
-  CrfAlgorithm algorithm = CrfAlgorithm::Lbfgs;
+  CrfAlgorithm algorithm = CrfAlgorithm::Lbfgs;  // the optimiser (see CrfAlgorithm)
   double learning_rate = 0.05;  // minibatch algorithms
   std::size_t batch_size = 32;  // sentences per minibatch
   int max_iterations = 100;   // iterations (L-BFGS steps or epochs) at most
@@ -52,7 +52,7 @@ struct CrfTrainOptions {
   int min_feature_count = 1;  // features seen fewer times in training are dropped
   // Which (feature, label) pairs get a weight: all of them, or those seen in the training data (CRFsuite's default).
   FeaturePairs feature_pairs = FeaturePairs::All;
-  std::string device = "cpu";
+  std::string device = "cpu";  // "cpu" or "cuda" (or "cuda:N"): where the weights and batches live
   int threads = 0;            // CPU threads; 0 keeps LibTorch's default
   int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
   uint64_t seed = 0;         // minibatch partition and epoch order

@@ -46,7 +46,7 @@ struct NeuralTaggerOptions {
   double clip = 5.0;            // gradient norm clipping (0: off)
   int patience = 8;             // with a dev set: stop after this many epochs without a better dev score (0: never)
   uint64_t seed = 0;            // initialisation, dropout, batches: a CPU run with the same seed gives the same model
-  std::string device = "cpu";
+  std::string device = "cpu";     // "cpu" or "cuda" (or "cuda:N"): where the model trains
   std::string precision = "auto";  // "auto" (bf16 encoder on CUDA, fp32 on CPU), "bf16" or "fp32"; the CRF is fp32
   int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
   int min_feature_count = 1;       // hybrid: sparse features seen fewer times in training are dropped
