@@ -117,8 +117,10 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   T* ps = prev + s * K;
   if (owner) {
     const T a = S::times(start[j], E[off + j]);
-    alpha[off + j] = a;
-    pre[off + j] = start[j];
+    if (alpha) {  // (Viterbi alone records only the argmax)
+      alpha[off + j] = a;
+      pre[off + j] = start[j];
+    }
     ps[j] = a;
   }
   __syncthreads();
@@ -153,8 +155,10 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
       if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
       a = S::times(acc.value(), e) - shift;
-      pre[o] = acc.value();
-      alpha[o] = a;
+      if (alpha) {
+        pre[o] = acc.value();
+        alpha[o] = a;
+      }
       if constexpr (S::kIsMax) arg[o] = acc.arg();
     }
     __syncthreads();
@@ -380,8 +384,8 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
         em.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
-        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
-        pre.data_ptr<scalar_t>(),
+        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr,
+        alpha.defined() ? alpha.data_ptr<scalar_t>() : nullptr, alpha.defined() ? pre.data_ptr<scalar_t>() : nullptr,
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
         score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr,
         int(B), int(Tn), int(K), l.R, l.tps, l.spb);

@@ -13,11 +13,12 @@ namespace trellis::cuda {
 // Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared memory).
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
-// Fills alpha [B,T,K] (each step minus the largest entry of the step before), pre [B,T,K] (the ⊕ before the emission
-// is added, in the previous alpha's frame), arg [B,T,K] and end_arg [B] (MaxSemiring only; int64), score [B],
-// frame_score [B] (the score in the last alpha's frame) and, where tags [B,T] is not empty, loglik [B]: the tagged
-// sequences' log-likelihoods. Lengths and tags need not have been checked on the host: a sequence whose length is
-// outside [1, T] or whose tags (within its length) are outside [0, K) gets NaN as score, frame_score and loglik.
+// Fills alpha [B,T,K] (each step minus the largest entry of the step before), pre [B,T,K] (the ⊕ before the emission is
+// added, in the previous alpha's frame; alpha and pre undefined: not recorded, for Viterbi alone), arg [B,T,K] and
+// end_arg [B] (MaxSemiring only; int64), score [B], frame_score [B] (the score in the last alpha's frame) and, where
+// tags [B,T] is not empty, loglik [B]: the tagged sequences' log-likelihoods. Lengths and tags need not have been
+// checked on the host: a sequence whose length is outside [1, T] or whose tags (within its length) are outside [0, K)
+// gets NaN as score, frame_score and loglik.
 template <class S>
 void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                    const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha,

@@ -443,8 +443,10 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
                    en = end.contiguous(), no_tags = at::empty({0}, long_options(em));
   const at::Tensor len = em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous();
   const int64_t B = em.size(0), Tn = em.size(1);
-  at::Tensor alpha = at::empty_like(em), pre = at::empty_like(em), score = at::empty({B}, em.options()),
-             frame_score = at::empty({B}, em.options()), loglik = at::empty({0}, em.options()),
+  // The CUDA backtrace needs only the argmax record: the messages are not written there.
+  at::Tensor alpha = em.is_cuda() ? at::Tensor() : at::empty_like(em), pre = em.is_cuda() ? at::Tensor() : at::empty_like(em);
+  at::Tensor score = at::empty({B}, em.options()), frame_score = at::empty({B}, em.options()),
+             loglik = at::empty({0}, em.options()),
              arg = at::empty(em.sizes(), no_tags.options()), end_arg = at::empty({B}, no_tags.options()),
              path = at::empty({B, Tn}, no_tags.options());
   if (em.is_cuda()) {
