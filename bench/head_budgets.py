@@ -49,7 +49,7 @@ if not args.from_json:
     torch.ops.load_library(args.library)
 ops = torch.ops.trellis
 device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
-flush = None if args.cpu else torch.empty(256 << 20, dtype=torch.uint8, device=device)
+flush = None if args.cpu or args.from_json else torch.empty(256 << 20, dtype=torch.uint8, device=device)
 started = time.monotonic()
 
 
@@ -236,7 +236,8 @@ def plot(path):
     for axis in list(axes.flat)[len(panels):]:
         axis.axis("off")
     device_name = rows[0]["device"] if rows else ""
-    figure.suptitle(f"LLM head training step, bf16, {device_name}, {rows[0]['commit'] if rows else ''}", fontsize=10)
+    commits = ", ".join(sorted({r["commit"] for r in rows}))
+    figure.suptitle(f"LLM head training step, bf16, {device_name}, {commits}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
