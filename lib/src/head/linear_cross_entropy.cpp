@@ -17,7 +17,8 @@
 #include "lib/src/io/message.h"
 #include "trellis/error.h"
 #include "trellis/semiring/semiring_ops.h"
-#include "cuda/linear_head.h"  // declarations only: linked and called with TRELLIS_WITH_CUDA
+#include "cuda/kernels_built.h"
+#include "cuda/linear_head.h"  // the kernels, or the stubs of a build without nvcc (cuda/no_kernels.cpp)
 
 namespace trellis {
 
@@ -63,12 +64,7 @@ int64_t slab_rows(const Head& h, int64_t bytes) {
 
 // Whether the fused Hopper kernel forms the statistics and the recompute route's gradient chunks for x and W.
 bool fused_applies(const Head& h) {
-#if TRELLIS_WITH_CUDA
   return h.x.is_cuda() && cuda::fused_linear_head_applies(h.x, h.weight);
-#else
-  (void)h;
-  return false;
-#endif
 }
 
 // What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
@@ -277,13 +273,11 @@ SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_s
 // The statistics of every row at once from the fused kernel, which keeps the logits on chip; nullopt where it does
 // not apply (the CPU, float32/float64, an unsupported GPU or shape), and the slabs do the work.
 std::optional<SlabStats> fused_stats(const Head& h, bool want_sum, bool want_expected) {
-#if TRELLIS_WITH_CUDA
   SlabStats s;
   if (cuda::fused_linear_lse(h.x, h.weight, h.bias, h.targets, h.softcap.value_or(0), want_sum || want_expected, s)) {
     if (h.targets.defined()) s.target_logit.mul_(valid_targets(h.targets, h.ignore_index));
     return s;
   }
-#endif
   (void)h, (void)want_sum, (void)want_expected;
   return std::nullopt;
 }
@@ -308,8 +302,7 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
                                int64_t v0, const LossOptions& o) {
   const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
   const at::ScalarType type = h.x.scalar_type();
-#if TRELLIS_WITH_CUDA
-  if (z.is_cuda()) {
+  if (z.is_cuda() && cuda::kernels_built()) {
     const cuda::LogitColumns columns{v0, h.smoothing_vocabulary()};
     at::Tensor row_lse = lse.contiguous(), dz = z;
     const double cap = h.softcap.value_or(0);
@@ -324,7 +317,6 @@ at::Tensor slab_logit_gradient(const Head& h, at::Tensor z, const at::Tensor& ls
                                      cap, dz);
     return dz;
   }
-#endif
   at::Tensor dz = (z - lse.unsqueeze(1)).exp_();
   if (h.softcap) z.div_(*h.softcap).square_().neg_().add_(1);  // z now holds the soft-cap derivative
   dz.mul_((o.z_loss != 0 ? g * (1 + 2 * o.z_loss * lse) : g).unsqueeze(1));
@@ -382,7 +374,6 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
     } else {
       SlabStats s;
       if (loss) target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
-#if TRELLIS_WITH_CUDA
       // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
       // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
       // inputs) instead of a second slab-sized buffer.
@@ -394,7 +385,6 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
                 o.label_smoothing, o.z_loss, h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
-#endif
       if (!s.lse.defined()) s.lse = trellis::logsumexp(z, 1);
       slab_lse = s.lse;
       if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
@@ -506,9 +496,7 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   if (want[1]) out.weight = at::empty_like(h.weight);
   if (want[2]) out.bias = at::empty({V}, h.x.options().dtype(h.acc));
   bool fused = false;
-#if TRELLIS_WITH_CUDA
   fused = h.targets.defined() && cuda::fused_linear_head_applies(h.x, h.weight);
-#endif
   // The slab holds float32 logits (dz over them), or with the fused kernel dz itself in x's type.
   const at::ScalarType slab_type = fused ? h.x.scalar_type() : h.acc;
   const int64_t acc_size = static_cast<int64_t>(at::elementSize(h.acc)), row_bytes = D * h.weight.element_size();
@@ -567,12 +555,10 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
       auto [c, slab] = next_slab(v0, v_end - v0, dw_limit, spare);
       const at::Tensor wc = h.weight.narrow(0, v0, c);
       at::Tensor dz = slab;
-#if TRELLIS_WITH_CUDA
       if (fused)
         TORCH_CHECK(cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, h.smoothing_vocabulary()}, row_lse, row_g,
                                                       o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
                     "linear head: the fused gradient kernel did not take a chunk it was chosen for");
-#endif
       if (!fused) {
         mm_into(slab, h.x, wc.t(), true);
         finish_logits(h, slab, v0);
