@@ -3,13 +3,11 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include "lib/src/head/row_stats.h"
+
 namespace trellis::cuda {
 
-// Per-row statistics of the logits z = x·Wᵀ + bias (soft-capped when softcap > 0), in float32: lse = log Σ_v e^z, the
-// target's logit (0 where the target is outside [0, V)), and when asked Σ_v z and Σ_v softmax(z)_v·z.
-struct HeadRowStats {
-  at::Tensor lse, target_logit, logit_sum, expected_logit;
-};
+using trellis::HeadRowStats;  // lib/src/head/row_stats.h
 
 // The fused Hopper kernel (cuda/linear_lse_sm90.cu), which never forms the logits in device memory, when it applies:
 // a compute capability 9.0 device, bfloat16/float16 x and W with D % 8 == 0. Returns false otherwise (nothing is done).

@@ -7,7 +7,7 @@
 #include <array>
 #include <functional>
 
-#include "cuda/linear_head.h"  // HeadRowStats (declarations only)
+#include "lib/src/head/row_stats.h"
 #include "trellis/head/linear_cross_entropy.h"
 
 namespace trellis::head_slice {
@@ -15,7 +15,7 @@ namespace trellis::head_slice {
 // local_targets [N] int64: each row's target column within the slice, or -1 where its target lies in another slice
 // or is ignored (head.ignore_index is not used). lse and target_logit always; Σ z (want_sum) and Σ p·z over the
 // slice's own softmax (want_expected) when asked.
-cuda::HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
+HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
                               const HeadOptions& head, bool want_sum, bool want_expected);
 
 // Gradients of Σ_i g_i·loss_i with respect to this slice's x-share (dx summed over the slices is the whole dx), its
@@ -26,7 +26,7 @@ std::array<at::Tensor, 3> gradients(const at::Tensor& x, const at::Tensor& weigh
                                     const at::Tensor& g, int64_t total_vocabulary, std::array<bool, 3> want);
 
 // A slab's statistics over the slice made the whole vocabulary's (an exchange with the other slices' holders).
-using Merge = std::function<cuda::HeadRowStats(const cuda::HeadRowStats&)>;
+using Merge = std::function<HeadRowStats(const HeadRowStats&)>;
 
 // The loss's gradients in the same pass as its statistics, for a reduced loss whose row weights g are known before
 // the statistics (1 or 1/count per counted row): each slab of logits gives its rows' slice statistics (lse, target
@@ -36,6 +36,6 @@ std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::T
                                                 const at::Tensor& local_targets, const HeadOptions& head,
                                                 const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
                                                 std::array<bool, 3> want, const Merge& merge,
-                                                cuda::HeadRowStats& merged);
+                                                HeadRowStats& merged);
 
 }  // namespace trellis::head_slice

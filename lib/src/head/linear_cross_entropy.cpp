@@ -240,7 +240,7 @@ at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
 }
 
 // Per-row statistics (lse, target logit, Σ z, Σ p·z), the same whether a slab or the fused kernel forms them.
-using SlabStats = cuda::HeadRowStats;
+using SlabStats = HeadRowStats;
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index) { return targets != ignore_index; }
 
@@ -816,7 +816,7 @@ HeadOptions slice_options(const HeadOptions& head) {
 }
 }  // namespace
 
-cuda::HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
+HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
                               const HeadOptions& head, bool want_sum, bool want_expected) {
   c10::NoGradGuard no_grad;
   return all_row_stats(prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false), want_sum,
@@ -838,7 +838,7 @@ std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::T
                                                 const at::Tensor& local_targets, const HeadOptions& head,
                                                 const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
                                                 std::array<bool, 3> want, const Merge& merge,
-                                                cuda::HeadRowStats& merged) {
+                                                HeadRowStats& merged) {
   c10::NoGradGuard no_grad;
   Head h = prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false);
   h.total_vocabulary = total_vocabulary;

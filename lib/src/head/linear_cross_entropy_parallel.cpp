@@ -71,7 +71,7 @@ at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t igno
 // The whole vocabulary's statistics from every rank's slice statistics: log-sum-exps merge as (max, sum) pairs, target
 // logits and logit sums add (each target is in one slice), and the expected logit Σ p·z is the slices' own, each
 // weighted by its share of the probability e^(lse_r − lse).
-cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bool with_targets, bool want_sum,
+HeadRowStats merge(const Group& group, const HeadRowStats& local, bool with_targets, bool want_sum,
                          bool want_expected) {
   if (group->getSize() == 1) return local;  // one slice: its statistics are the whole vocabulary's
   std::vector<at::Tensor> columns{local.lse};
@@ -79,7 +79,7 @@ cuda::HeadRowStats merge(const Group& group, const cuda::HeadRowStats& local, bo
   if (want_sum) columns.push_back(local.logit_sum);
   if (want_expected) columns.push_back(local.expected_logit);
   const at::Tensor all = all_gather(group, at::stack(columns, 1));  // [P, N, columns]
-  cuda::HeadRowStats out;
+  HeadRowStats out;
   const at::Tensor lse_r = all.select(2, 0);
   out.lse = at::logsumexp(lse_r, 0);
   int64_t c = 1;
@@ -232,8 +232,8 @@ ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& 
   c10::NoGradGuard no_grad;
   const Slice slice = resolve(vs, weight);
   const at::Tensor local = targets.defined() ? local_targets(targets, slice, head.ignore_index) : at::Tensor();
-  const cuda::HeadRowStats mine = head_slice::statistics(x, weight, local, head, false, with_entropy);
-  const cuda::HeadRowStats whole = merge(slice.group, mine, targets.defined(), false, with_entropy);
+  const HeadRowStats mine = head_slice::statistics(x, weight, local, head, false, with_entropy);
+  const HeadRowStats whole = merge(slice.group, mine, targets.defined(), false, with_entropy);
   ParallelHeadRows rows;
   rows.lse = whole.lse;
   if (targets.defined()) rows.logprobs = (whole.target_logit - whole.lse) * (targets.reshape({-1}) != head.ignore_index);
@@ -323,13 +323,13 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     return trellis::linear_cross_entropy_forward(x, weight, targets, head, loss,
                                                  formed ? want : std::array<bool, 3>{false, false, false});
   LinearCrossEntropyForward f;
-  cuda::HeadRowStats stats;
+  HeadRowStats stats;
   if (formed) {
     // A reduced loss's row weights are known now (1, or 1/count), so its gradients form in the same pass as the
     // statistics, each slab's statistics merged across the ranks before its gradient: the logits are formed once.
     const at::Tensor w = valid.to(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
     const at::Tensor g = loss.reduction == Reduction::mean ? w / valid.sum().clamp_min(1) : w;
-    const head_slice::Merge exchange = [&](const cuda::HeadRowStats& local) {
+    const head_slice::Merge exchange = [&](const HeadRowStats& local) {
       return merge(slice.group, local, true, smoothing, false);
     };
     auto d = head_slice::gradients_in_one_pass(x, weight, local_targets(targets, slice, head.ignore_index), head, loss,
@@ -337,7 +337,7 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     if (want[0]) sum_over_ranks(slice.group, d[0]);
     f.dx = d[0], f.dweight = d[1], f.dbias = d[2];
   } else {
-    const cuda::HeadRowStats mine = head_slice::statistics(
+    const HeadRowStats mine = head_slice::statistics(
         x, weight, local_targets(targets, slice, head.ignore_index), head, smoothing, false);
     stats = merge(slice.group, mine, true, smoothing, false);
     f.lse = stats.lse;
