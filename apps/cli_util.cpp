@@ -56,7 +56,11 @@ int64_t parse_bytes(const std::string& text) {
   std::size_t used = 0;
   const double v = leading_number(text, &used);
   const std::string unit = text.substr(used);
-  const double scale = unit.empty() ? 1 : unit == "k" || unit == "K" ? 1e3 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
+  const double scale = unit.empty()                 ? 1
+                       : unit == "k" || unit == "K" ? 1e3
+                       : unit == "M"                ? 1 << 20
+                       : unit == "G"                ? 1 << 30
+                                                    : -1;
   if (used == 0 || scale < 0 || !(v > 0) || !std::isfinite(v))
     throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
   if (v * scale >= 9.2e18) throw Error("'" + text + "' is larger than any memory");
@@ -121,16 +125,16 @@ void write_output(const std::string& path, const std::function<void(std::ostream
 
 po::options_description tag_options(TagArguments& a) {
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&a.model_path)->required(), "trained model")
-      ("input,i", po::value(&a.input)->default_value("-"), "CoNLL input (- for stdin); a trailing label column is ignored")
-      ("output,o", po::value(&a.output)->default_value("-"), "output file (- for stdout), written atomically")
-      ("marginals", po::bool_switch(&a.with_marginals), "append ':P' (the predicted label's marginal) to each label")
-      ("probability", po::bool_switch(&a.with_probability), "print '@probability P' before each sentence")
-      ("kbest,n", po::value(&a.kbest)->default_value(0),
-       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")
-      ("device", po::value(&a.device)->default_value("cpu"), "cpu or cuda")
-      ("timing", po::bool_switch(&a.timing), "print load and tagging times and tokens/s to stderr");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&a.model_path)->required(), "trained model")(
+      "input,i", po::value(&a.input)->default_value("-"),
+      "CoNLL input (- for stdin); a trailing label column is ignored")(
+      "output,o", po::value(&a.output)->default_value("-"), "output file (- for stdout), written atomically")(
+      "marginals", po::bool_switch(&a.with_marginals), "append ':P' (the predicted label's marginal) to each label")(
+      "probability", po::bool_switch(&a.with_probability), "print '@probability P' before each sentence")(
+      "kbest,n", po::value(&a.kbest)->default_value(0),
+      "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")(
+      "device", po::value(&a.device)->default_value("cpu"), "cpu or cuda")(
+      "timing", po::bool_switch(&a.timing), "print load and tagging times and tokens/s to stderr");
   return desc;
 }
 
@@ -138,7 +142,8 @@ int parse_tag_arguments(const std::vector<std::string>& args, const po::options_
   po::positional_options_description pos;
   pos.add("input", 1);
   po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0) return rc;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf tag --model FILE [INPUT] [options]", &pos); rc >= 0)
+    return rc;
   if (a.kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(a.kbest));
   if (a.kbest > 0 && a.with_marginals) throw Error("--kbest and --marginals cannot be combined");
   if (a.output != "-") check_writable_location(a.output);
@@ -148,8 +153,8 @@ int parse_tag_arguments(const std::vector<std::string>& args, const po::options_
 int parse_dump_arguments(const std::vector<std::string>& args, const std::string& top_description,
                          const std::string& usage, std::string& model_path, int& top) {
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")
-      ("top", po::value(&top)->default_value(20), top_description.c_str());
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")(
+      "top", po::value(&top)->default_value(20), top_description.c_str());
   po::positional_options_description pos;
   pos.add("model", 1);
   po::variables_map vm;
@@ -191,8 +196,8 @@ LabeledSentences gold_sentences(const ColumnLayout& layout, const std::string& p
   bool has_labels = false;
   const ConllCorpus c = layout.project(read_input(path), &has_labels);
   if (!has_labels)
-    throw Error("'" + c.source + "' has no label column to evaluate against (the model's columns: " +
-                layout.describe() + ")");
+    throw Error("'" + c.source +
+                "' has no label column to evaluate against (the model's columns: " + layout.describe() + ")");
   return split_labels(c, -1);
 }
 
@@ -208,9 +213,10 @@ ChunkEvaluation score_tagged(const LabeledSentences& gold, const std::vector<Tag
   if (!unseen.empty()) {
     std::size_t tokens = 0;
     std::string list;
-    for (const auto& [label, n] : unseen) tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
-    std::cerr << "note: " << tokens << " gold tokens have labels the model was not trained on, counted as errors: "
-              << list << "\n";
+    for (const auto& [label, n] : unseen)
+      tokens += n, list += (list.empty() ? "" : ", ") + label + " (" + std::to_string(n) + ")";
+    std::cerr << "note: " << tokens
+              << " gold tokens have labels the model was not trained on, counted as errors: " << list << "\n";
   }
   return ev;
 }

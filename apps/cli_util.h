@@ -71,11 +71,10 @@ void write_kbest(const std::string& output, const ConllCorpus& corpus,
 template <class Tagger>
 void tag_and_write(const Tagger& model, const TagArguments& a, const ConllCorpus& corpus,
                    const std::vector<TokenRows>& rows) {
-  if (a.kbest > 0)
-    write_kbest(a.output, corpus, model.tag_kbest(pointers(rows), a.kbest));
+  if (a.kbest > 0) write_kbest(a.output, corpus, model.tag_kbest(pointers(rows), a.kbest));
   else
-    write_tagged(a.output, corpus, model.tag(pointers(rows), a.with_marginals || a.with_probability),
-                 a.with_marginals, a.with_probability);
+    write_tagged(a.output, corpus, model.tag(pointers(rows), a.with_marginals || a.with_probability), a.with_marginals,
+                 a.with_probability);
 }
 
 // `crf eval --gold`: the gold file in the model's layout, split into inputs and labels; a file without the label

@@ -43,38 +43,41 @@ int train(const std::vector<std::string>& args) {
   int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
   std::string feature_pairs, c2_text, algorithm;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
-      ("dev", po::value(&dev_path), "development data, scored after every iteration")
-      ("model,m", po::value(&model_path)->required(), "where to write the model")
-      ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
-      ("input-columns", po::value(&input_columns),
-       "the columns the features read, e.g. 0,1 (default: those before the label column; the others are ignored)")
-      ("template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")
-      ("min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")
-      ("feature-pairs", po::value(&feature_pairs)->default_value("all"),
-       "which (feature, label) pairs get a weight: all, or seen (only those in the training data, as CRFsuite: "
-       "far fewer weights and less memory)")
-      ("c2", po::value(&c2_text)->default_value("1"),
-       "L2 coefficient: objective = -log-likelihood + c2*|w|^2; auto: the best on --dev of 0.01, 0.1, 1 and 10, one "
-       "training each (sparse data with many rare features, e.g. named entities, wants a small c2; small or noisy "
-       "data a large one)")
-      ("c1", po::value(&o.c1)->default_value(0.0),
-       "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")
-      ("algorithm", po::value(&algorithm)->default_value("lbfgs"),
-       "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")
-      ("learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")
-      ("batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch")
-      ("max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations or epochs")
-      ("tolerance", po::value(&o.tolerance)->default_value(1e-5), "stop when the objective improves by less than this fraction over 10 iterations")
-      ("early-stopping", po::value(&o.early_stopping)->default_value(0), "stop after N iterations without a better dev score (0: off)")
-      ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
-      ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
-      ("seed", po::value(&o.seed)->default_value(0), "random seed")
-      ("encoder", po::value<std::string>()->default_value("none"),
-       "none: this feature CRF; bilstm or cnn: a neural tagger (trellis crf train --encoder bilstm --help)");
+  desc.add_options()("help,h", "this message")("train", po::value(&train_path)->required(),
+                                               "training data: CoNLL columns, a blank line between sentences")(
+      "dev", po::value(&dev_path), "development data, scored after every iteration")(
+      "model,m", po::value(&model_path)->required(), "where to write the model")(
+      "label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")(
+      "input-columns", po::value(&input_columns),
+      "the columns the features read, e.g. 0,1 (default: those before the label column; the others are ignored)")(
+      "template,t", po::value(&template_path), "CRF++ feature template (default: the built-in feature set)")(
+      "min-freq", po::value(&o.min_feature_count)->default_value(1), "drop features seen fewer times in training")(
+      "feature-pairs", po::value(&feature_pairs)->default_value("all"),
+      "which (feature, label) pairs get a weight: all, or seen (only those in the training data, as CRFsuite: "
+      "far fewer weights and less memory)")(
+      "c2", po::value(&c2_text)->default_value("1"),
+      "L2 coefficient: objective = -log-likelihood + c2*|w|^2; auto: the best on --dev of 0.01, 0.1, 1 and 10, one "
+      "training each (sparse data with many rare features, e.g. named entities, wants a small c2; small or noisy "
+      "data a large one)")("c1", po::value(&o.c1)->default_value(0.0),
+                           "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")(
+      "algorithm", po::value(&algorithm)->default_value("lbfgs"),
+      "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")(
+      "learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")(
+      "batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch")(
+      "max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations or epochs")(
+      "tolerance", po::value(&o.tolerance)->default_value(1e-5),
+      "stop when the objective improves by less than this fraction over 10 iterations")(
+      "early-stopping", po::value(&o.early_stopping)->default_value(0),
+      "stop after N iterations without a better dev score (0: off)")(
+      "device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")(
+      "threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")(
+      "seed", po::value(&o.seed)->default_value(0), "random seed")(
+      "encoder", po::value<std::string>()->default_value("none"),
+      "none: this feature CRF; bilstm or cnn: a neural tagger (trellis crf train --encoder bilstm --help)");
   po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]"); rc >= 0)
+  if (int rc =
+          parse("crf", args, desc, vm, "usage: trellis crf train --train FILE [--dev FILE] --model FILE [options]");
+      rc >= 0)
     return rc;
 
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
@@ -149,8 +152,8 @@ int train(const std::vector<std::string>& args) {
     o.c2 = c2;
     if (c2_auto) report << "c2 " << c2 << ":\n";
     CrfTrainSummary this_sum;
-    CrfTagger trained = train_crf(tr, dv ? &*dv : nullptr, FeatureExtractor::from_spec(extractor->spec()), o,
-                                  progress, &this_sum);
+    CrfTagger trained =
+        train_crf(tr, dv ? &*dv : nullptr, FeatureExtractor::from_spec(extractor->spec()), o, progress, &this_sum);
     const double score = this_sum.best_dev_f1 ? *this_sum.best_dev_f1 : this_sum.best_dev_accuracy.value_or(0);
     if (c2_auto)
       report << "c2 " << c2 << ": best dev " << (this_sum.best_dev_f1 ? "F1 " : "acc ") << fixed(score, 2) << "\n";
@@ -168,9 +171,9 @@ int train(const std::vector<std::string>& args) {
     if (dist.rank() == 0) model.save(model_path);
   }));
   report << "done: " << sum.iterations << " iterations"
-         << (sum.converged ? " (converged)" : " (did not converge: stopped at --max-iter " + std::to_string(o.max_iterations) + ")")
-         << ", "
-         << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
+         << (sum.converged ? " (converged)"
+                           : " (did not converge: stopped at --max-iter " + std::to_string(o.max_iterations) + ")")
+         << ", " << model.labels().size() << " labels, " << sum.features << " features, " << sum.parameters
          << " parameters (" << sum.nonzero_parameters << " non-zero), " << fixed(sum.seconds, 1) << " s (set-up "
          << fixed(sum.setup_seconds, 2) << " s)";
   if (sum.best_dev_accuracy) {
@@ -185,7 +188,9 @@ int tag(const std::vector<std::string>& args) {
   TagArguments a;
   if (int rc = parse_tag_arguments(args, tag_options(a), a); rc >= 0) return rc;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
+  const auto seconds = [](auto from) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+  };
   CrfTagger model = CrfTagger::load(a.model_path);
   model.to(at::Device(a.device));
   const double load_seconds = seconds(t0);
@@ -197,8 +202,8 @@ int tag(const std::vector<std::string>& args) {
     int64_t tokens = 0;
     for (const auto& r : rows) tokens += static_cast<int64_t>(r.size());
     const double s = seconds(t1);
-    std::cerr << "model loaded in " << fixed(load_seconds, 3) << " s; tagged " << rows.size() << " sentences, " << tokens
-              << " tokens in " << fixed(s, 3) << " s (" << fixed(tokens / std::max(s, 1e-9), 0)
+    std::cerr << "model loaded in " << fixed(load_seconds, 3) << " s; tagged " << rows.size() << " sentences, "
+              << tokens << " tokens in " << fixed(s, 3) << " s (" << fixed(tokens / std::max(s, 1e-9), 0)
               << " tokens/s, features, decoding and output)\n";
   };
   tag_and_write(model, a, corpus, rows);
@@ -209,10 +214,10 @@ int tag(const std::vector<std::string>& args) {
 int eval(const std::vector<std::string>& args) {
   std::string model_path, gold_path, tagged_path;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path), "model to tag --gold with")
-      ("gold", po::value(&gold_path), "gold CoNLL file in the model's training layout (see crf dump), tagged with --model")
-      ("tagged", po::value(&tagged_path), "already tagged file: ... gold predicted (conlleval's layout)");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path), "model to tag --gold with")(
+      "gold", po::value(&gold_path),
+      "gold CoNLL file in the model's training layout (see crf dump), tagged with --model")(
+      "tagged", po::value(&tagged_path), "already tagged file: ... gold predicted (conlleval's layout)");
   po::variables_map vm;
   const std::string usage = "usage: trellis crf eval (--model FILE --gold FILE | --tagged FILE)";
   if (int rc = parse("crf", args, desc, vm, usage); rc >= 0) return rc;
@@ -249,8 +254,8 @@ int dump(const std::vector<std::string>& args) {
   const CrfTagger m = CrfTagger::load(model_path);
   const auto& L = m.labels();
   const int64_t K = L.size();
-  std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec() << "\ncolumns: "
-            << m.layout().describe() << "\nlabels (" << K << "):";
+  std::cout << "model: " << model_path << "\nfeature set: " << m.extractor().spec()
+            << "\ncolumns: " << m.layout().describe() << "\nlabels (" << K << "):";
   for (const auto& l : L) std::cout << ' ' << l;
   std::cout << "\nfeatures: " << m.features().size() << " (feature pairs: " << feature_pairs_name(m.feature_pairs())
             << ")\nparameters: " << m.weights.numel() + K * K + 2 * K << "\n";

@@ -53,45 +53,58 @@ int train(const std::vector<std::string>& args) {
   bool hybrid = false;
   int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("train", po::value(&train_path)->required(), "training data: CoNLL columns, a blank line between sentences")
-      ("dev", po::value(&dev_path), "development data, scored after every epoch (early stopping, best model kept)")
-      ("model,m", po::value(&model_path)->required(), "where to write the model")
-      ("encoder", po::value(&o.encoder)->required(), "bilstm, cnn (stacked dilated convolutions), or none (the feature CRF)")
-      ("label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")
-      ("input-columns", po::value(&input_columns),
-       "the input columns, e.g. 0,1: the first is the word, each other one (POS, ...) is embedded "
-       "(default: those before the label column)")
-      ("epochs", po::value(&o.epochs)->default_value(o.epochs), "maximum epochs")
-      ("batch-size", po::value(&batch_size)->default_value(64), "sentences per minibatch (bucketed by length)")
-      ("lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.004"), "Adam learning rate")
-      ("lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay, "0.95"), "learning rate factor per epoch")
-      ("beta2", po::value(&o.beta2)->default_value(o.beta2, "0.999"), "Adam's decay of the squared-gradient average")
-      ("average", po::value(&o.average)->default_value(o.average, "0.999"),
-       "decay per step of a moving average of the weights, which the dev set scores and the model keeps (0: off, "
-       "the last weights)")
-      ("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")
-      ("dropout", po::value(&o.dropout)->default_value(o.dropout, "0.33"), "dropout on inputs, between layers and before the emissions")
-      ("word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.25"),
-       "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")
-      ("embedding-dim", po::value(&o.word_dim)->default_value(0), "word embedding size (0: 100, or the --embeddings file's)")
-      ("char-dim", po::value(&o.char_dim)->default_value(o.char_dim), "character embedding size (0: no character representation)")
-      ("char-filters", po::value(&o.char_filters)->default_value(o.char_filters), "character CNN filters, or BiLSTM units per direction")
-      ("char-encoder", po::value(&o.char_encoder)->default_value(o.char_encoder), "cnn or bilstm: the characters' representation")
-      ("feature-dim", po::value(&o.feature_dim)->default_value(o.feature_dim), "embedding size of the word shape and of each extra input column")
-      ("hidden", po::value(&o.hidden)->default_value(o.hidden), "BiLSTM units per direction (convolution channels: twice this)")
-      ("layers", po::value(&o.layers)->default_value(o.layers), "BiLSTM layers, or dilated convolution blocks")
-      ("patience", po::value(&o.patience)->default_value(o.patience), "with --dev: stop after N epochs without a better dev score (0: never)")
-      ("embeddings", po::value(&o.pretrained_embeddings), "pretrained word vectors to start from (word2vec/GloVe text format)")
-      ("hybrid", po::value(&hybrid)->default_value(true)->implicit_value(true),
-       "add the built-in sparse CRF features to the emissions (--hybrid=false: the network alone)")
-      ("template,t", po::value(&template_path), "add the sparse features of this CRF++ template to the emissions (implies --hybrid)")
-      ("min-freq", po::value(&o.min_feature_count)->default_value(1), "hybrid: drop sparse features seen fewer times in training")
-      ("c2", po::value(&o.c2)->default_value(1.0), "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")
-      ("device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")
-      ("precision", po::value(&o.precision)->default_value("auto"), "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")
-      ("threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")
-      ("seed", po::value(&o.seed)->default_value(0), "random seed (the same seed on the CPU gives the same model)");
+  desc.add_options()("help,h", "this message")("train", po::value(&train_path)->required(),
+                                               "training data: CoNLL columns, a blank line between sentences")(
+      "dev", po::value(&dev_path), "development data, scored after every epoch (early stopping, best model kept)")(
+      "model,m", po::value(&model_path)->required(), "where to write the model")(
+      "encoder", po::value(&o.encoder)->required(),
+      "bilstm, cnn (stacked dilated convolutions), or none (the feature CRF)")(
+      "label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")(
+      "input-columns", po::value(&input_columns),
+      "the input columns, e.g. 0,1: the first is the word, each other one (POS, ...) is embedded "
+      "(default: those before the label column)")("epochs", po::value(&o.epochs)->default_value(o.epochs),
+                                                  "maximum epochs")(
+      "batch-size", po::value(&batch_size)->default_value(64), "sentences per minibatch (bucketed by length)")(
+      "lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.004"), "Adam learning rate")(
+      "lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay, "0.95"), "learning rate factor per epoch")(
+      "beta2", po::value(&o.beta2)->default_value(o.beta2, "0.999"), "Adam's decay of the squared-gradient average")(
+      "average", po::value(&o.average)->default_value(o.average, "0.999"),
+      "decay per step of a moving average of the weights, which the dev set scores and the model keeps (0: off, "
+      "the last weights)")("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")(
+      "dropout", po::value(&o.dropout)->default_value(o.dropout, "0.33"),
+      "dropout on inputs, between layers and before the emissions")(
+      "word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.25"),
+      "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")(
+      "embedding-dim", po::value(&o.word_dim)->default_value(0),
+      "word embedding size (0: 100, or the --embeddings file's)")(
+      "char-dim", po::value(&o.char_dim)->default_value(o.char_dim),
+      "character embedding size (0: no character representation)")(
+      "char-filters", po::value(&o.char_filters)->default_value(o.char_filters),
+      "character CNN filters, or BiLSTM units per direction")("char-encoder",
+                                                              po::value(&o.char_encoder)->default_value(o.char_encoder),
+                                                              "cnn or bilstm: the characters' representation")(
+      "feature-dim", po::value(&o.feature_dim)->default_value(o.feature_dim),
+      "embedding size of the word shape and of each extra input column")(
+      "hidden", po::value(&o.hidden)->default_value(o.hidden),
+      "BiLSTM units per direction (convolution channels: twice this)")(
+      "layers", po::value(&o.layers)->default_value(o.layers), "BiLSTM layers, or dilated convolution blocks")(
+      "patience", po::value(&o.patience)->default_value(o.patience),
+      "with --dev: stop after N epochs without a better dev score (0: never)")(
+      "embeddings", po::value(&o.pretrained_embeddings),
+      "pretrained word vectors to start from (word2vec/GloVe text format)")(
+      "hybrid", po::value(&hybrid)->default_value(true)->implicit_value(true),
+      "add the built-in sparse CRF features to the emissions (--hybrid=false: the network alone)")(
+      "template,t", po::value(&template_path),
+      "add the sparse features of this CRF++ template to the emissions (implies --hybrid)")(
+      "min-freq", po::value(&o.min_feature_count)->default_value(1),
+      "hybrid: drop sparse features seen fewer times in training")(
+      "c2", po::value(&o.c2)->default_value(1.0),
+      "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")(
+      "device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")(
+      "precision", po::value(&o.precision)->default_value("auto"),
+      "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")(
+      "threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")(
+      "seed", po::value(&o.seed)->default_value(0), "random seed (the same seed on the CPU gives the same model)");
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm,
                      "usage: trellis crf train --encoder bilstm|cnn --train FILE [--dev FILE] --model FILE [options]");
@@ -105,14 +118,14 @@ int train(const std::vector<std::string>& args) {
   if (!template_path.empty()) sparse = load_crfpp_template(template_path);
   else if (hybrid) sparse = builtin_features();
   const ConllCorpus train_corpus = read_conll(train_path);
-  const ColumnLayout layout =
-      ColumnLayout::resolve(train_corpus.num_columns, label_column,
-                            input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"),
-                            train_path);
+  const ColumnLayout layout = ColumnLayout::resolve(
+      train_corpus.num_columns, label_column,
+      input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"), train_path);
   const auto labelled = [&](const ConllCorpus& c) {
     bool has_labels = false;
     ConllCorpus projected = layout.project(c, &has_labels);
-    if (!has_labels) throw Error("'" + c.source + "' has no label column (the model's columns: " + layout.describe() + ")");
+    if (!has_labels)
+      throw Error("'" + c.source + "' has no label column (the model's columns: " + layout.describe() + ")");
     return split_labels(projected, -1);
   };
   const LabeledSentences tr = labelled(train_corpus);
@@ -138,14 +151,17 @@ int train(const std::vector<std::string>& args) {
   model.set_layout(layout);
   model.save(model_path);
   std::cerr << "done: " << sum.epochs << " epochs"
-            << (sum.stopped_early ? " (stopped: no better dev score for --patience " + std::to_string(o.patience) + " epochs)" : "")
+            << (sum.stopped_early
+                    ? " (stopped: no better dev score for --patience " + std::to_string(o.patience) + " epochs)"
+                    : "")
             << ", " << model.labels().size() << " labels, " << sum.words << " words, " << sum.characters
             << " characters, ";
   if (model.hybrid()) std::cerr << sum.features << " sparse features, ";
-  std::cerr << sum.parameters << " parameters, " << fixed(sum.seconds, 1) << " s (set-up " << fixed(sum.setup_seconds, 2) << " s)";
+  std::cerr << sum.parameters << " parameters, " << fixed(sum.seconds, 1) << " s (set-up "
+            << fixed(sum.setup_seconds, 2) << " s)";
   if (sum.best_dev_accuracy) {
-    std::cerr << "; best dev (epoch " << sum.best_epoch << ", " << fixed(sum.seconds_to_best, 1)
-              << " s): acc " << fixed(*sum.best_dev_accuracy, 2) << "%";
+    std::cerr << "; best dev (epoch " << sum.best_epoch << ", " << fixed(sum.seconds_to_best, 1) << " s): acc "
+              << fixed(*sum.best_dev_accuracy, 2) << "%";
     if (sum.best_dev_f1) std::cerr << " F1 " << fixed(*sum.best_dev_f1, 2);
   }
   std::cerr << "\nmodel written to " << model_path << "\n";
@@ -190,13 +206,14 @@ int tag(const std::vector<std::string>& args) {
 int eval(const std::vector<std::string>& args) {
   std::string model_path, gold_path, device, precision;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path)->required(), "neural model to tag --gold with")
-      ("gold", po::value(&gold_path)->required(), "gold CoNLL file in the model's training layout (see crf dump)")
-      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
-      ("precision", po::value(&precision)->default_value("auto"), "auto (bf16 encoder on CUDA), bf16 or fp32");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(),
+                                               "neural model to tag --gold with")(
+      "gold", po::value(&gold_path)->required(), "gold CoNLL file in the model's training layout (see crf dump)")(
+      "device", po::value(&device)->default_value("cpu"), "cpu or cuda")(
+      "precision", po::value(&precision)->default_value("auto"), "auto (bf16 encoder on CUDA), bf16 or fp32");
   po::variables_map vm;
-  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf eval --model FILE --gold FILE", nullptr); rc >= 0) return rc;
+  if (int rc = parse("crf", args, desc, vm, "usage: trellis crf eval --model FILE --gold FILE", nullptr); rc >= 0)
+    return rc;
   NeuralTagger model = NeuralTagger::load(model_path);
   model.to(at::Device(device), precision);
   const LabeledSentences gold = gold_sentences(model.layout(), gold_path);
@@ -213,8 +230,8 @@ int dump(const std::vector<std::string>& args) {
       rc >= 0)
     return rc;
   const NeuralTagger m = NeuralTagger::load(model_path);
-  std::cout << "model: " << model_path << "\nkind: neural CRF\n" << m.describe() << "columns: " << m.layout().describe()
-            << "\nlabels (" << m.labels().size() << "):";
+  std::cout << "model: " << model_path << "\nkind: neural CRF\n"
+            << m.describe() << "columns: " << m.layout().describe() << "\nlabels (" << m.labels().size() << "):";
   for (const auto& l : m.labels()) std::cout << ' ' << l;
   std::cout << "\n";
   return 0;

@@ -38,12 +38,11 @@ struct RunFlags {
   HMMRunOptions run;
   std::string precision, budget;
   void add(po::options_description& desc) {
-    desc.add_options()
-        ("device", po::value(&run.device)->default_value("cpu"), "cpu or cuda")
-        ("threads", po::value(&run.threads)->default_value(0), "CPU threads (0: all)")
-        ("precision", po::value(&precision)->default_value("float64"), "float64 or float32")
-        ("memory-budget", po::value(&budget)->default_value("1G"),
-         "working memory for one batch (e.g. 512M, 4G); larger datasets stream through in batches");
+    desc.add_options()("device", po::value(&run.device)->default_value("cpu"), "cpu or cuda")(
+        "threads", po::value(&run.threads)->default_value(0), "CPU threads (0: all)")(
+        "precision", po::value(&precision)->default_value("float64"), "float64 or float32")(
+        "memory-budget", po::value(&budget)->default_value("1G"),
+        "working memory for one batch (e.g. 512M, 4G); larger datasets stream through in batches");
   }
   HMMRunOptions resolve() {
     if (precision != "float64" && precision != "float32")
@@ -74,9 +73,8 @@ void print_share(const DistributedContext& dist, const HMMDataset& data, const D
   std::ostringstream line;  // written at once: the ranks share the terminal
   line << dist.describe() << " (" << dist.backend() << "): sequences "
        << (share.count ? std::to_string(share.first) + "-" + std::to_string(share.first + share.count - 1) : "none")
-       << " (" << share.count << " of " << data.num_sequences() << "), " << share.tokens << " of "
-       << data.num_tokens() << " tokens ("
-       << fixed(100.0 * share.tokens / std::max<int64_t>(data.num_tokens(), 1), 1) << "%)\n";
+       << " (" << share.count << " of " << data.num_sequences() << "), " << share.tokens << " of " << data.num_tokens()
+       << " tokens (" << fixed(100.0 * share.tokens / std::max<int64_t>(data.num_tokens(), 1), 1) << "%)\n";
   std::cerr << line.str();
 }
 
@@ -85,21 +83,18 @@ int init(const std::vector<std::string>& args) {
   uint64_t seed = 0;
   std::string output;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("states,k", po::value(&K)->required(), "number of hidden states")
-      ("symbols,v", po::value(&V), "categorical emissions over this many symbols")
-      ("features,f", po::value(&F), "diagonal-Gaussian emissions of this many features")
-      ("seed", po::value(&seed)->default_value(0), "random seed")
-      ("output,o", po::value(&output)->required(), "model file to write");
+  desc.add_options()("help,h", "this message")("states,k", po::value(&K)->required(), "number of hidden states")(
+      "symbols,v", po::value(&V), "categorical emissions over this many symbols")(
+      "features,f", po::value(&F), "diagonal-Gaussian emissions of this many features")(
+      "seed", po::value(&seed)->default_value(0), "random seed")("output,o", po::value(&output)->required(),
+                                                                 "model file to write");
   po::variables_map vm;
   const std::string usage = "usage: trellis hmm init --states K (--symbols V | --features F) --output MODEL.h5";
   if (int rc = parse("hmm init", args, desc, vm, usage); rc >= 0) return rc;
   if (vm.count("symbols") == vm.count("features")) throw Error("init: give exactly one of --symbols, --features");
   HMMModelFile m;
-  if (vm.count("symbols"))
-    m.model = CategoricalHMM::random(K, V, seed);
-  else
-    m.model = GaussianHMM::random(K, F, seed);
+  if (vm.count("symbols")) m.model = CategoricalHMM::random(K, V, seed);
+  else m.model = GaussianHMM::random(K, F, seed);
   save_hmm(output, m);
   std::cerr << "wrote " << output << ": " << describe(m) << "\n";
   return 0;
@@ -110,15 +105,17 @@ int sample_cmd(const std::vector<std::string>& args) {
   int64_t n = 0, length = 0, min_length = 0;
   uint64_t seed = 0;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path)->required(), "model file")
-      ("output,o", po::value(&output)->required(), "dataset to write")
-      ("sequences,n", po::value(&n)->required(), "number of sequences")
-      ("length,l", po::value(&length)->required(), "longest sequence length")
-      ("min-length", po::value(&min_length)->default_value(0), "shortest length (default: --length); lengths are uniform in between")
-      ("seed", po::value(&seed)->default_value(0), "random seed");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")(
+      "output,o", po::value(&output)->required(), "dataset to write")(
+      "sequences,n", po::value(&n)->required(), "number of sequences")("length,l", po::value(&length)->required(),
+                                                                       "longest sequence length")(
+      "min-length", po::value(&min_length)->default_value(0),
+      "shortest length (default: --length); lengths are uniform in between")("seed", po::value(&seed)->default_value(0),
+                                                                             "random seed");
   po::variables_map vm;
-  if (int rc = parse("hmm sample", args, desc, vm, "usage: trellis hmm sample --model MODEL.h5 --output DATA.h5 --sequences N --length L"); rc >= 0)
+  if (int rc = parse("hmm sample", args, desc, vm,
+                     "usage: trellis hmm sample --model MODEL.h5 --output DATA.h5 --sequences N --length L");
+      rc >= 0)
     return rc;
   const HMMModelFile m = load_hmm(model_path);
   Progress progress("sample", n, "sequences");
@@ -135,16 +132,17 @@ int infer(const std::vector<std::string>& args) {
   int compression = 1;
   RunFlags flags;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("model,m", po::value(&model_path)->required(), "model file")
-      ("data,d", po::value(&data_path)->required(), "dataset")
-      ("output,o", po::value(&output)->required(), "results file (written to a temporary file, then renamed)")
-      ("posteriors", po::bool_switch(&with_posteriors), "also write state posteriors [total_T, K] (float32)")
-      ("compression", po::value(&compression)->default_value(1),
-       "gzip level of the posteriors, 0 (none: fastest, 4·K bytes per token) to 9");
+  desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(), "model file")(
+      "data,d", po::value(&data_path)->required(), "dataset")(
+      "output,o", po::value(&output)->required(), "results file (written to a temporary file, then renamed)")(
+      "posteriors", po::bool_switch(&with_posteriors), "also write state posteriors [total_T, K] (float32)")(
+      "compression", po::value(&compression)->default_value(1),
+      "gzip level of the posteriors, 0 (none: fastest, 4·K bytes per token) to 9");
   flags.add(desc);
   po::variables_map vm;
-  if (int rc = parse("hmm infer", args, desc, vm, "usage: trellis hmm infer --model MODEL.h5 --data DATA.h5 --output OUT.h5 [options]"); rc >= 0)
+  if (int rc = parse("hmm infer", args, desc, vm,
+                     "usage: trellis hmm infer --model MODEL.h5 --data DATA.h5 --output OUT.h5 [options]");
+      rc >= 0)
     return rc;
   HMMRunOptions run = flags.resolve();
   if (compression < 0 || compression > 9)
@@ -168,14 +166,14 @@ int infer(const std::vector<std::string>& args) {
               << " positions on " << run.device << "\n";
   print_share(dist, data, share);
   Progress progress(dist.distributed() ? "infer, " + dist.describe() : "infer", share.tokens, "tokens");
-  const InferSummary s = infer_dataset(m, data, output, with_posteriors, run,
-                                       [&](int64_t, int64_t tokens) { progress.update(tokens); });
+  const InferSummary s =
+      infer_dataset(m, data, output, with_posteriors, run, [&](int64_t, int64_t tokens) { progress.update(tokens); });
   if (dist.rank() != 0) return 0;  // rank 0 reports the whole dataset
-  std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood " << fixed(s.log_likelihood, 4)
-            << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  " << fixed(s.seconds, 3) << " s  "
-            << fixed(s.tokens / s.seconds, 0) << " tokens/s  (set-up " << fixed(s.setup_seconds, 3) << ", reading "
-            << fixed(s.read_seconds, 3) << ", computing " << fixed(s.compute_seconds, 3) << ", writing "
-            << fixed(s.write_seconds, 3) << ")";
+  std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood "
+            << fixed(s.log_likelihood, 4) << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  "
+            << fixed(s.seconds, 3) << " s  " << fixed(s.tokens / s.seconds, 0) << " tokens/s  (set-up "
+            << fixed(s.setup_seconds, 3) << ", reading " << fixed(s.read_seconds, 3) << ", computing "
+            << fixed(s.compute_seconds, 3) << ", writing " << fixed(s.write_seconds, 3) << ")";
   if (dist.world_size() > 1)
     std::cout << " (of which " << fixed(s.assembly_seconds, 3) << " s receiving and writing the other ranks' results)";
   std::cout << "\n";
@@ -188,27 +186,31 @@ int fit(const std::vector<std::string>& args) {
   HMMFitOptions f;
   RunFlags flags;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("data,d", po::value(&data_path)->required(), "training dataset")
-      ("output,o", po::value(&output)->required(), "model file to write")
-      ("states,k", po::value(&f.states)->default_value(0), "number of states (EM without --init; supervised: default from the labels)")
-      ("symbols,v", po::value(&f.symbols)->default_value(0), "vocabulary size V (default: the data's vocabulary, or largest id + 1)")
-      ("supervised", po::bool_switch(&f.supervised), "maximum likelihood from the dataset's /labels instead of EM")
-      ("order", po::value(&f.order)->default_value(1),
-       "supervised: 1 (bigram) or 2 (trigram: states are label pairs, transitions interpolated as in TnT)")
-      ("init", po::value(&init_path), "EM from this model instead of random starts")
-      ("restarts", po::value(&f.restarts)->default_value(1), "random starts; the highest final log-likelihood wins")
-      ("seed", po::value(&f.seed)->default_value(0), "random seed of the starts")
-      ("max-iterations", po::value(&f.em.max_iterations)->default_value(100), "EM iterations at most")
-      ("tolerance", po::value(&f.em.tolerance)->default_value(1e-4),
-       "stop when the log-likelihood per token gains less than this (0: run every iteration)")
-      ("smoothing", po::value(&f.em.m_step.smoothing)->default_value(0.0),
-       "added to every start, transition and emission count (supervised: Laplace smoothing)")
-      ("covars-prior", po::value(&f.em.m_step.covars_prior)->default_value(1e-2),
-       "Gaussian: variance = (prior + sum g (x-mu)^2) / sum g, as hmmlearn");
+  desc.add_options()("help,h", "this message")("data,d", po::value(&data_path)->required(), "training dataset")(
+      "output,o", po::value(&output)->required(), "model file to write")(
+      "states,k", po::value(&f.states)->default_value(0),
+      "number of states (EM without --init; supervised: default from the labels)")(
+      "symbols,v", po::value(&f.symbols)->default_value(0),
+      "vocabulary size V (default: the data's vocabulary, or largest id + 1)")(
+      "supervised", po::bool_switch(&f.supervised), "maximum likelihood from the dataset's /labels instead of EM")(
+      "order", po::value(&f.order)->default_value(1),
+      "supervised: 1 (bigram) or 2 (trigram: states are label pairs, transitions interpolated as in TnT)")(
+      "init", po::value(&init_path), "EM from this model instead of random starts")(
+      "restarts", po::value(&f.restarts)->default_value(1), "random starts; the highest final log-likelihood wins")(
+      "seed", po::value(&f.seed)->default_value(0), "random seed of the starts")(
+      "max-iterations", po::value(&f.em.max_iterations)->default_value(100), "EM iterations at most")(
+      "tolerance", po::value(&f.em.tolerance)->default_value(1e-4),
+      "stop when the log-likelihood per token gains less than this (0: run every iteration)")(
+      "smoothing", po::value(&f.em.m_step.smoothing)->default_value(0.0),
+      "added to every start, transition and emission count (supervised: Laplace smoothing)")(
+      "covars-prior", po::value(&f.em.m_step.covars_prior)->default_value(1e-2),
+      "Gaussian: variance = (prior + sum g (x-mu)^2) / sum g, as hmmlearn");
   flags.add(desc);
   po::variables_map vm;
-  if (int rc = parse("hmm fit", args, desc, vm, "usage: trellis hmm fit --data DATA.h5 --output MODEL.h5 (--states K | --init MODEL.h5 | --supervised) [options]"); rc >= 0)
+  if (int rc = parse(
+          "hmm fit", args, desc, vm,
+          "usage: trellis hmm fit --data DATA.h5 --output MODEL.h5 (--states K | --init MODEL.h5 | --supervised) [options]");
+      rc >= 0)
     return rc;
   HMMRunOptions run = flags.resolve();
   const DistributedContext dist = DistributedContext::from_environment(run.device);
@@ -226,8 +228,8 @@ int fit(const std::vector<std::string>& args) {
   const HMMModelFile m = fit_dataset(data, f, run, [&](const EMIteration& it) {
     if (dist.rank() != 0) return;  // every rank holds the same numbers
     std::cerr << (f.restarts > 1 ? "restart " + std::to_string(it.restart) + "  " : "") << "iter " << it.iteration
-              << "  log-likelihood " << fixed(it.log_likelihood, 4) << "  per token " << fixed(it.log_likelihood / it.tokens, 6)
-              << "  " << fixed(it.seconds, 2) << " s\n";
+              << "  log-likelihood " << fixed(it.log_likelihood, 4) << "  per token "
+              << fixed(it.log_likelihood / it.tokens, 6) << "  " << fixed(it.seconds, 2) << " s\n";
   });
   dist.check_all(failure_of([&] {
     if (dist.rank() == 0) save_hmm(output, m);
@@ -247,25 +249,26 @@ int convert(const std::vector<std::string>& args) {
   int64_t min_count = 1;
   bool no_labels = false, add_labels = false;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("input,i", po::value(&input)->required(), "CoNLL column file")
-      ("output,o", po::value(&output)->required(), "dataset to write")
-      ("word-column", po::value(&word_column)->default_value(0), "column of the observed word (negative: from the end)")
-      ("label-column", po::value(&label_column)->default_value("-1"),
-       "column of the label (negative: from the end), or several joined by '|' into fine labels, e.g. 1,2 for UPOS|XPOS")
-      ("no-labels", po::bool_switch(&no_labels), "the file has no label column to store")
-      ("vocabulary-from", po::value(&from),
-       "reuse the vocabulary and label names of this HDF5 file (the training set's dataset or model)")
-      ("add-labels", po::bool_switch(&add_labels),
-       "with --vocabulary-from: append labels the file has not (evaluation data; no model predicts them) instead of "
-       "stopping at the first")
-      ("min-count", po::value(&min_count)->default_value(2),
-       "words seen fewer times become unknown-word classes (new vocabularies only)")
-      ("unknown", po::value(&unknown)->default_value("signatures"),
-       "unknown words: signatures (classes by shape and suffix), single (one <unk>) or error")
-      ("comment-prefix", po::value(&comments)->default_value(""), "skip lines starting with this (e.g. '#' for CoNLL-U)");
+  desc.add_options()("help,h", "this message")("input,i", po::value(&input)->required(), "CoNLL column file")(
+      "output,o", po::value(&output)->required(), "dataset to write")(
+      "word-column", po::value(&word_column)->default_value(0), "column of the observed word (negative: from the end)")(
+      "label-column", po::value(&label_column)->default_value("-1"),
+      "column of the label (negative: from the end), or several joined by '|' into fine labels, e.g. 1,2 for UPOS|XPOS")(
+      "no-labels", po::bool_switch(&no_labels), "the file has no label column to store")(
+      "vocabulary-from", po::value(&from),
+      "reuse the vocabulary and label names of this HDF5 file (the training set's dataset or model)")(
+      "add-labels", po::bool_switch(&add_labels),
+      "with --vocabulary-from: append labels the file has not (evaluation data; no model predicts them) instead of "
+      "stopping at the first")("min-count", po::value(&min_count)->default_value(2),
+                               "words seen fewer times become unknown-word classes (new vocabularies only)")(
+      "unknown", po::value(&unknown)->default_value("signatures"),
+      "unknown words: signatures (classes by shape and suffix), single (one <unk>) or error")(
+      "comment-prefix", po::value(&comments)->default_value(""),
+      "skip lines starting with this (e.g. '#' for CoNLL-U)");
   po::variables_map vm;
-  if (int rc = parse("hmm convert", args, desc, vm, "usage: trellis hmm convert --input FILE --output DATA.h5 [options]"); rc >= 0)
+  if (int rc =
+          parse("hmm convert", args, desc, vm, "usage: trellis hmm convert --input FILE --output DATA.h5 [options]");
+      rc >= 0)
     return rc;
   std::vector<int> label_columns;
   if (!no_labels) label_columns = parse_int_list(label_column, "--label-column");
@@ -288,8 +291,9 @@ int convert(const std::vector<std::string>& args) {
   } else {
     const Vocabulary::Unknown scheme = unknown == "signatures" ? Vocabulary::Unknown::signatures
                                        : unknown == "single"   ? Vocabulary::Unknown::single
-                                       : unknown == "error"    ? Vocabulary::Unknown::error
-                                                               : throw Error("--unknown must be signatures, single or error");
+                                       : unknown == "error"
+                                           ? Vocabulary::Unknown::error
+                                           : throw Error("--unknown must be signatures, single or error");
     ConllVocabulary v = conll_words_and_labels(input, word_column, label_columns, comments);
     words = Vocabulary::build(v.words, min_count, scheme);
     labels = std::move(v.labels);
@@ -297,7 +301,8 @@ int convert(const std::vector<std::string>& args) {
   const ConversionSummary s =
       convert_conll(input, output, words, word_column, no_labels ? nullptr : &labels, label_columns, comments);
   std::cerr << "wrote " << output << ": " << s.sentences << " sequences, " << s.tokens << " tokens ("
-            << s.unknown_tokens << " not in the vocabulary: " << fixed(100.0 * s.unknown_tokens / std::max<int64_t>(s.tokens, 1), 2)
+            << s.unknown_tokens
+            << " not in the vocabulary: " << fixed(100.0 * s.unknown_tokens / std::max<int64_t>(s.tokens, 1), 2)
             << "%), vocabulary " << words.size() << " symbols";
   if (!no_labels) std::cerr << ", " << labels.size() << " labels";
   std::cerr << "\n";
@@ -308,13 +313,13 @@ int eval(const std::vector<std::string>& args) {
   std::string data_path, predictions;
   bool coarse = false;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("data,d", po::value(&data_path)->required(), "dataset with /labels")
-      ("predictions,p", po::value(&predictions)->required(), "output of trellis hmm infer on that dataset")
-      ("coarse", po::bool_switch(&coarse),
-       "score fine labels (several columns joined by '|', e.g. UPOS|XPOS) on their first part only");
+  desc.add_options()("help,h", "this message")("data,d", po::value(&data_path)->required(), "dataset with /labels")(
+      "predictions,p", po::value(&predictions)->required(), "output of trellis hmm infer on that dataset")(
+      "coarse", po::bool_switch(&coarse),
+      "score fine labels (several columns joined by '|', e.g. UPOS|XPOS) on their first part only");
   po::variables_map vm;
-  if (int rc = parse("hmm eval", args, desc, vm, "usage: trellis hmm eval --data DATA.h5 --predictions OUT.h5"); rc >= 0)
+  if (int rc = parse("hmm eval", args, desc, vm, "usage: trellis hmm eval --data DATA.h5 --predictions OUT.h5");
+      rc >= 0)
     return rc;
   HMMDataset data(data_path);
   const LabelAccuracy a = score_predictions(data, predictions, coarse);

@@ -32,8 +32,8 @@ namespace {
 struct Row {
   std::string workload, shape, implementation;
   double ms = 0, ratio = 0;
-  int64_t peak_bytes = -1;                // extra device memory at peak; -1 where not measured (CPU)
-  std::optional<double> max_error;        // vs the float64 result of the same computation
+  int64_t peak_bytes = -1;          // extra device memory at peak; -1 where not measured (CPU)
+  std::optional<double> max_error;  // vs the float64 result of the same computation
   std::string device;
 };
 
@@ -200,11 +200,15 @@ void crf_fwd_bwd(Bench& b, int64_t B, int64_t T, int64_t K) {
   };
   // What a training step that wants the gradients right away calls (trellis.CRF's reduced log-likelihood): no graph.
   const auto direct = [&] { return log_likelihood_with_gradients(p, tags).log_likelihood; };
-  b.run(w, shape, "trellis", [&] { step(trellis_ll); }, max_abs_diff(step(trellis_ll), ref));
-  b.run(w, shape, "trellis, values vouched for", [&] { step(vouched_ll); }, max_abs_diff(step(vouched_ll), ref));
+  b.run(
+      w, shape, "trellis", [&] { step(trellis_ll); }, max_abs_diff(step(trellis_ll), ref));
+  b.run(
+      w, shape, "trellis, values vouched for", [&] { step(vouched_ll); }, max_abs_diff(step(vouched_ll), ref));
   b.run(w, shape, "trellis, log_likelihood_with_gradients", direct, max_abs_diff(direct(), ref));
-  b.run(w, shape, "libtorch logsumexp loop", [&] { step(plain_ll); }, max_abs_diff(step(plain_ll), ref));
-  b.run(w, shape, "libtorch scaled-matmul loop", [&] { step(scaled_ll); }, max_abs_diff(step(scaled_ll), ref));
+  b.run(
+      w, shape, "libtorch logsumexp loop", [&] { step(plain_ll); }, max_abs_diff(step(plain_ll), ref));
+  b.run(
+      w, shape, "libtorch scaled-matmul loop", [&] { step(scaled_ll); }, max_abs_diff(step(scaled_ll), ref));
   gemm_floor(b, w, shape, B, T, K, 3);
 }
 
@@ -212,8 +216,10 @@ void crf_viterbi(Bench& b, int64_t B, int64_t T, int64_t K) {
   const std::string w = "crf viterbi", shape = shape3(B, T, K);
   const ChainPotentials p = random_chain(b, B, T, K, at::kFloat, false);
   const at::Tensor ref = viterbi(cast(p, at::kDouble)).score;
-  b.run(w, shape, "trellis", [&] { viterbi(p); }, max_abs_diff(viterbi(p).score, ref));
-  b.run(w, shape, "libtorch max loop + backtrace", [&] { plain_viterbi(p); }, max_abs_diff(plain_viterbi(p).second, ref));
+  b.run(
+      w, shape, "trellis", [&] { viterbi(p); }, max_abs_diff(viterbi(p).score, ref));
+  b.run(
+      w, shape, "libtorch max loop + backtrace", [&] { plain_viterbi(p); }, max_abs_diff(plain_viterbi(p).second, ref));
 }
 
 void hmm_loglik(Bench& b, int64_t B, int64_t T, int64_t K) {
@@ -221,11 +227,15 @@ void hmm_loglik(Bench& b, int64_t B, int64_t T, int64_t K) {
   const std::string w = "hmm log-lik", shape = shape3(B, T, K);
   const ChainPotentials p = random_chain(b, B, T, K, at::kFloat, true);
   const at::Tensor ref = log_partition(cast(p, at::kDouble));
-  b.run(w, shape, "trellis", [&] { log_partition(p); }, max_abs_diff(log_partition(p), ref));
-  b.run(w, shape, "libtorch scaled-matmul loop", [&] { scaled_matmul_log_partition(p); },
-        max_abs_diff(scaled_matmul_log_partition(p), ref));
+  b.run(
+      w, shape, "trellis", [&] { log_partition(p); }, max_abs_diff(log_partition(p), ref));
+  b.run(
+      w, shape, "libtorch scaled-matmul loop", [&] { scaled_matmul_log_partition(p); },
+      max_abs_diff(scaled_matmul_log_partition(p), ref));
   if (B * K * K <= (int64_t(1) << 28))
-    b.run(w, shape, "libtorch logsumexp loop", [&] { plain_log_partition(p); }, max_abs_diff(plain_log_partition(p), ref));
+    b.run(
+        w, shape, "libtorch logsumexp loop", [&] { plain_log_partition(p); },
+        max_abs_diff(plain_log_partition(p), ref));
   gemm_floor(b, w, shape, B, T, K, 1);
   const at::Tensor trans = p.transitions.contiguous();
   b.run(w, shape, c10::str("read transitions x", T, " (sum)"), [&] {
@@ -238,9 +248,11 @@ void semiring_matmul_bench(Bench& b, int64_t batch, int64_t n) {
   const std::string w = "log-semiring matmul fwd", shape = c10::str("b=", batch, " M=K=N=", n);
   const at::Tensor x = at::randn({batch, n, n}, b.opts()) * 3, y = at::randn({batch, n, n}, b.opts()) * 3;
   const at::Tensor ref = log_matmul(x.to(at::kDouble), y.to(at::kDouble));
-  b.run(w, shape, "trellis (exact)", [&] { log_matmul(x, y); }, max_abs_diff(log_matmul(x, y), ref));
+  b.run(
+      w, shape, "trellis (exact)", [&] { log_matmul(x, y); }, max_abs_diff(log_matmul(x, y), ref));
   auto plain = [&] { return at::logsumexp(x.unsqueeze(-1) + y.unsqueeze(1), 2); };
-  b.run(w, shape, "libtorch logsumexp broadcast", [&] { plain(); }, max_abs_diff(plain(), ref));
+  b.run(
+      w, shape, "libtorch logsumexp broadcast", [&] { plain(); }, max_abs_diff(plain(), ref));
   b.run(w, shape, "bmm fp32 (cuBLAS on CUDA)", [&] { at::bmm(x, y); });
 }
 
@@ -248,7 +260,8 @@ void semiring_matmul_bench(Bench& b, int64_t batch, int64_t n) {
 // Error: the largest per-token NLL difference from log_softmax of float32 logits of the same (rounded) inputs.
 void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype) {
   const std::string shape = c10::str("N=", N, " D=", D, " V=", V, " ", dtype);
-  at::Tensor x = at::randn({N, D}, b.opts()).to(dtype), w = (at::randn({V, D}, b.opts()) * (1 / std::sqrt(D))).to(dtype);
+  at::Tensor x = at::randn({N, D}, b.opts()).to(dtype),
+             w = (at::randn({V, D}, b.opts()) * (1 / std::sqrt(D))).to(dtype);
   const at::Tensor t = at::randint(0, V, {N}, b.opts(at::kLong));
   at::Tensor ref_nll;
   {
@@ -260,10 +273,12 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
   {
     c10::NoGradGuard no_grad;
     const std::string wl = "head fwd (lse+logprobs)";
-    b.run(wl, shape, "trellis", [&] { token_logprobs(x, w, t); }, nll_error(-token_logprobs(x, w, t).logprobs));
+    b.run(
+        wl, shape, "trellis", [&] { token_logprobs(x, w, t); }, nll_error(-token_logprobs(x, w, t).logprobs));
     b.run(wl, shape, c10::str("GEMM x*W^T ", dtype, " (cuBLAS on CUDA)"), [&] { at::mm(x, w.t()); });
     auto plain = [&] { return -at::log_softmax(plain_logits(), 1).gather(1, t.unsqueeze(1)).squeeze(1); };
-    b.run(wl, shape, "libtorch logits+log_softmax", [&] { plain(); }, nll_error(plain()));
+    b.run(
+        wl, shape, "libtorch logits+log_softmax", [&] { plain(); }, nll_error(plain()));
   }
   ref_nll = ref_nll.mean();
   const std::string wl = "head fwd+bwd (loss,dx,dW)";
@@ -278,21 +293,24 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
   };
   const auto trellis_loss = [&] { return linear_cross_entropy(x, w, t); };
   const auto plain_loss = [&] { return at::cross_entropy_loss(plain_logits(), t); };
-  b.run(wl, shape, "trellis", [&] { step(trellis_loss); }, nll_error(step(trellis_loss)));
+  b.run(
+      wl, shape, "trellis", [&] { step(trellis_loss); }, nll_error(step(trellis_loss)));
   // Training's memory/time knob: each memory_budget (bytes beyond the gradients) picks a route and a slab; 64 MiB is
   // the O(N) route's at these shapes.
   for (const int64_t mib : {1024, 256, 128, 64}) {
     HeadOptions budget;
     budget.memory_budget = mib << 20;
     const auto budget_loss = [&x, &w, &t, budget] { return linear_cross_entropy(x, w, t, budget); };
-    b.run(wl, shape, c10::str("trellis, memory_budget ", mib, " MiB"), [&] { step(budget_loss); },
-          nll_error(step(budget_loss)));
+    b.run(
+        wl, shape, c10::str("trellis, memory_budget ", mib, " MiB"), [&] { step(budget_loss); },
+        nll_error(step(budget_loss)));
   }
   // No slab: the logits formed twice (for the log-sum-exp, then a vocabulary chunk at a time for the gradients).
   HeadOptions recompute;
   recompute.recompute_logits = true;
   const auto recompute_loss = [&] { return linear_cross_entropy(x, w, t, recompute); };
-  b.run(wl, shape, "trellis, logits recomputed", [&] { step(recompute_loss); }, nll_error(step(recompute_loss)));
+  b.run(
+      wl, shape, "trellis, logits recomputed", [&] { step(recompute_loss); }, nll_error(step(recompute_loss)));
   {
     c10::NoGradGuard no_grad;
     const at::Tensor xd = x.detach(), wd = w.detach();
@@ -314,7 +332,8 @@ void head_bench(Bench& b, int64_t N, int64_t D, int64_t V, at::ScalarType dtype)
     b.run(wl, shape, "floor: 3 GEMMs (logits once)", [&] { products(1); });
     b.run(wl, shape, "floor: 4 GEMMs (logits twice)", [&] { products(2); });
   }
-  b.run(wl, shape, "libtorch logits+cross_entropy", [&] { step(plain_loss); }, nll_error(step(plain_loss)));
+  b.run(
+      wl, shape, "libtorch logits+cross_entropy", [&] { step(plain_loss); }, nll_error(step(plain_loss)));
 }
 
 void write_json(const std::string& path, const std::vector<Row>& rows) {
@@ -338,11 +357,11 @@ int bench_main(const std::vector<std::string>& args) {
   std::string what = "all", device = "cpu", json;
   int repeats = 10;
   po::options_description desc("options");
-  desc.add_options()("help,h", "this message")
-      ("what", po::value(&what)->default_value("all"), "semiring, crf, hmm, head or all")
-      ("device", po::value(&device)->default_value("cpu"), "cpu or cuda")
-      ("json", po::value(&json), "also write the rows as JSON to this file")
-      ("repeats", po::value(&repeats)->default_value(10), "timed runs per row (the median is reported)");
+  desc.add_options()("help,h", "this message")("what", po::value(&what)->default_value("all"),
+                                               "semiring, crf, hmm, head or all")(
+      "device", po::value(&device)->default_value("cpu"), "cpu or cuda")("json", po::value(&json),
+                                                                         "also write the rows as JSON to this file")(
+      "repeats", po::value(&repeats)->default_value(10), "timed runs per row (the median is reported)");
   po::positional_options_description pos;
   pos.add("what", 1);
   po::variables_map vm;
@@ -350,7 +369,8 @@ int bench_main(const std::vector<std::string>& args) {
   try {
     po::store(po::command_line_parser(args).options(desc).positional(pos).run(), vm);
     if (vm.count("help")) {
-      std::cout << usage << "\n\nTimes Trellis beside plain LibTorch implementations of the same algorithms and the "
+      std::cout << usage
+                << "\n\nTimes Trellis beside plain LibTorch implementations of the same algorithms and the "
                    "fp32 GEMM of the same shape, in one run; ratio = time / Trellis' time.\n\n"
                 << desc;
       return 0;

@@ -4,10 +4,11 @@
 //
 // Layout: each label of a sequence gets R consecutive lanes that split its ⊕ over the K terms and merge their partial
 // accumulators with warp shuffles (a short critical path per step, and more warps in flight); a sequence gets `tps`
-// threads (K·R rounded up to a warp); a block holds `spb` sequences (several short-K sequences share a block). The transitions live in shared memory for the whole launch (rows padded
-// to an odd length so column and row walks are both free of bank conflicts); so does each sequence's previous message. The
-// backward pass accumulates each sequence's transition gradient in shared memory (thread i owns row i, so no two
-// threads write the same word) and writes one partial per block; the partials are summed afterwards — no atomics.
+// threads (K·R rounded up to a warp); a block holds `spb` sequences (several short-K sequences share a block). The
+// transitions live in shared memory for the whole launch (rows padded to an odd length so column and row walks are both
+// free of bank conflicts); so does each sequence's previous message. The backward pass accumulates each sequence's
+// transition gradient in shared memory (thread i owns row i, so no two threads write the same word) and writes one
+// partial per block; the partials are summed afterwards — no atomics.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -43,10 +44,8 @@ __device__ typename S::template Accumulator<T> merge_lanes(typename S::template 
   for (int offset = R / 2; offset > 0; offset /= 2) {
     typename S::template Accumulator<T> other = acc;
     other.max = __shfl_xor_sync(0xffffffffu, acc.max, offset);
-    if constexpr (S::kIsMax)
-      other.index = __shfl_xor_sync(0xffffffffu, acc.index, offset);
-    else
-      other.sum = __shfl_xor_sync(0xffffffffu, acc.sum, offset);
+    if constexpr (S::kIsMax) other.index = __shfl_xor_sync(0xffffffffu, acc.index, offset);
+    else other.sum = __shfl_xor_sync(0xffffffffu, acc.sum, offset);
     acc.merge(other);
   }
   return acc;
@@ -95,18 +94,18 @@ __device__ void load_transitions(const T* __restrict__ W, T* w, int K) {
 template <class S, class T>
 __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restrict__ W, const T* __restrict__ start,
                                      const T* __restrict__ end, const int64_t* __restrict__ len,
-                                     const int64_t* __restrict__ tags, T* __restrict__ alpha,
-                                     T* __restrict__ pre, int64_t* __restrict__ arg, int64_t* __restrict__ end_arg,
-                                     T* __restrict__ score, T* __restrict__ frame_score, T* __restrict__ loglik, int B,
-                                     int Tn, int K, int R, int tps, int spb) {
+                                     const int64_t* __restrict__ tags, T* __restrict__ alpha, T* __restrict__ pre,
+                                     int64_t* __restrict__ arg, int64_t* __restrict__ end_arg, T* __restrict__ score,
+                                     T* __restrict__ frame_score, T* __restrict__ loglik, int B, int Tn, int K, int R,
+                                     int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
-  T* prev = w + K * ld(K);              // [spb][K]
+  T* prev = w + K * ld(K);                // [spb][K]
   __shared__ int block_len;
   const int s = threadIdx.x / tps, j = threadIdx.x % tps / R, r = threadIdx.x % R;
   const int b = blockIdx.x * spb + s;
-  const bool lane = b < B && j < K;     // this thread works for label j
-  const bool owner = lane && r == 0;    // and writes its results
+  const bool lane = b < B && j < K;   // this thread works for label j
+  const bool owner = lane && r == 0;  // and writes its results
   bool bad = false;
   const int L = usable_length(len, b, B, Tn, bad);
   if (threadIdx.x == 0) block_len = 0;
@@ -125,7 +124,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   }
   __syncthreads();
   const int Lmax = block_len;
-  const int terms = (K - r + R - 1) / R;  // this lane's share: i = r, r+R, r+2R, ...
+  const int terms = (K - r + R - 1) / R;              // this lane's share: i = r, r+R, r+2R, ...
   T e_next = owner && 1 < L ? E[off + K + j] : T(0);  // the next step's emission is loaded a step ahead
   // Messages of a long sequence fall to about −T·(nats per step), where a float32 keeps only about 1e-2 absolutely:
   // each alpha_t is stored minus the largest entry of alpha_{t−1} (found in the same pass over it), the shifts summed
@@ -325,12 +324,9 @@ __global__ void sum_partials_kernel(const T* __restrict__ part, int rows, int K,
     for (int u = 0; u < 4; ++u) s[u] += part[static_cast<int64_t>(q + u) * n + e];
   for (; q < rows; ++q) s[0] += part[static_cast<int64_t>(q) * n + e];
   const T total = (s[0] + s[1]) + (s[2] + s[3]);
-  if (e < K * K)
-    g_trans[e] = total;
-  else if (e < K * K + K)
-    g_start[e - K * K] = total;
-  else
-    g_end[e - K * K - K] = total;
+  if (e < K * K) g_trans[e] = total;
+  else if (e < K * K + K) g_start[e - K * K] = total;
+  else g_end[e - K * K - K] = total;
 }
 
 template <class T>
@@ -358,8 +354,9 @@ const T* optional_data(const at::Tensor& t) {
 
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t bytes) {
-  if (bytes > 48 * 1024) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                               "chain kernel shared memory");
+  if (bytes > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+          "chain kernel shared memory");
 }
 
 }  // namespace
@@ -387,17 +384,17 @@ void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tens
         optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr,
         alpha.defined() ? alpha.data_ptr<scalar_t>() : nullptr, alpha.defined() ? pre.data_ptr<scalar_t>() : nullptr,
         S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(), tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr,
-        int(B), int(Tn), int(K), l.R, l.tps, l.spb);
+        score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(),
+        tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_forward");
 }
 
 template <class S>
 void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                    const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg, const at::Tensor& end_arg,
-                    const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans, at::Tensor& g_start,
-                    at::Tensor& g_end) {
+                    const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
+                    const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
+                    at::Tensor& g_start, at::Tensor& g_end) {
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -408,8 +405,9 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
     auto kernel = chain_backward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
-        optional_data<scalar_t>(grad), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), optional_data<int64_t>(lengths),
-        tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
+        optional_data<scalar_t>(grad), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
+        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
+        pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
         S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
         part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
@@ -417,8 +415,8 @@ void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::T
   const int64_t n = K * K + 2 * K;
   AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_partials_cuda", [&] {
     sum_partials_kernel<<<grid_dim(n, 128), 128, 0, stream>>>(part.data_ptr<scalar_t>(), l.blocks, int(K),
-                                                             g_trans.data_ptr<scalar_t>(), g_start.data_ptr<scalar_t>(),
-                                                             g_end.data_ptr<scalar_t>());
+                                                              g_trans.data_ptr<scalar_t>(),
+                                                              g_start.data_ptr<scalar_t>(), g_end.data_ptr<scalar_t>());
   });
   check_launch("chain_backward partials");
 }
@@ -429,19 +427,19 @@ void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at:
   if (B == 0) return;
   AT_DISPATCH_FLOATING_TYPES(score.scalar_type(), "chain_backtrace_cuda", [&] {
     chain_backtrace_kernel<<<grid_dim(B, 128), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
-        arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), optional_data<int64_t>(lengths), score.data_ptr<scalar_t>(),
-        path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
+        arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), optional_data<int64_t>(lengths),
+        score.data_ptr<scalar_t>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
   });
   check_launch("chain_backtrace");
 }
 
-#define TRELLIS_INSTANTIATE(S)                                                                                    \
-  template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,         \
-                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,          \
-                                 at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);                                \
-  template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
-                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,       \
+#define TRELLIS_INSTANTIATE(S)                                                                                 \
+  template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,   \
+                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,  \
+                                 at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);                          \
+  template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,  \
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,  \
+                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, \
                                   at::Tensor&);
 TRELLIS_INSTANTIATE(LogSemiring)
 TRELLIS_INSTANTIATE(MaxSemiring)

@@ -45,7 +45,7 @@ struct Plan {
 
 template <class T>
 std::size_t smem_bytes(int K, int Kc, int splits) {
-  const std::size_t elements = std::size_t(K) * Kc  // P's columns (forward) or rows (backward)
+  const std::size_t elements = std::size_t(K) * Kc                // P's columns (forward) or rows (backward)
                                + std::size_t(K) * kSeq            // the product's scaled input, [k][sequence]
                                + 2 * std::size_t(kSeq) * K        // messages of this step and the next
                                + 2 * std::size_t(kSeq) * K        // backward: alpha_{t-1} and pre_t rows
@@ -165,11 +165,12 @@ __device__ void broadcast(cg::cluster_group& cluster, T* next, int index, T valu
 }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) scaled_chain_forward_kernel(
-    const T* __restrict__ E, const T* __restrict__ W, const T* __restrict__ P, const T* __restrict__ colmax,
-    const T* __restrict__ start, const T* __restrict__ end, const int64_t* __restrict__ len,
-    const int64_t* __restrict__ tags, T* __restrict__ alpha, T* __restrict__ pre, T* __restrict__ score,
-    T* __restrict__ loglik, Chain c) {
+__global__ void __launch_bounds__(kThreads)
+    scaled_chain_forward_kernel(const T* __restrict__ E, const T* __restrict__ W, const T* __restrict__ P,
+                                const T* __restrict__ colmax, const T* __restrict__ start, const T* __restrict__ end,
+                                const int64_t* __restrict__ len, const int64_t* __restrict__ tags,
+                                T* __restrict__ alpha, T* __restrict__ pre, T* __restrict__ score,
+                                T* __restrict__ loglik, Chain c) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ T mx[kSeq];
   __shared__ int lens[kSeq];
@@ -249,11 +250,12 @@ __global__ void __launch_bounds__(kThreads) scaled_chain_forward_kernel(
 // (left zero where a sequence has no step t), and adds the exact columns' share of the transitions' gradient to
 // g_exact.
 template <class T>
-__global__ void __launch_bounds__(kThreads) scaled_chain_backward_kernel(
-    const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ P, const T* __restrict__ colmax,
-    const T* __restrict__ end, const int64_t* __restrict__ len, bool tagged, const T* __restrict__ alpha,
-    const T* __restrict__ pre, const T* __restrict__ score, T* __restrict__ g_em, T* __restrict__ V,
-    T* __restrict__ Q, T* __restrict__ g_exact, Chain c) {
+__global__ void __launch_bounds__(kThreads)
+    scaled_chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ P,
+                                 const T* __restrict__ colmax, const T* __restrict__ end,
+                                 const int64_t* __restrict__ len, bool tagged, const T* __restrict__ alpha,
+                                 const T* __restrict__ pre, const T* __restrict__ score, T* __restrict__ g_em,
+                                 T* __restrict__ V, T* __restrict__ Q, T* __restrict__ g_exact, Chain c) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ T mx[kSeq];
   __shared__ int lens[kSeq], exact_count[kSeq];
@@ -389,12 +391,11 @@ void scaled_chain_crf_backward(const at::Tensor& grad, const at::Tensor& trans, 
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "scaled_chain_crf_backward", [&] {
       const Plan p = make_plan<scalar_t>(K);
-      launch(scaled_chain_backward_kernel<scalar_t>, p, int(B), "scaled_chain_crf_backward",
-             grad.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), scaled.data_ptr<scalar_t>(),
-             colmax.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0,
-             alpha.data_ptr<scalar_t>(), pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(),
-             g_em.data_ptr<scalar_t>(), V.data_ptr<scalar_t>(), Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(),
-             chain_of(p, B, Tn, K, threshold));
+      launch(scaled_chain_backward_kernel<scalar_t>, p, int(B), "scaled_chain_crf_backward", grad.data_ptr<scalar_t>(),
+             trans.data_ptr<scalar_t>(), scaled.data_ptr<scalar_t>(), colmax.data_ptr<scalar_t>(),
+             end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0, alpha.data_ptr<scalar_t>(),
+             pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(), V.data_ptr<scalar_t>(),
+             Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(), chain_of(p, B, Tn, K, threshold));
     });
   }
   // Σ over sequences and steps of v_i·P_ij·q_j: one GEMM over the saved vectors, then the elementwise factor P.
@@ -404,8 +405,7 @@ void scaled_chain_crf_backward(const at::Tensor& grad, const at::Tensor& trans, 
     const at::Tensor y = tags.masked_fill(~mask, 0);
     const at::Tensor coef = grad.unsqueeze(1) * mask.to(grad.scalar_type());
     g_em.scatter_add_(2, y.unsqueeze(2), coef.unsqueeze(2));
-    if (Tn > 1)
-      g_trans.index_put_({y.slice(1, 0, -1), y.slice(1, 1)}, coef.slice(1, 1), /*accumulate=*/true);
+    if (Tn > 1) g_trans.index_put_({y.slice(1, 0, -1), y.slice(1, 1)}, coef.slice(1, 1), /*accumulate=*/true);
   }
   // The start's adjoint is alpha_0's, the end's alpha's at the last position (both include the gold indicators).
   g_start = g_em.select(1, 0).sum(0);

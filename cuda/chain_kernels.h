@@ -10,7 +10,8 @@
 
 namespace trellis::cuda {
 
-// Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared memory).
+// Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared
+// memory).
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
 // Fills alpha [B,T,K] (each step minus the largest entry of the step before), pre [B,T,K] (the ⊕ before the emission is
@@ -30,9 +31,10 @@ void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, c
 // NaN) and grad_transitions [K,K], grad_start [K] and grad_end [K] (preallocated, contiguous, each its own storage).
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
-                    const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
-                    const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& grad_emissions,
-                    at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
+                    const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre,
+                    const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& score,
+                    at::Tensor& grad_emissions, at::Tensor& grad_transitions, at::Tensor& grad_start,
+                    at::Tensor& grad_end);
 
 // Viterbi backtrace from MaxSemiring's forward record: path [B,T] int64 gets each sequence's best labels (following
 // arg from end_arg at the last position) and -1 at padding; a sequence whose best score is -inf (no label sequence
@@ -70,7 +72,8 @@ at::Tensor scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& t
 // The same streamed forward (see scaled_chain_forward for the arguments) for a batch longest first (lengths
 // non-increasing, and `longest_first` the same lengths on the host: each step launches only the sequences still
 // running), with each step's messages rebased by the previous step's largest entry: returns alpha [B,K] and sets
-// offset [B] (float64) such that the messages at each sequence's end are alpha + offset. float32 then keeps its precision on long sequences, whose unshifted messages would grow to about −T.
+// offset [B] (float64) such that the messages at each sequence's end are alpha + offset. float32 then keeps its
+// precision on long sequences, whose unshifted messages would grow to about −T.
 at::Tensor rebased_scaled_chain_forward(const at::Tensor& emissions, const at::Tensor& transitions,
                                         const at::Tensor& scaled, const at::Tensor& colmax, const at::Tensor& start,
                                         const at::Tensor& lengths, const std::vector<int64_t>& longest_first,

@@ -15,6 +15,8 @@ inline void check(cudaError_t status, const char* what) {
 // After a launch: reports configuration errors at once (asynchronous faults surface at the next synchronisation).
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 
-inline unsigned grid_dim(int64_t n, int64_t per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+inline unsigned grid_dim(int64_t n, int64_t per_block) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
 
 }  // namespace trellis::cuda

@@ -26,7 +26,8 @@ constexpr int kThreads = 256;
 // One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), with the row's factors
 // p_weight = g·(1 + 2·z_loss·lse), shift = g·ε/V and hit = g·(1-ε).
 template <class Acc>
-__device__ __forceinline__ Acc logit_gradient(Acc zv, Acc l, Acc p_weight, Acc shift, Acc hit, bool target, Acc softcap) {
+__device__ __forceinline__ Acc logit_gradient(Acc zv, Acc l, Acc p_weight, Acc shift, Acc hit, bool target,
+                                              Acc softcap) {
   Acc d = p_weight * exp(zv - l) - shift - (target ? hit : Acc(0));
   if (softcap > 0) {
     const Acc u = zv / softcap;
@@ -165,11 +166,11 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
   dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
     using Acc = decltype(acc_zero);
     using Out = decltype(out_zero);
-    logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
-        z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(),
-        dz.data_ptr<Out>(), dz.stride(0), rows, cols, columns.first,
-        Acc(label_smoothing / static_cast<double>(columns.vocabulary)), Acc(1 - label_smoothing), Acc(2 * z_loss),
-        Acc(softcap));
+    logit_gradient_kernel<Acc, Out>
+        <<<grid, kThreads, 0, stream>>>(z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(),
+                                        targets.data_ptr<int64_t>(), dz.data_ptr<Out>(), dz.stride(0), rows, cols,
+                                        columns.first, Acc(label_smoothing / static_cast<double>(columns.vocabulary)),
+                                        Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap));
   });
   check_launch("linear_head_logit_gradient");
 }
@@ -198,12 +199,11 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y limit
       const int64_t n = std::min<int64_t>(65535, rows - r0);
       const LaunchShape shape{dim3(blocks, static_cast<unsigned>(n)), dim3(kThreads), smem, stream, blocks};
-      check(launch_kernel(kernel, shape, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0),
-                               g.data_ptr<Acc>() + r0, targets.data_ptr<int64_t>() + r0,
-                               dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0), lse.data_ptr<Acc>() + r0,
-                               form_lse, cols, columns.first, slice,
-                               Acc(label_smoothing / static_cast<double>(columns.vocabulary)),
-                               Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap)),
+      check(launch_kernel(kernel, shape, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0), g.data_ptr<Acc>() + r0,
+                          targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0),
+                          lse.data_ptr<Acc>() + r0, form_lse, cols, columns.first, slice,
+                          Acc(label_smoothing / static_cast<double>(columns.vocabulary)), Acc(1 - label_smoothing),
+                          Acc(2 * z_loss), Acc(softcap)),
             "linear head: logit gradient kernel");
     }
   });
@@ -247,7 +247,8 @@ bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, 
   const at::Tensor w = weight.narrow(0, columns.first, cols);
   if (!fused_linear_head_applies(x, w)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  sm90::LinearLseArgs a = fused_args(x, w, bias.defined() ? bias.narrow(0, columns.first, cols) : bias, targets, softcap);
+  sm90::LinearLseArgs a =
+      fused_args(x, w, bias.defined() ? bias.narrow(0, columns.first, cols) : bias, targets, softcap);
   sm90::LogitGradientArgs grad;
   grad.dz = dz.data_ptr();
   grad.dz_stride = dz.stride(0);

@@ -24,9 +24,9 @@
 namespace trellis::cuda::sm90 {
 namespace {
 
-constexpr int kBlockRows = 128;   // two consumer warpgroups of 64 rows
-constexpr int kBlockCols = 256;   // one m64n256k16 wgmma per warpgroup and k-step
-constexpr int kBlockK = 64;       // 64 16-bit values = one 128-byte swizzle row
+constexpr int kBlockRows = 128;  // two consumer warpgroups of 64 rows
+constexpr int kBlockCols = 256;  // one m64n256k16 wgmma per warpgroup and k-step
+constexpr int kBlockK = 64;      // 64 16-bit values = one 128-byte swizzle row
 constexpr int kStages = 4;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -93,8 +93,8 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, unsigned parity) {
 // One box of a 2-D tensor map (inner coordinate first) into shared memory, completing on bar.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int inner, int outer) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_addr(dst)),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::
+          "r"(smem_addr(dst)),
       "l"(map), "r"(smem_addr(bar)), "r"(inner), "r"(outer)
       : "memory");
 }
@@ -129,11 +129,28 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
 template <class T>
 struct Wgmma;
 
-#define TRELLIS_WGMMA_M64N256K16(TYPE)                                                                         \
-  asm volatile(                                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                            \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                                                           \
+#define TRELLIS_WGMMA_M64N256K16(TYPE)                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                       \
+  asm volatile(                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                          \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                           \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                          \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                               \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                              \
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                         \
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                    \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                    \
+        "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                    \
+        "+f"(d[126]), "+f"(d[127])                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                                           \
       : "l"(a), "l"(b), "r"(accumulate))
 
 // d (+)= A·Bᵀ for a 64×16 A tile and a 256×16 B tile, both K-major in shared memory; accumulate = 0 overwrites d.
@@ -374,10 +391,10 @@ struct Schedule {
 template <class T, bool kExtras, bool kGradient>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_lse_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                      const T* __restrict__ bias, const int64_t* __restrict__ targets,
-                      float softcap, int64_t N, int64_t V, int64_t D, Schedule sched,
-                      unsigned long long* __restrict__ lse_pairs, unsigned long long* __restrict__ pz_pairs,
-                      float* __restrict__ logit_sum, float* __restrict__ target_logit, LogitGradientArgs grad) {
+                      const T* __restrict__ bias, const int64_t* __restrict__ targets, float softcap, int64_t N,
+                      int64_t V, int64_t D, Schedule sched, unsigned long long* __restrict__ lse_pairs,
+                      unsigned long long* __restrict__ pz_pairs, float* __restrict__ logit_sum,
+                      float* __restrict__ target_logit, LogitGradientArgs grad) {
   extern __shared__ uint8_t raw_smem[];
   auto& smem = *reinterpret_cast<SharedStorage<T>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
@@ -408,7 +425,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int kb = 0; kb < k_blocks; ++kb) {
             barrier_wait(&smem.empty[stage], phase ^ 1);
             barrier_expect_bytes(&smem.full[stage], (kBlockRows + kBlockCols) * kBlockK * sizeof(T));
-            tma_load(smem.a[stage], &x_map, &smem.full[stage], kb * kBlockK, (row_block * kCluster + rank) * kBlockRows);
+            tma_load(smem.a[stage], &x_map, &smem.full[stage], kb * kBlockK,
+                     (row_block * kCluster + rank) * kBlockRows);
             tma_load_multicast(smem.b[stage] + rank * kSlice * kBlockK, &w_map, &smem.full[stage], kb * kBlockK,
                                tile * kBlockCols + rank * kSlice, (1 << kCluster) - 1);
             if (++stage == kStages) {
@@ -434,11 +452,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t row0 = (int64_t(row_block) * kCluster + rank) * kBlockRows + consumer * 64 + warp * 16 + lane / 4;
       const int64_t rows[2] = {row0, row0 + 8};
       int64_t target[2];
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < 2; ++h) target[h] = (targets && rows[h] < N) ? targets[rows[h]] : -1;
       RowGradient rg[2];
       if constexpr (kGradient) {
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (rows[h] >= N) continue;
           const float l = grad.lse[rows[h]], g = grad.g[rows[h]];
@@ -456,14 +474,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           const T* b = smem.b[stage];
           fence_accumulators(d);
           wgmma_fence();
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < kBlockK / 16; ++k)
             Wgmma<T>::run(d, smem_descriptor(a + k * 16), smem_descriptor(b + k * 16), kb > 0 || k > 0);
           wgmma_commit();
           wgmma_wait_all();
           fence_accumulators(d);
           if (lane == 0)
-  #pragma unroll
+#pragma unroll
             for (unsigned r = 0; r < kCluster; ++r) barrier_arrive_cluster(&smem.empty[stage], r);
           if (++stage == kStages) {
             stage = 0;
@@ -488,13 +506,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The target's logit, stored by the one thread that holds it. Few tiles hold a target of the warp's rows: the
         // vote keeps the compiler from predicating the selection into every tile.
         bool hit[2];
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int64_t local = target[h] - col0;
           hit[h] = local >= 0 && local < kBlockCols && (local & 6) == quad_col && rows[h] < N;
         }
         if (__any_sync(0xffffffffu, hit[0] || hit[1])) {
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (!hit[h]) continue;
             target_logit[rows[h]] = held_entry(d, h, static_cast<int>(target[h] - col0) & ~6);
@@ -503,9 +521,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // The unit's partials: merge across the four lanes that share each row, then into the row's global pairs.
       if constexpr (!kGradient) {
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
-  #pragma unroll
+#pragma unroll
           for (int offset = 1; offset < 4; offset <<= 1) {
             RowStats other;
             other.m = __shfl_xor_sync(0xffffffffu, st[h].m, offset);
@@ -537,7 +555,8 @@ EncodeTiled encoder() {
   static const EncodeTiled fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
     return (e == cudaSuccess && found == cudaDriverEntryPointSuccess) ? reinterpret_cast<EncodeTiled>(p) : nullptr;
   }();
   return fn;
@@ -550,10 +569,10 @@ CUtensorMap tile_map(const void* data, bool bf16, int64_t rows, int64_t D, int b
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(D) * 2};
   const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encoder()(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                               const_cast<void*>(data), dims, strides, box, element_strides,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encoder()(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed with error " + std::to_string(r));
   return map;
 }
@@ -562,7 +581,8 @@ template <class T, bool kExtras, bool kGradient>
 cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaStream_t stream) {
   const size_t smem_bytes = sizeof(SharedStorage<T>) + 1024;
   auto kernel = linear_lse_kernel<T, kExtras, kGradient>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
   if (e != cudaSuccess) return e;
   int device = 0, sms = 0;
   if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
@@ -580,8 +600,8 @@ cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaSt
   s.units = int64_t(s.row_blocks) * s.units_per_row_block;
   const unsigned clusters = static_cast<unsigned>(std::min<int64_t>(sms / kCluster, s.units));
   const LaunchShape shape{dim3(clusters * kCluster), dim3(kThreads), smem_bytes, stream, kCluster};
-  return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N,
-                            a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit, grad);
+  return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N, a.V, a.D,
+                       s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit, grad);
 }
 
 }  // namespace
@@ -599,7 +619,8 @@ cudaError_t linear_lse(const LinearLseArgs& a, cudaStream_t stream) {
   const bool sums = a.pz_pairs != nullptr;
   const LogitGradientArgs none;
   if (a.dtype == HalfType::bfloat16)
-    return sums ? launch<__nv_bfloat16, true, false>(a, none, stream) : launch<__nv_bfloat16, false, false>(a, none, stream);
+    return sums ? launch<__nv_bfloat16, true, false>(a, none, stream)
+                : launch<__nv_bfloat16, false, false>(a, none, stream);
   return sums ? launch<__half, true, false>(a, none, stream) : launch<__half, false, false>(a, none, stream);
 }
 

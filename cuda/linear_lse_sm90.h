@@ -11,11 +11,11 @@ enum class HalfType { bfloat16, float16 };
 
 struct LinearLseArgs {
   HalfType dtype = HalfType::bfloat16;
-  const void* x = nullptr;       // [N, D] row-major, 16-byte aligned, D % 8 == 0
-  const void* weight = nullptr;  // [V, D] row-major, same type
-  const void* bias = nullptr;    // [V] or null
+  const void* x = nullptr;           // [N, D] row-major, 16-byte aligned, D % 8 == 0
+  const void* weight = nullptr;      // [V, D] row-major, same type
+  const void* bias = nullptr;        // [V] or null
   const int64_t* targets = nullptr;  // [N] or null; a target outside [0, V) gets no target logit
-  float softcap = 0.f;  // > 0: z = c·tanh(z/c)
+  float softcap = 0.f;               // > 0: z = c·tanh(z/c)
   int64_t N = 0, V = 0, D = 0;
   int tiles_per_unit = 2;  // 256-column tiles per work unit (the load-balancing grain)
   // Outputs, initialised by the caller: per row (max, Σ e^(z−max)) packed as two floats, start (−inf, 0).

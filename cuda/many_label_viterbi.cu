@@ -14,9 +14,9 @@
 // Then viterbi_end_kernel adds the end scores, picks the best last label and follows the back-pointers.
 //
 // Every message is rebased by its largest entry before the next step, the offsets summed in float64, exactly as the
-// CPU recursion (lib/src/crf/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32 stays
-// exact on long sequences and the paths match the CPU's, ties going to the lowest label as MaxSemiring's accumulator
-// sends them.
+// CPU recursion (lib/src/crf/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32
+// stays exact on long sequences and the paths match the CPU's, ties going to the lowest label as MaxSemiring's
+// accumulator sends them.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,7 +38,7 @@ using namespace streamed;
 constexpr int kFinishCols = kThreads;
 
 template <class T>
-constexpr int kBlockCols = kThreads * kVec<T>;  // a thread's 16 bytes of each row
+constexpr int kBlockCols = kThreads* kVec<T>;  // a thread's 16 bytes of each row
 // Rows of W a thread loads before using them, and a chunk of the max.
 template <class T>
 constexpr int kRowsInFlight = 4;
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       chunk[b][c] = 0;
     }
   // Two chunks of rows in registers: the next chunk's loads are in flight while this one's terms are computed.
-  const auto load = [&](T (&p)[kRowsInFlight<T>][kVec<T>], int i0) {
+  const auto load = [&](T(&p)[kRowsInFlight<T>][kVec<T>], int i0) {
 #pragma unroll
     for (int u = 0; u < kRowsInFlight<T>; ++u) {
       const int k = i0 + u;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
   };
-  const auto use = [&](const T (&p)[kRowsInFlight<T>][kVec<T>], int i0) {
+  const auto use = [&](const T(&p)[kRowsInFlight<T>][kVec<T>], int i0) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       if (b >= nb) break;  // a group's last, partial share of the sequences costs only its own
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads)
   m = values[0];
   for (int w = 1; w < kWarps; ++w) m = max(m, values[w]);
   if (isinf(m)) m = T(0);  // as the CPU's rebase of an all -inf message
-  __syncthreads();  // values is reused below
+  __syncthreads();         // values is reused below
   T best = neg_inf<T>();
   int label = -1;
   for (int j = threadIdx.x; j < K; j += kThreads) {
@@ -327,11 +327,11 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
         if (t > 0) {
           const StepPlan& plan = plans[grid_dim(active, NB) - 1];
           splits = plan.splits;
-          viterbi_step_kernel<T, NB><<<dim3(grid_dim(active, NB), grid_dim(K, kBlockCols<T>), splits), kThreads,
-                                       plan.smem, stream>>>(
-              alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, transitions.data_ptr<T>(),
-              offset.data_ptr<double>(), part_val.data_ptr<T>(), part_arg.data_ptr<int>(), active, int(K),
-              plan.rows, vector_rows);
+          viterbi_step_kernel<T, NB>
+              <<<dim3(grid_dim(active, NB), grid_dim(K, kBlockCols<T>), splits), kThreads, plan.smem, stream>>>(
+                  alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, transitions.data_ptr<T>(),
+                  offset.data_ptr<double>(), part_val.data_ptr<T>(), part_arg.data_ptr<int>(), active, int(K),
+                  plan.rows, vector_rows);
           check_launch("many-label Viterbi step");
         }
         viterbi_finish_kernel<T><<<dim3(finish_blocks, active), kThreads, 0, stream>>>(
@@ -343,9 +343,8 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
         std::swap(block_max, next_max);
       }
       viterbi_end_kernel<T><<<B, kThreads, 0, stream>>>(last.data_ptr<T>(), end.data_ptr<T>(), back.data_ptr<int>(),
-                                                         order.data_ptr<int64_t>(), len, offset.data_ptr<double>(),
-                                                         score.data_ptr<T>(), path.data_ptr<int64_t>(), int(Tn),
-                                                         int(K));
+                                                        order.data_ptr<int64_t>(), len, offset.data_ptr<double>(),
+                                                        score.data_ptr<T>(), path.data_ptr<int64_t>(), int(Tn), int(K));
       check_launch("many-label Viterbi end");
     });
   });

@@ -38,8 +38,8 @@ namespace trellis::cuda {
 namespace {
 
 using namespace streamed;
-constexpr int kFinishCols = 256;  // columns per block of the finish kernel (one per thread)
-constexpr int kStages = 16;       // rows of P in flight per lane
+constexpr int kFinishCols = 256;      // columns per block of the finish kernel (one per thread)
+constexpr int kStages = 16;           // rows of P in flight per lane
 constexpr double kL2KeepShare = 0.3;  // of L2's size, for rows of P kept there from step to step
 
 template <class T>
@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots + slot * kCols<T>));
       const uint64_t policy = row(i) < keep ? keep_policy : stream_policy;
       asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
-                   "l"(src + row(i) * src_step), "l"(policy) : "memory");
+                   "l"(src + row(i) * src_step), "l"(policy)
+                   : "memory");
     }
     __pipeline_commit();
   };
@@ -270,8 +271,8 @@ template <class T, int NB>
 void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int running, int K,
                  const StepPlan& plan, cudaStream_t stream, bool pdl, bool reverse, int keep_permille) {
   const dim3 grid(grid_dim(running, NB), grid_dim(K, kCols<T>), plan.splits);
-  launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial,
-                   B, K, plan.rows, reverse, keep_permille);
+  launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial, B,
+                   K, plan.rows, reverse, keep_permille);
 }
 
 // The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step. Given
@@ -292,8 +293,8 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
   const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
   // Rows of P (a share of L2's size) that the step kernel asks L2 to keep across steps (measured on an H100 for
   // K=4096, where P is 1.3× L2: 0.3 took 4.66 to 4.41 ms, more took less off).
-  const int keep_permille = static_cast<int>(
-      std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(scaled.nbytes())));
+  const int keep_permille =
+      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(scaled.nbytes())));
   at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
   at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
   const at::Tensor last = longest_first ? at::empty({B, K}, emissions.options()) : at::Tensor();
@@ -321,8 +322,8 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
         const T* previous = kept_steps ? kept_steps + (t > 0 ? t - 1 : 0) * B * K : alpha.data_ptr<T>();
         T* current = kept_steps ? kept_steps + t * B * K : next.data_ptr<T>();
         if (t > 0) {
-          launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B),
-                             active, int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
+          launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B), active,
+                             int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
         launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
                          partial.data_ptr<T>(), plan.splits, previous, block_max.data_ptr<T>(), W, cmax, st, E, len,

@@ -1,5 +1,6 @@
-// Launchers of the semiring kernels (cuda/semiring_matmul.cu, cuda/semiring_reduce.cu). Called by lib/ with validated, contiguous CUDA tensors and
-// preallocated outputs; each launcher only launches (on the current stream) and checks the launch.
+// Launchers of the semiring kernels (cuda/semiring_matmul.cu, cuda/semiring_reduce.cu). Called by lib/ with validated,
+// contiguous CUDA tensors and preallocated outputs; each launcher only launches (on the current stream) and checks the
+// launch.
 #pragma once
 #include <ATen/core/Tensor.h>
 

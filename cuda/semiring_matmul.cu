@@ -69,8 +69,7 @@ __global__ void matmul_grad_left_kernel(const T* __restrict__ G, const T* __rest
       const int jn = min(kTile, N - j0);
       for (int jj = 0; jj < jn; ++jj) {
         const T gij = Gs[ty][jj];
-        if (gij != T(0))
-          g += gij * S::weight(S::times(aik, Bs[tx][jj]), Cs[ty][jj], k, S::kIsMax ? Is[ty][jj] : -1);
+        if (gij != T(0)) g += gij * S::weight(S::times(aik, Bs[tx][jj]), Cs[ty][jj], k, S::kIsMax ? Is[ty][jj] : -1);
       }
       __syncthreads();
     }

@@ -117,11 +117,10 @@ Batch make_batch(const std::vector<const trellis::ConllSentence*>& sentences, co
 
 struct BiLstmCrfImpl : torch::nn::Module {
   BiLstmCrfImpl(int64_t vocabulary, int64_t labels, int64_t embedding = 64, int64_t hidden = 64)
-      : embed(register_module("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(vocabulary, embedding)
-                                                                 .padding_idx(0)))),
-        lstm(register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(embedding, hidden)
-                                                         .bidirectional(true)
-                                                         .batch_first(true)))),
+      : embed(register_module("embed",
+                              torch::nn::Embedding(torch::nn::EmbeddingOptions(vocabulary, embedding).padding_idx(0)))),
+        lstm(register_module(
+            "lstm", torch::nn::LSTM(torch::nn::LSTMOptions(embedding, hidden).bidirectional(true).batch_first(true)))),
         dropout(register_module("dropout", torch::nn::Dropout(0.3))),
         project(register_module("project", torch::nn::Linear(2 * hidden, labels))),
         crf(register_module("crf", trellis::nn::CRF(labels))) {}
@@ -130,7 +129,7 @@ struct BiLstmCrfImpl : torch::nn::Module {
   // last word rather than in the padding.
   torch::Tensor emissions(const Batch& b) {
     const auto packed = torch::nn::utils::rnn::pack_padded_sequence(dropout(embed(b.words)), b.lengths,
-                                                                     /*batch_first=*/true, /*enforce_sorted=*/false);
+                                                                    /*batch_first=*/true, /*enforce_sorted=*/false);
     const torch::Tensor states = std::get<0>(torch::nn::utils::rnn::pad_packed_sequence(
         std::get<0>(lstm->forward_with_packed_input(packed)), /*batch_first=*/true, /*padding_value=*/0.0,
         /*total_length=*/b.words.size(1)));
@@ -153,7 +152,8 @@ std::vector<std::vector<const trellis::ConllSentence*>> batches(const trellis::C
   std::vector<std::vector<const trellis::ConllSentence*>> out;
   for (std::size_t i = 0; i < order.size(); i += size) {
     out.emplace_back();
-    for (std::size_t j = i; j < std::min(order.size(), i + size); ++j) out.back().push_back(&corpus.sentences[order[j]]);
+    for (std::size_t j = i; j < std::min(order.size(), i + size); ++j)
+      out.back().push_back(&corpus.sentences[order[j]]);
   }
   return out;
 }
@@ -201,7 +201,8 @@ int main(int argc, char** argv) {
     std::vector<std::size_t> dev_order(dev.sentences.size());
     std::iota(dev_order.begin(), dev_order.end(), 0);
     std::vector<Batch> dev_batches;
-    for (const auto& sentences : batches(dev, dev_order, 64)) dev_batches.push_back(make_batch(sentences, vocab, device));
+    for (const auto& sentences : batches(dev, dev_order, 64))
+      dev_batches.push_back(make_batch(sentences, vocab, device));
 
     BiLstmCrf model(int64_t(vocab.words.size()), int64_t(vocab.label_names.size()));
     model->to(device);
@@ -251,7 +252,8 @@ int main(int argc, char** argv) {
     torch::NoGradGuard no_grad;
     const torch::Tensor path = loaded->decode(make_batch({&sentence}, vocab, device)).cpu();
     for (std::size_t t = 0; t < sentence.rows.size(); ++t)
-      std::printf("%s/%s ", sentence.rows[t][0].c_str(), vocab.label_names[path[0][int64_t(t)].item<int64_t>()].c_str());
+      std::printf("%s/%s ", sentence.rows[t][0].c_str(),
+                  vocab.label_names[path[0][int64_t(t)].item<int64_t>()].c_str());
     std::printf("\n");
 
     if (o.check) {

@@ -9,10 +9,10 @@ int main() {
   const auto log = [](std::initializer_list<double> v, std::vector<int64_t> shape) {
     return at::tensor(std::vector<double>(v), at::kDouble).view(shape).log();
   };
-  trellis::CategoricalHMM hmm{log({0.8, 0.2}, {2}),                                // start: HOT, COLD
-                              log({0.6, 0.4, 0.5, 0.5}, {2, 2}),                   // transitions
-                              log({0.2, 0.4, 0.4, 0.5, 0.4, 0.1}, {2, 3})};        // P(1,2,3 ice creams | state)
-  const std::vector<int64_t> eaten{3, 1, 3, 3, 2, 1, 1};                           // observed, 1-based
+  trellis::CategoricalHMM hmm{log({0.8, 0.2}, {2}),                          // start: HOT, COLD
+                              log({0.6, 0.4, 0.5, 0.5}, {2, 2}),             // transitions
+                              log({0.2, 0.4, 0.4, 0.5, 0.4, 0.1}, {2, 3})};  // P(1,2,3 ice creams | state)
+  const std::vector<int64_t> eaten{3, 1, 3, 3, 2, 1, 1};                     // observed, 1-based
   at::Tensor obs = at::tensor(eaten, at::kLong).view({1, -1}) - 1;
 
   const trellis::ViterbiResult best = trellis::viterbi(hmm, obs);

@@ -59,9 +59,7 @@ TEST_P(ChainRoutes, MatchesEnumeration) {
     const Enumeration e = enumerate(ref, b);
     const int64_t L = ref.lengths[b].item<int64_t>();
     switch (c.quantity) {
-      case ChainQuantity::kLogPartition:
-        EXPECT_NEAR(log_partition(p)[b].item<double>(), e.log_partition(), tol);
-        break;
+      case ChainQuantity::kLogPartition: EXPECT_NEAR(log_partition(p)[b].item<double>(), e.log_partition(), tol); break;
       case ChainQuantity::kLogLikelihood: {
         double gold = 0;
         for (std::size_t i = 0; i < e.paths.size(); ++i) {

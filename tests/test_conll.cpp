@@ -141,7 +141,9 @@ TEST(Conll, AcceptsCrlfLineEndings) {
 }
 
 TEST(Conll, SkipsLeadingBom) {
-  const auto corpus = parse("\xEF\xBB\xBF" "a A\nb B\n");
+  const auto corpus = parse(
+      "\xEF\xBB\xBF"
+      "a A\nb B\n");
   ASSERT_EQ(corpus.sentences.size(), 1u);
   EXPECT_EQ(corpus.sentences[0].rows, (Rows{{"a", "A"}, {"b", "B"}}));
 
@@ -192,11 +194,11 @@ TEST(Conll, InvalidUtf8NamesLineAndColumn) {
   EXPECT_EQ(line, 2u);
   EXPECT_EQ(what, "test.txt:2: invalid UTF-8 byte at column 3");
 
-  EXPECT_EQ(parse_error("caf\xC3 x\n").first, "test.txt:1: invalid UTF-8 byte at column 4");     // truncated
-  EXPECT_EQ(parse_error("x \xC0\x80\n").first, "test.txt:1: invalid UTF-8 byte at column 3");     // overlong
-  EXPECT_EQ(parse_error("x \xED\xA0\x80\n").first, "test.txt:1: invalid UTF-8 byte at column 3"); // surrogate
+  EXPECT_EQ(parse_error("caf\xC3 x\n").first, "test.txt:1: invalid UTF-8 byte at column 4");           // truncated
+  EXPECT_EQ(parse_error("x \xC0\x80\n").first, "test.txt:1: invalid UTF-8 byte at column 3");          // overlong
+  EXPECT_EQ(parse_error("x \xED\xA0\x80\n").first, "test.txt:1: invalid UTF-8 byte at column 3");      // surrogate
   EXPECT_EQ(parse_error("x \xF4\x90\x80\x80\n").first, "test.txt:1: invalid UTF-8 byte at column 3");  // > U+10FFFF
-  EXPECT_EQ(parse_error("x \xE6\x97\n").first, "test.txt:1: invalid UTF-8 byte at column 3");     // cut at line end
+  EXPECT_EQ(parse_error("x \xE6\x97\n").first, "test.txt:1: invalid UTF-8 byte at column 3");  // cut at line end
 
   const auto valid = parse("caf\xC3\xA9 \xE6\x97\xA5\xE6\x9C\xAC \xF0\x9F\x98\x80\n");
   EXPECT_EQ(valid.sentences[0].rows, (Rows{{"caf\xC3\xA9", "\xE6\x97\xA5\xE6\x9C\xAC", "\xF0\x9F\x98\x80"}}));

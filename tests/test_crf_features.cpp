@@ -25,7 +25,8 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST(CrfppTemplate, ExpandsMacrosWithCrfppBoundaryNames) {
-  const auto fx = crfpp_template_features("# unigrams\nU00:%x[-1,0]\n\nU01:%x[0,1]/%x[1,0]\r\nU02:%x[-2,0]%x[2,1]\nB\n");
+  const auto fx =
+      crfpp_template_features("# unigrams\nU00:%x[-1,0]\n\nU01:%x[0,1]/%x[1,0]\r\nU02:%x[-2,0]%x[2,1]\nB\n");
   const TokenRows rows{{"a", "X"}, {"b", "Y"}};
   EXPECT_EQ(features(*fx, rows, 0), (std::vector<std::string>{"U00:_B-1", "U01:X/b", "U02:_B-2_B+1"}));
   EXPECT_EQ(features(*fx, rows, 1), (std::vector<std::string>{"U00:a", "U01:Y/_B+1", "U02:_B-1_B+2"}));

@@ -13,7 +13,7 @@
 #include "trellis/train/crf_train.h"
 #include "trellis/error.h"
 #include "../lib/src/train/encoded_batch.h"  // private to the library: CrfTagger::encode
-#include "../lib/src/train/owlqn.h"  // internal optimiser, tested on its own
+#include "../lib/src/train/owlqn.h"          // internal optimiser, tested on its own
 
 using namespace trellis;
 
@@ -21,7 +21,8 @@ namespace {
 
 // A toy chunking task whose labels follow from word and neighbour: determiners open NPs, nouns continue them.
 LabeledSentences toy_corpus(int sentences, uint64_t seed) {
-  const std::vector<std::string> dets{"the", "a", "this"}, nouns{"cat", "dog", "idea", "car"}, verbs{"runs", "sees", "is"};
+  const std::vector<std::string> dets{"the", "a", "this"}, nouns{"cat", "dog", "idea", "car"},
+      verbs{"runs", "sees", "is"};
   std::mt19937_64 rng(seed);
   LabeledSentences d;
   d.source = "toy";
@@ -52,7 +53,9 @@ std::vector<const TokenRows*> pointers(const LabeledSentences& d) {
   return p;
 }
 
-std::string temp_path(const std::string& name) { return ::testing::TempDir() + name + "." + std::to_string(::getpid()); }
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + name + "." + std::to_string(::getpid());
+}
 
 CrfTagger train_toy(CrfTrainSummary* summary = nullptr, int iterations = 30) {
   CrfTrainOptions o;
@@ -71,8 +74,8 @@ TEST(CrfTagger, LearnsAToyChunkingTaskAndReportsProgress) {
   o.max_iterations = 30;
   o.c2 = 0.01;
   const LabeledSentences train = toy_corpus(60, 1), dev = toy_corpus(20, 2);
-  const CrfTagger m = train_crf(train, &dev, builtin_features(), o,
-                                [&](const CrfIteration& it) { objective.push_back(it.objective); }, &summary);
+  const CrfTagger m = train_crf(
+      train, &dev, builtin_features(), o, [&](const CrfIteration& it) { objective.push_back(it.objective); }, &summary);
   ASSERT_GE(objective.size(), 2u);
   EXPECT_LT(objective.back(), objective.front());
   EXPECT_EQ(summary.best_dev_f1.value_or(0), 100.0);
@@ -205,8 +208,9 @@ TEST(CrfTagger, MinibatchOptimisersLearnTheToyTask) {
     o.seed = 3;
     std::vector<double> objective;
     CrfTrainSummary summary;
-    train_crf(train, &dev, builtin_features(), o, [&](const CrfIteration& it) { objective.push_back(it.objective); },
-              &summary);
+    train_crf(
+        train, &dev, builtin_features(), o, [&](const CrfIteration& it) { objective.push_back(it.objective); },
+        &summary);
     EXPECT_LT(objective.back(), objective.front()) << algorithm;
     EXPECT_EQ(summary.best_dev_f1.value_or(0), 100.0) << algorithm;
   }
@@ -250,8 +254,9 @@ TEST(CrfTagger, L1TrainingWithOwlQnGivesASparseModelThatStillLearns) {
   std::vector<double> objective;
   CrfTrainSummary summary;
   // No dev set: the model is the last iterate, not the first that scored best.
-  const CrfTagger m = train_crf(train, nullptr, builtin_features(), o,
-                                [&](const CrfIteration& it) { objective.push_back(it.objective); }, &summary);
+  const CrfTagger m = train_crf(
+      train, nullptr, builtin_features(), o, [&](const CrfIteration& it) { objective.push_back(it.objective); },
+      &summary);
   for (std::size_t i = 1; i < objective.size(); ++i) EXPECT_LE(objective[i], objective[i - 1]);
   const auto tagged = m.tag(pointers(dev));
   for (std::size_t s = 0; s < tagged.size(); ++s) EXPECT_EQ(tagged[s].labels, dev.labels[s]);
@@ -373,7 +378,8 @@ TEST(CrfTagger, ModelsOfTheFirstFormatStillLoad) {
   const uint32_t v1 = 1;
   std::memcpy(&bytes[8], &v1, sizeof v1);
   const std::size_t layout_at = 8 + 4 + 8, layout_bytes = 8 * (2 + m.input_columns());
-  bytes = with_checksum(bytes.substr(0, layout_at) + bytes.substr(layout_at + layout_bytes, bytes.size() - layout_at - layout_bytes - 8));
+  bytes = with_checksum(bytes.substr(0, layout_at) +
+                        bytes.substr(layout_at + layout_bytes, bytes.size() - layout_at - layout_bytes - 8));
   write_bytes(path, bytes);
   const CrfTagger l = CrfTagger::load(path);
   EXPECT_EQ(l.layout().describe(), "3 columns: inputs 0,1, label 2");
@@ -421,7 +427,8 @@ TEST(CrfTagger, ASentenceThatNoLabelSequenceCanTakeIsAnError) {
     m.tag(pointers(dev), true);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sentence 0: the model allows no label sequence"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sentence 0: the model allows no label sequence"), std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(m.tag_kbest(pointers(dev), 2), Error);
 }

@@ -26,8 +26,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Random sentences of min_length to max_length tokens over `vocabulary` words ("w0", "w1", ...); each word leans to
 // one label (the rest are drawn at random), so the weights are far from 0. With `tag_column`, a second input column
 // holds a coarse class of the word.
-LabeledSentences random_sentences(int sentences, uint64_t seed, uint64_t vocabulary, const std::vector<std::string>& labels,
-                                  int min_length, int max_length, bool tag_column) {
+LabeledSentences random_sentences(int sentences, uint64_t seed, uint64_t vocabulary,
+                                  const std::vector<std::string>& labels, int min_length, int max_length,
+                                  bool tag_column) {
   std::mt19937_64 rng(seed);
   LabeledSentences d;
   d.source = "random";
@@ -64,9 +65,7 @@ LabeledSentences repeated_sentence(int copies) {
 }
 
 // Few features, so that the float32 trainer can get close to the optimum.
-std::unique_ptr<FeatureExtractor> small_features() {
-  return crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nB\n");
-}
+std::unique_ptr<FeatureExtractor> small_features() { return crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nB\n"); }
 
 std::vector<at::Tensor> float64_parameters(const CrfTagger& m) {
   std::vector<at::Tensor> p;
@@ -235,7 +234,8 @@ TEST(CrfTrain, ConvergedIsTrueWhenTheToleranceTestStops) {
 TEST(CrfTrain, EarlyStoppingCountsAsConverged) {
   const LabeledSentences train = random_corpus(30, 3), dev = random_corpus(10, 4);
   CrfTrainOptions o;
-  o.algorithm = CrfAlgorithm::Sgd;  // no line search: only early stopping can end it before max_iterations (tolerance 0)
+  o.algorithm =
+      CrfAlgorithm::Sgd;  // no line search: only early stopping can end it before max_iterations (tolerance 0)
   o.learning_rate = 0.05;
   o.batch_size = 4;
   o.tolerance = 0;
@@ -258,8 +258,8 @@ TEST(CrfTrain, FullBatchOptimumIsAStationaryPointOfTheL2Objective) {
   o.max_iterations = 1000;
   double last_objective = 0;
   CrfTrainSummary summary;
-  CrfTagger m = train_crf(train, nullptr, small_features(), o,
-                          [&](const CrfIteration& it) { last_objective = it.objective; }, &summary);
+  CrfTagger m = train_crf(
+      train, nullptr, small_features(), o, [&](const CrfIteration& it) { last_objective = it.objective; }, &summary);
   ASSERT_TRUE(summary.converged);
   const std::vector<at::Tensor> theta = float64_parameters(m);
   std::vector<at::Tensor> gradient;
@@ -318,12 +318,12 @@ TEST(CrfTrain, FullBatchTrainingIsIndependentOfTheThreadCount) {
       o.threads = threads;
       o.max_iterations = 4;
       objectives.emplace_back(), norms.emplace_back();
-      const CrfTagger m = train_crf(
-          train, nullptr, crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nU02:%x[1,0]\nU03:%x[0,1]\nB\n"), o,
-          [&](const CrfIteration& it) {
-            objectives.back().push_back(it.objective);
-            norms.back().push_back(it.gradient_norm);
-          });
+      const CrfTagger m =
+          train_crf(train, nullptr, crfpp_template_features("U00:%x[0,0]\nU01:%x[-1,0]\nU02:%x[1,0]\nU03:%x[0,1]\nB\n"),
+                    o, [&](const CrfIteration& it) {
+                      objectives.back().push_back(it.objective);
+                      norms.back().push_back(it.gradient_norm);
+                    });
       weights.push_back(m.parameters());
     }
     at::set_num_threads(threads_before);
@@ -333,8 +333,8 @@ TEST(CrfTrain, FullBatchTrainingIsIndependentOfTheThreadCount) {
       EXPECT_EQ(objectives[k], objectives[0]) << "c1 " << c1 << ", " << k + 1 << " threads";
       EXPECT_EQ(norms[k], norms[0]) << "c1 " << c1 << ", " << k + 1 << " threads";
       for (std::size_t i = 0; i < weights[0].size(); ++i)
-        EXPECT_TRUE(at::equal(weights[k][i], weights[0][i])) << "c1 " << c1 << ", parameter " << i << ", " << k + 1
-                                                             << " threads";
+        EXPECT_TRUE(at::equal(weights[k][i], weights[0][i]))
+            << "c1 " << c1 << ", parameter " << i << ", " << k + 1 << " threads";
     }
   }
 }

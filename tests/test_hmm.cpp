@@ -10,8 +10,8 @@ using namespace trellis::testing;
 namespace {
 
 // log P(observations[b]) by enumerating every state sequence in probability space (float64).
-double brute_log_likelihood(const CategoricalHMM& m, const at::Tensor& obs, int64_t b, int64_t T, double* best = nullptr,
-                            std::vector<int64_t>* best_path = nullptr) {
+double brute_log_likelihood(const CategoricalHMM& m, const at::Tensor& obs, int64_t b, int64_t T,
+                            double* best = nullptr, std::vector<int64_t>* best_path = nullptr) {
   const at::Tensor pi = m.log_start.exp(), A = m.log_transitions.exp(), E = m.log_emissions.exp();
   const int64_t K = m.num_states();
   std::vector<int64_t> s(T, 0);
@@ -140,7 +140,8 @@ TEST(HMM, BaumWelchStepEqualsEnumeratedExpectedCountsAndNeverDecreases) {
   const HMMSample data = sample(CategoricalHMM::random(3, 5, 6), 50, 20, 20, 7);
   const auto r = baum_welch(CategoricalHMM::random(3, 5, 8), data.observations, {}, {50, 1e-8, {0.0}});
   ASSERT_GT(r.log_likelihood.size(), 3u);
-  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-9);
+  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i)
+    EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-9);
 }
 
 TEST(HMM, ObservationOutsideVocabularyIsAnErrorNamingItsPosition) {
@@ -235,7 +236,8 @@ TEST(HMMCuda, MatchesCpu) {
   const Data d = random_observations(8, 12, 7);
   const at::Device cuda(at::kCUDA);
   const CategoricalHMM g{m.log_start.to(cuda), m.log_transitions.to(cuda), m.log_emissions.to(cuda)};
-  expect_close(log_likelihood(g, d.obs.to(cuda), d.lengths.to(cuda)), log_likelihood(m, d.obs, d.lengths), 1e-10, 1e-10);
+  expect_close(log_likelihood(g, d.obs.to(cuda), d.lengths.to(cuda)), log_likelihood(m, d.obs, d.lengths), 1e-10,
+               1e-10);
   expect_close(posteriors(g, d.obs.to(cuda), d.lengths), posteriors(m, d.obs, d.lengths), 1e-10, 1e-10);
   EXPECT_TRUE(at::equal(viterbi(g, d.obs.to(cuda), d.lengths).path.cpu(), viterbi(m, d.obs, d.lengths).path));
 }
@@ -260,7 +262,8 @@ TEST(GaussianHMM, LogLikelihoodAndViterbiMatchEnumeration) {
   const at::Tensor scores = m.emission_scores(x, lengths);
   for (int64_t b = 0; b < 4; ++b)
     for (int64_t t = 0; t < lengths[b].item<int64_t>(); ++t)
-      for (int64_t k = 0; k < 3; ++k) EXPECT_NEAR(scores[b][t][k].item<double>(), gaussian_log_density(m, x[b][t], k), 1e-10);
+      for (int64_t k = 0; k < 3; ++k)
+        EXPECT_NEAR(scores[b][t][k].item<double>(), gaussian_log_density(m, x[b][t], k), 1e-10);
   const at::Tensor ll = log_likelihood(m, x, lengths);
   const ViterbiResult v = viterbi(m, x, lengths);
   const ChainPotentials p = m.potentials(x, lengths);
@@ -268,7 +271,8 @@ TEST(GaussianHMM, LogLikelihoodAndViterbiMatchEnumeration) {
     const Enumeration e = enumerate(p, b);
     EXPECT_NEAR(ll[b].item<double>(), e.log_partition(), 1e-10);
     EXPECT_NEAR(v.score[b].item<double>(), e.scores[e.best()], 1e-10);
-    for (std::size_t t = 0; t < e.paths[e.best()].size(); ++t) EXPECT_EQ(v.path[b][t].item<int64_t>(), e.paths[e.best()][t]);
+    for (std::size_t t = 0; t < e.paths[e.best()].size(); ++t)
+      EXPECT_EQ(v.path[b][t].item<int64_t>(), e.paths[e.best()][t]);
   }
 }
 
@@ -276,8 +280,9 @@ TEST(GaussianHMM, EStepMatchesEnumerationAndMStepIsHmmlearnsUpdate) {
   const GaussianHMM m = GaussianHMM::random(2, 3, 22);
   const at::Tensor x = randn({3, 4, 3}, at::kDouble, 2.0), lengths = at::tensor({4, 2, 3}, at::kLong);
   const ChainPotentials p = m.potentials(x, lengths);
-  at::Tensor start = at::zeros({2}, at::kDouble), trans = at::zeros({2, 2}, at::kDouble), w = at::zeros({2}, at::kDouble),
-             first = at::zeros({2, 3}, at::kDouble), second = at::zeros({2, 3}, at::kDouble);
+  at::Tensor start = at::zeros({2}, at::kDouble), trans = at::zeros({2, 2}, at::kDouble),
+             w = at::zeros({2}, at::kDouble), first = at::zeros({2, 3}, at::kDouble),
+             second = at::zeros({2, 3}, at::kDouble);
   double total = 0;
   for (int64_t b = 0; b < 3; ++b) {
     const Enumeration e = enumerate(p, b);
@@ -323,7 +328,8 @@ TEST(GaussianHMM, SamplesRecoverTheModelAndEmNeverDecreases) {
   const HMMSample small = sample(m, 30, 5, 25, 25);
   const auto r = baum_welch(GaussianHMM::random(3, 2, 26), small.observations, small.lengths, {30, 1e-9, {}});
   ASSERT_GT(r.log_likelihood.size(), 3u);
-  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i) EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-7);
+  for (std::size_t i = 1; i < r.log_likelihood.size(); ++i)
+    EXPECT_GE(r.log_likelihood[i], r.log_likelihood[i - 1] - 1e-7);
 }
 
 TEST(HMMCuda, ManyStatesFloat32LongSequences) {
@@ -422,7 +428,8 @@ TEST_P(HMMRoutes, MatchEnumeration) {
   // The reference: posteriors, log-likelihoods and expected counts by enumerating every state sequence.
   const int64_t B = 6, T = 6, K = 4, V = 5;
   at::Tensor ll = at::zeros({B}, at::kDouble), nodes = at::zeros({B, T, K}, at::kDouble);
-  at::Tensor start = at::zeros({K}, at::kDouble), trans = at::zeros({K, K}, at::kDouble), emit = at::zeros({K, V}, at::kDouble);
+  at::Tensor start = at::zeros({K}, at::kDouble), trans = at::zeros({K, K}, at::kDouble),
+             emit = at::zeros({K, V}, at::kDouble);
   const ChainPotentials p = m.potentials(d.obs, d.lengths);
   for (int64_t b = 0; b < B; ++b) {
     const Enumeration e = enumerate(p, b);

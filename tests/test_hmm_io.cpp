@@ -15,9 +15,7 @@ using namespace trellis::testing;
 
 namespace {
 
-std::string scratch(const std::string& name) {
-  return "/tmp/trellis_test_" + std::to_string(::getpid()) + "_" + name;
-}
+std::string scratch(const std::string& name) { return "/tmp/trellis_test_" + std::to_string(::getpid()) + "_" + name; }
 
 std::string contents(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -178,7 +176,8 @@ TEST(HMMFiles, FitOptionsOutOfRangeAreErrorsBeforeAnyWork) {
   fit_with([](HMMFitOptions& f) { f.em.max_iterations = -1; }, "--max-iterations must be >= 1, not -1");
   fit_with([](HMMFitOptions& f) { f.restarts = 0; }, "--restarts must be >= 1");
   fit_with([](HMMFitOptions& f) { f.em.tolerance = -1; }, "--tolerance must be a finite number >= 0");
-  fit_with([](HMMFitOptions& f) { f.em.m_step.covars_prior = std::nan(""); }, "--covars-prior must be a finite number > 0");
+  fit_with([](HMMFitOptions& f) { f.em.m_step.covars_prior = std::nan(""); },
+           "--covars-prior must be a finite number > 0");
   fit_with([](HMMFitOptions& f) { f.states = -1; }, "--states must be >= 1, not -1");
   fit_with([](HMMFitOptions& f) { f.states = int64_t(1) << 40; }, "more than this machine's");
   fit_with(
@@ -205,7 +204,8 @@ TEST(Vocabulary, RareWordsTrainSuffixClassesThatUnknownWordsBackOffTo) {
   EXPECT_EQ(class_chain("<unk-lc-~ng>"), (Strings{"<unk-lc>", "<unk-lc-~g>", "<unk-lc-~ng>"}));
   EXPECT_EQ(class_chain("<unk-num>"), Strings{"<unk-num>"});
 
-  const Vocabulary v = Vocabulary::build({"the", "the", "Running", "cats", "cats", "42"}, 2, Vocabulary::Unknown::signatures);
+  const Vocabulary v =
+      Vocabulary::build({"the", "the", "Running", "cats", "cats", "42"}, 2, Vocabulary::Unknown::signatures);
   const auto symbol = [&](const std::string& w) { return v.symbols().at(v.id(w)); };
   EXPECT_TRUE(v.known("the"));
   EXPECT_TRUE(v.known("cats"));  // seen twice: its own id, and rare enough to teach its classes
@@ -239,14 +239,14 @@ TEST(Vocabulary, TaggerEmissionsGiveUnknownWordsTheTagsOfRareWordsLikeThem) {
   expect_close(e.exp().sum(1), at::ones({2}, at::kDouble), 1e-12, 1e-12);  // rows are distributions
   EXPECT_FALSE(at::isnan(e).any().item<bool>());
   const auto score = [&](const std::string& w) { return e.select(1, v.id(w)); };
-  EXPECT_GT(score("jumping")[0].item<double>(), score("jumping")[1].item<double>());   // like walking, singing
-  EXPECT_GT(score("station")[1].item<double>(), score("station")[0].item<double>());   // like nation, motion
-  EXPECT_GT(score("talking")[0].item<double>(), score("talking")[1].item<double>());   // seen twice: a word
+  EXPECT_GT(score("jumping")[0].item<double>(), score("jumping")[1].item<double>());  // like walking, singing
+  EXPECT_GT(score("station")[1].item<double>(), score("station")[0].item<double>());  // like nation, motion
+  EXPECT_GT(score("talking")[0].item<double>(), score("talking")[1].item<double>());  // seen twice: a word
   // Without classes: plain additive smoothing.
   const std::vector<std::string> plain{"a", "b"};
   const at::Tensor c = at::tensor({3.0, 1.0, 0.0, 2.0}, at::kDouble).view({2, 2});
-  expect_close(tagger_log_emissions(c, plain, 1.0).exp(), at::tensor({4.0 / 6, 2.0 / 6, 0.25, 0.75}, at::kDouble).view({2, 2}),
-               1e-12, 1e-12);
+  expect_close(tagger_log_emissions(c, plain, 1.0).exp(),
+               at::tensor({4.0 / 6, 2.0 / 6, 0.25, 0.75}, at::kDouble).view({2, 2}), 1e-12, 1e-12);
 }
 
 TEST(HMMCuda, GaussianAndLargeKMatchCpu) {
@@ -255,8 +255,8 @@ TEST(HMMCuda, GaussianAndLargeKMatchCpu) {
   const GaussianHMM g = GaussianHMM::random(6, 5, 30);
   const HMMSample s = sample(g, 16, 1, 40, 31);
   const auto gc = g.to(at::TensorOptions().device(cuda));
-  expect_close(log_likelihood(gc, s.observations.to(cuda), s.lengths).cpu(), log_likelihood(g, s.observations, s.lengths),
-               1e-9, 1e-9);
+  expect_close(log_likelihood(gc, s.observations.to(cuda), s.lengths).cpu(),
+               log_likelihood(g, s.observations, s.lengths), 1e-9, 1e-9);
   expect_close(posteriors(gc, s.observations.to(cuda), s.lengths).cpu(), posteriors(g, s.observations, s.lengths), 1e-9,
                1e-9);
   for (int64_t K : {64, 300}) {
@@ -267,7 +267,8 @@ TEST(HMMCuda, GaussianAndLargeKMatchCpu) {
       const double tol = dtype == at::kDouble ? 1e-9 : 1e-3;
       expect_close(log_likelihood(mc, c.observations.to(cuda), c.lengths).cpu().to(at::kDouble),
                    log_likelihood(m, c.observations, c.lengths), tol, tol);
-      const ViterbiResult a = viterbi(mc, c.observations.to(cuda), c.lengths), b = viterbi(m, c.observations, c.lengths);
+      const ViterbiResult a = viterbi(mc, c.observations.to(cuda), c.lengths),
+                          b = viterbi(m, c.observations, c.lengths);
       expect_close(a.score.cpu().to(at::kDouble), b.score, tol, tol);
       if (dtype == at::kDouble) EXPECT_TRUE(at::equal(a.path.cpu(), b.path));
     }

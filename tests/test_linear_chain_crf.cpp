@@ -25,7 +25,8 @@ at::Tensor brute_log_partition(const ChainPotentials& p) {
 // Node [B,T,K] and edge [B,T-1,K,K] marginals by enumeration.
 std::pair<at::Tensor, at::Tensor> brute_marginals(const ChainPotentials& p) {
   const int64_t B = p.emissions.size(0), T = p.emissions.size(1), K = p.emissions.size(2);
-  at::Tensor nodes = at::zeros({B, T, K}, at::kDouble), edges = at::zeros({B, std::max<int64_t>(T - 1, 0), K, K}, at::kDouble);
+  at::Tensor nodes = at::zeros({B, T, K}, at::kDouble),
+             edges = at::zeros({B, std::max<int64_t>(T - 1, 0), K, K}, at::kDouble);
   for (int64_t b = 0; b < B; ++b) {
     const Enumeration e = enumerate(p, b);
     const double z = e.log_partition();
@@ -145,7 +146,8 @@ TEST(LinearChainCRF, ViterbiScoreGradientIsTheBestPathIndicator) {
   expect_close(p.emissions.grad(), at::one_hot(v.path.clamp_min(0), 4).to(at::kDouble) * mask, 0, 0);
   at::Tensor counts = at::zeros({4, 4}, at::kDouble);
   for (int64_t b = 0; b < 5; ++b)
-    for (int64_t t = 1; t < length_of(p, b); ++t) counts[v.path[b][t - 1].item<int64_t>()][v.path[b][t].item<int64_t>()] += 1;
+    for (int64_t t = 1; t < length_of(p, b); ++t)
+      counts[v.path[b][t - 1].item<int64_t>()][v.path[b][t].item<int64_t>()] += 1;
   expect_close(p.transitions.grad(), counts, 0, 0);
 }
 
@@ -524,8 +526,8 @@ TEST(LinearChainCRFCuda, ManyLabelsScaledPathMatchesCpu) {
   // blocks; inputs up to ±1e3, where many outputs take the exact log-space fallback; masked transitions; float32 and
   // float64. Past 32 sequences the fused chain kernels take over (B=40).
   const at::Device cuda(at::kCUDA);
-  for (auto [B, K] : {std::pair<int64_t, int64_t>{1, 130}, {2, 1024}, {3, 256}, {5, 150}, {13, 512}, {20, 1032},
-                      {40, 200}})
+  for (auto [B, K] :
+       {std::pair<int64_t, int64_t>{1, 130}, {2, 1024}, {3, 256}, {5, 150}, {13, 512}, {20, 1032}, {40, 200}})
     for (double scale : {1.0, 1e3})
       for (auto dtype : {at::kFloat, at::kDouble}) {
         SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
@@ -552,8 +554,8 @@ TEST(LinearChainCRFCuda, ManyLabelsFusedChainMatchesCpu) {
   // one-block kernel's limit), sequence groups cut short by B, ragged lengths, masked transitions, and inputs up to
   // ±1e3, where columns take the exact log-space path in both directions. Against the CPU float64 path.
   const at::Device cuda(at::kCUDA);
-  for (auto [B, K, dtype] : {std::tuple{7, 180, at::kFloat}, {6, 256, at::kFloat}, {5, 400, at::kFloat},
-                             {3, 150, at::kDouble}})
+  for (auto [B, K, dtype] :
+       {std::tuple{7, 180, at::kFloat}, {6, 256, at::kFloat}, {5, 400, at::kFloat}, {3, 150, at::kDouble}})
     for (double scale : {1.0, 1e3}) {
       SCOPED_TRACE(c10::str("B=", B, " K=", K, " scale=", scale, " ", dtype));
       const ChainPotentials p = scaled_masked_chain(B, 9, K, scale);

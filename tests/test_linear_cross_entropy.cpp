@@ -93,8 +93,8 @@ std::string describe(const Case& c) {
 void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = false,
                 std::optional<int64_t> chunk_bytes = std::nullopt, std::array<bool, 3> want = {true, true, true},
                 int64_t memory_budget = -1) {
-  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute, " chunk_bytes=",
-                        chunk_bytes.value_or(five_rows(c)), " want=", want[0], want[1], want[2],
+  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute,
+                        " chunk_bytes=", chunk_bytes.value_or(five_rows(c)), " want=", want[0], want[1], want[2],
                         " memory_budget=", memory_budget));
   Inputs in = random_inputs(c, device);
   const std::array<at::Tensor*, 3> inputs = {&in.x, &in.w, &in.b};
@@ -129,8 +129,8 @@ void check_case(const Case& c, at::Device device = at::kCPU, bool recompute = fa
 // Everything without gradients against the reference: token log-probabilities with and without the entropy, each
 // row's log-sum-exp, and the loss (c.reduction) under NoGradGuard.
 void check_rows(const Case& c, at::Device device, bool recompute, std::optional<int64_t> chunk_bytes = std::nullopt) {
-  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute, " chunk_bytes=",
-                        chunk_bytes.value_or(five_rows(c))));
+  SCOPED_TRACE(c10::str(describe(c), " ", device, " recompute=", recompute,
+                        " chunk_bytes=", chunk_bytes.value_or(five_rows(c))));
   const Inputs in = random_inputs(c, device);
   HeadOptions h = head_of(in, c, chunk_bytes.value_or(five_rows(c)));
   h.recompute_logits = recompute;
@@ -318,7 +318,8 @@ TEST(LinearCrossEntropy, Int32TargetsAndNonContiguousWeights) {
 }
 
 TEST(LinearCrossEntropy, EveryTargetIgnoredGivesZeroGradients) {
-  const at::Tensor x = at::randn({5, 4}, at::kDouble).requires_grad_(), w = at::randn({7, 4}, at::kDouble).requires_grad_();
+  const at::Tensor x = at::randn({5, 4}, at::kDouble).requires_grad_(),
+                   w = at::randn({7, 4}, at::kDouble).requires_grad_();
   const at::Tensor loss = linear_cross_entropy(x, w, at::full({5}, -100, at::kLong));
   EXPECT_TRUE(loss.isnan().item<bool>());
   loss.backward();
@@ -333,8 +334,9 @@ TEST(LinearCrossEntropy, LeadingDimensionsAndEveryTargetIgnored) {
   LossOptions none{Reduction::none, 0, 0};
   const at::Tensor rows = linear_cross_entropy(x, w, t, {}, none);
   ASSERT_EQ(rows.sizes(), t.sizes());
-  expect_close(rows.view({-1}), reference_loss({x.view({12, 6}), w, {}, t.view({-1})},
-                                               {12, 6, 11, at::kDouble, false, std::nullopt, 0, 0, Reduction::none, false}));
+  expect_close(rows.view({-1}),
+               reference_loss({x.view({12, 6}), w, {}, t.view({-1})},
+                              {12, 6, 11, at::kDouble, false, std::nullopt, 0, 0, Reduction::none, false}));
   const at::Tensor mean = linear_cross_entropy(x, w, at::full({3, 4}, -100, at::kLong));
   EXPECT_TRUE(mean.isnan().item<bool>()) << "the mean over no tokens is NaN, as in PyTorch";
 }
@@ -540,7 +542,8 @@ TEST(LinearCrossEntropyCuda, MemoryBudgetIsRespected) {
 // Small shapes for compute-sanitizer: scripts/gpu_check.sh runs LinearCrossEntropySmallCuda.* under memcheck, racecheck
 // and synccheck, where the tests above take too long. Together they launch every head kernel from every place the
 // library does, at a few rows and columns each (the comments name the kernels of cuda/linear_head.cu and
-// cuda/linear_lse_sm90.cu and the paths of lib/src/head/linear_cross_entropy.cpp that each case reaches on an H100/H200).
+// cuda/linear_lse_sm90.cu and the paths of lib/src/head/linear_cross_entropy.cpp that each case reaches on an
+// H100/H200).
 
 // The fused Hopper kernel's statistics (bfloat16/float16 with D % 8 == 0), through token_logprobs with and without the
 // entropy, linear_logsumexp (no targets) and the loss without gradients (extra sums for label smoothing): V = 1; whole

@@ -96,9 +96,7 @@ std::string read_bytes(const std::string& path) {
   return s.str();
 }
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write_bytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 template <class F>
 std::string error_of(F&& f) {
@@ -133,8 +131,8 @@ TEST(NeuralTagger, LearnsAToyTaskBeyondTheMajorityTag) {
 
   std::vector<NeuralEpoch> epochs;
   NeuralTrainSummary sum;
-  const NeuralTagger m = train_neural_tagger(train, &dev, nullptr, small_options(),
-                                             [&](const NeuralEpoch& e) { epochs.push_back(e); }, &sum);
+  const NeuralTagger m = train_neural_tagger(
+      train, &dev, nullptr, small_options(), [&](const NeuralEpoch& e) { epochs.push_back(e); }, &sum);
   ASSERT_EQ(epochs.size(), 6u);
   EXPECT_LT(epochs.back().loss, 0.5 * epochs.front().loss);
   for (const auto& e : epochs) {
@@ -263,11 +261,13 @@ TEST(NeuralTagger, CorruptTruncatedOrForeignModelFilesAreClearErrors) {
     length += std::string("word_dim=60000\n").size() - key.size();
     std::memcpy(big.data() + length_at, &length, sizeof length);
     uint64_t h = 1469598103934665603ull;
-    for (std::size_t i = 0; i + sizeof(uint64_t) < big.size(); ++i) h = (h ^ static_cast<unsigned char>(big[i])) * 1099511628211ull;
+    for (std::size_t i = 0; i + sizeof(uint64_t) < big.size(); ++i)
+      h = (h ^ static_cast<unsigned char>(big[i])) * 1099511628211ull;
     std::memcpy(big.data() + big.size() - sizeof h, &h, sizeof h);
     write_bytes(bad, big);
     what = error_of([&] { NeuralTagger::load(bad); });
-    EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (the parameters exceed the file)"), std::string::npos)
+    EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (the parameters exceed the file)"),
+              std::string::npos)
         << what;
   }
 
@@ -289,28 +289,36 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
     change(o);
     return error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); });
   };
-  EXPECT_NE(message([](auto& o) { o.encoder = "rnn"; }).find("--encoder must be bilstm, cnn or none, not 'rnn'"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.encoder = "rnn"; }).find("--encoder must be bilstm, cnn or none, not 'rnn'"),
+            std::string::npos);
   EXPECT_NE(message([](auto& o) { o.dropout = 1.5; }).find("--dropout must be in [0, 1), not 1.5"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.dropout = std::nan(""); }).find("--dropout must be in [0, 1), not nan"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.dropout = std::nan(""); }).find("--dropout must be in [0, 1), not nan"),
+            std::string::npos);
   EXPECT_NE(message([](auto& o) { o.epochs = 0; }).find("--epochs must be at least 1, not 0"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.learning_rate = -1; }).find("--lr must be a finite number > 0, not -1"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.learning_rate = -1; }).find("--lr must be a finite number > 0, not -1"),
+            std::string::npos);
   EXPECT_NE(message([](auto& o) { o.lr_decay = 0; }).find("--lr-decay must be in (0, 1], not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.char_encoder = "gru"; }).find("--char-encoder must be cnn or bilstm, not 'gru'"),
             std::string::npos);
   EXPECT_NE(message([](auto& o) { o.c2 = -1; }).find("--c2 must be a finite number >= 0, not -1"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.hidden = 0; }).find("--hidden must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.layers = 0; }).find("--layers must be at least 1, not 0"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.precision = "fp8"; }).find("--precision must be auto, bf16 or fp32, not 'fp8'"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.precision = "bf16"; }).find("--precision bf16 needs --device cuda"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.pretrained_embeddings = temp_path("no-such-vectors.txt"); }).find("no-such-vectors.txt"),
+  EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"),
             std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.precision = "fp8"; }).find("--precision must be auto, bf16 or fp32, not 'fp8'"),
+            std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.precision = "bf16"; }).find("--precision bf16 needs --device cuda"),
+            std::string::npos);
+  EXPECT_NE(
+      message([](auto& o) { o.pretrained_embeddings = temp_path("no-such-vectors.txt"); }).find("no-such-vectors.txt"),
+      std::string::npos);
   // A dev label that training never saw names the file and line.
   LabeledSentences dev = toy_corpus(2, 1, "dev.txt");
   dev.first_lines = {1, 20};
   dev.labels[1][2] = "WEIRD";
-  EXPECT_NE(error_of([&] { train_neural_tagger(train, &dev, nullptr, small_options()); })
-                .find("dev.txt:22: label 'WEIRD' does not occur in the training data"),
+  EXPECT_NE(error_of([&] {
+              train_neural_tagger(train, &dev, nullptr, small_options());
+            }).find("dev.txt:22: label 'WEIRD' does not occur in the training data"),
             std::string::npos);
 }
 
@@ -354,8 +362,9 @@ TEST(NeuralTagger, PretrainedVectorsSetTheEmbeddingSizeAndJoinTheVocabulary) {
   }());
   EXPECT_EQ(m.num_parameters(), plain.num_parameters() + 6);  // one more word: "unseenword"
   o.word_dim = 16;
-  EXPECT_NE(error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); }).find("--embedding-dim 16 differs from the 6"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); }).find("--embedding-dim 16 differs from the 6"),
+      std::string::npos);
   o.word_dim = 0;
   write_bytes(vectors, "the 1 2 3\ncat 1 2\n");
   EXPECT_NE(error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); }).find(vectors + ":2: expected 3 values"),
@@ -385,7 +394,8 @@ TEST(NeuralTagger, ChunkLabelsAreDecodedWithinTheirScheme) {
   o.epochs = 1;
   o.learning_rate = 1e-9;
   std::vector<NeuralEpoch> epochs;
-  const NeuralTagger m = train_neural_tagger(train, &train, nullptr, o, [&](const NeuralEpoch& e) { epochs.push_back(e); });
+  const NeuralTagger m =
+      train_neural_tagger(train, &train, nullptr, o, [&](const NeuralEpoch& e) { epochs.push_back(e); });
   EXPECT_NE(m.describe().find("decoding constraints: BIO"), std::string::npos) << m.describe();
   ASSERT_TRUE(epochs.at(0).dev_f1.has_value());  // chunk labels: F1 beside accuracy
   std::mt19937_64 rng(3);

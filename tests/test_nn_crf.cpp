@@ -32,12 +32,14 @@ at::Tensor all_paths(int64_t K, int64_t L) {
 at::Tensor path_scores(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                        int64_t b, int64_t L, const TransitionConstraints& allowed = {}) {
   const at::Tensor paths = all_paths(em.size(2), L);
-  const auto forbid = [](const at::Tensor& s, const at::Tensor& ok) { return ok.defined() ? s.masked_fill(~ok, -kInf) : s; };
-  const at::Tensor w = forbid(trans, allowed.transitions), s0 = forbid(start, allowed.start), sn = forbid(end, allowed.end);
+  const auto forbid = [](const at::Tensor& s, const at::Tensor& ok) {
+    return ok.defined() ? s.masked_fill(~ok, -kInf) : s;
+  };
+  const at::Tensor w = forbid(trans, allowed.transitions), s0 = forbid(start, allowed.start),
+                   sn = forbid(end, allowed.end);
   at::Tensor s = em[b].index({at::arange(L, at::kLong), paths}).sum(1) + s0.index_select(0, paths.select(1, 0)) +
                  sn.index_select(0, paths.select(1, L - 1));
-  if (L > 1)
-    s = s + w.index({paths.slice(1, 0, L - 1), paths.slice(1, 1, L)}).sum(1);
+  if (L > 1) s = s + w.index({paths.slice(1, 0, L - 1), paths.slice(1, 1, L)}).sum(1);
   return s;
 }
 
@@ -112,7 +114,8 @@ TEST(NnCrf, LogLikelihoodAndReductionsMatchEnumeration) {
     expect_close(crf(layout(em), layout(tags), layout(mask.to(at::kByte)), "token_mean"), expected.sum() / 10.0);
     // Without a mask every position is real.
     const std::vector<int64_t> full(B, T);
-    expect_close(crf(layout(em), layout(tags), at::Tensor(), "none"), brute_log_likelihood(crf, em, tags, full).detach());
+    expect_close(crf(layout(em), layout(tags), at::Tensor(), "none"),
+                 brute_log_likelihood(crf, em, tags, full).detach());
     expect_close(crf(layout(em), layout(tags), at::Tensor(), "token_mean"),
                  brute_log_likelihood(crf, em, tags, full).detach().sum() / double(B * T));
   }
@@ -143,7 +146,8 @@ TEST(NnCrf, DecodeKbestAndMarginalsMatchEnumeration) {
     ASSERT_EQ(kpaths.sizes(), at::IntArrayRef({B, 5, T}));
     for (int64_t b = 0; b < B; ++b) {
       const int64_t L = kLengths[b];
-      const at::Tensor s = path_scores(em, crf->transitions, crf->start_transitions, crf->end_transitions, b, L).detach();
+      const at::Tensor s =
+          path_scores(em, crf->transitions, crf->start_transitions, crf->end_transitions, b, L).detach();
       const at::Tensor paths = all_paths(K, L);
       const auto order = std::get<1>(s.sort(/*stable=*/true, 0, /*descending=*/true));
       EXPECT_TRUE(at::equal(path[b].slice(0, 0, L), paths[order[0]])) << "sequence " << b;
@@ -159,7 +163,8 @@ TEST(NnCrf, DecodeKbestAndMarginalsMatchEnumeration) {
         }
       }
       const at::Tensor p = (s - s.logsumexp(0)).exp();
-      at::Tensor expected_nodes = at::zeros({T, K}, at::kDouble), expected_edges = at::zeros({T - 1, K, K}, at::kDouble);
+      at::Tensor expected_nodes = at::zeros({T, K}, at::kDouble),
+                 expected_edges = at::zeros({T - 1, K, K}, at::kDouble);
       for (int64_t t = 0; t < L; ++t) expected_nodes[t].index_add_(0, paths.select(1, t), p);
       for (int64_t t = 0; t + 1 < L; ++t)
         expected_edges[t].view({-1}).index_add_(0, paths.select(1, t) * K + paths.select(1, t + 1), p);
@@ -188,7 +193,8 @@ TEST(NnCrf, ConstraintsApplyToDecodingAndLogPartitionNotTheObjective) {
     const at::Tensor s =
         path_scores(em, crf->transitions, crf->start_transitions, crf->end_transitions, b, kLengths[b], bio).detach();
     EXPECT_NEAR(best.score[b].item<double>(), s.max().item<double>(), 1e-9);
-    EXPECT_TRUE(at::equal(best.path[b].slice(0, 0, kLengths[b]), all_paths(K, kLengths[b])[s.argmax().item<int64_t>()]));
+    EXPECT_TRUE(
+        at::equal(best.path[b].slice(0, 0, kLengths[b]), all_paths(K, kLengths[b])[s.argmax().item<int64_t>()]));
     EXPECT_NE(best.path[b][0].item<int64_t>(), 2) << "I-PER first";
     EXPECT_NEAR(top.scores[b][0].item<double>(), s.max().item<double>(), 1e-9);
     EXPECT_NEAR(crf->log_partition(em, mask)[b].item<double>(), s.logsumexp(0).item<double>(), 1e-9);
@@ -281,14 +287,18 @@ TEST(NnCrf, BadInputsAreClearErrors) {
   EXPECT_NE(message([&] { crf(em, tags, empty_first); }).find("mask of the first timestep must all be on"),
             std::string::npos);
   EXPECT_NE(message([&] { crf->decode(em, hole); }).find("mask[0][3] is on after an off position"), std::string::npos);
-  EXPECT_NE(message([&] { crf(em, tags, hole.to(at::kFloat)); }).find("mask must be a bool or uint8"), std::string::npos);
+  EXPECT_NE(message([&] { crf(em, tags, hole.to(at::kFloat)); }).find("mask must be a bool or uint8"),
+            std::string::npos);
   EXPECT_NE(message([&] { crf(em, tags, hole.slice(1, 0, 3)); }).find("mask has shape"), std::string::npos);
   EXPECT_NE(message([&] { crf(em, tags, at::Tensor(), "average"); }).find("reduction must be"), std::string::npos);
   EXPECT_NE(message([&] { crf(em, tags.slice(1, 0, 3)); }).find("tags have shape"), std::string::npos);
   EXPECT_NE(message([&] { crf(em, tags.to(at::kFloat)); }).find("tags must be an integer tensor"), std::string::npos);
   EXPECT_NE(message([&] { crf(em, tags + K); }).find("is outside [0, 3)"), std::string::npos);
   EXPECT_NE(message([&] { crf(at::randn({B, T, K + 1}), tags); }).find("transitions has shape"), std::string::npos);
-  EXPECT_NE(message([&] { crf(at::randn({B, T}), tags); }).find("emissions must be a [B,T,K] tensor"), std::string::npos);
+  EXPECT_NE(message([&] {
+              crf(at::randn({B, T}), tags);
+            }).find("emissions must be a [B,T,K] tensor"),
+            std::string::npos);
   EXPECT_NE(message([&] { crf->kbest(em, 0); }).find("k must be at least 1"), std::string::npos);
 }
 
@@ -324,7 +334,8 @@ TEST(NnCrf, EmptyBatchGivesEmptyResults) {
   for (const at::Device& device : devices) {
     nn::CRF crf(K);
     crf->to(device);
-    const at::Tensor em = at::randn({0, T, K}, device), tags = at::zeros({0, T}, at::TensorOptions(device).dtype(at::kLong));
+    const at::Tensor em = at::randn({0, T, K}, device),
+                     tags = at::zeros({0, T}, at::TensorOptions(device).dtype(at::kLong));
     const at::Tensor mask = at::ones({0, T}, at::TensorOptions(device).dtype(at::kBool));
     EXPECT_EQ(crf(em, tags, mask, "none").sizes(), at::IntArrayRef({0})) << device;
     EXPECT_EQ(crf->decode(em, mask).path.sizes(), at::IntArrayRef({0, T})) << device;

@@ -11,7 +11,9 @@ namespace {
 at::Tensor log_matmul_ref(const at::Tensor& a, const at::Tensor& b) {
   return at::logsumexp(a.unsqueeze(-1) + b.unsqueeze(1), 2);
 }
-at::Tensor max_matmul_ref(const at::Tensor& a, const at::Tensor& b) { return at::amax(a.unsqueeze(-1) + b.unsqueeze(1), 2); }
+at::Tensor max_matmul_ref(const at::Tensor& a, const at::Tensor& b) {
+  return at::amax(a.unsqueeze(-1) + b.unsqueeze(1), 2);
+}
 
 }  // namespace
 
@@ -114,8 +116,8 @@ TEST(SemiringSum, MaxRoutesGradientToArgmax) {
 TEST(SemiringMatmulCuda, MatchesCpuValuesAndGradients) {
   TRELLIS_REQUIRE_CUDA();
   for (auto dtype : {at::kFloat, at::kDouble})
-    for (auto [ba, bb, M, K, N] : {std::tuple{3, 3, 17, 33, 19}, std::tuple{5, 1, 1, 64, 64}, std::tuple{1, 2, 40, 7, 3},
-                                             std::tuple{2, 1, 9, 300, 40}}) {
+    for (auto [ba, bb, M, K, N] : {std::tuple{3, 3, 17, 33, 19}, std::tuple{5, 1, 1, 64, 64},
+                                   std::tuple{1, 2, 40, 7, 3}, std::tuple{2, 1, 9, 300, 40}}) {
       const at::Tensor a = randn({ba, M, K}, dtype, 5), b = randn({bb, K, N}, dtype, 5);
       a.select(1, 0).select(1, 0).fill_(-kInf);
       const at::Tensor w = randn({std::max(ba, bb), M, N}, dtype);

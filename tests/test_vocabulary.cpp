@@ -32,8 +32,8 @@ bool has_symbol(const Vocabulary& v, const std::string& s) {
 TEST(VocabularyThresholds, AWordSeenExactlyMinCountTimesKeepsItsOwnId) {
   for (const auto unknown : {Vocabulary::Unknown::single, Vocabulary::Unknown::signatures}) {
     const Vocabulary v = Vocabulary::build(concat(repeated("walking", 3), repeated("talking", 2)), 3, unknown);
-    EXPECT_TRUE(v.known("walking"));    // 3 = min_count
-    EXPECT_FALSE(v.known("talking"));   // 2 = min_count - 1
+    EXPECT_TRUE(v.known("walking"));   // 3 = min_count
+    EXPECT_FALSE(v.known("talking"));  // 2 = min_count - 1
     EXPECT_FALSE(has_symbol(v, "talking"));
     EXPECT_EQ(v.symbols().at(v.id("walking")), "walking");
   }
@@ -62,8 +62,8 @@ TEST(VocabularyThresholds, WordsSeenAtMostTenTimesTeachTheSignatureClasses) {
 
 TEST(VocabularyThresholds, AboveTheRareCountOnlyWordsBelowMinCountTeachClasses) {
   // min_count 12 > kRareCount: a word seen 11 times is below min_count (classes, no id), one seen 12 times is not.
-  const Vocabulary v = Vocabulary::build(concat(repeated("Seen", 12), repeated("rare", 11)), 12,
-                                         Vocabulary::Unknown::signatures);
+  const Vocabulary v =
+      Vocabulary::build(concat(repeated("Seen", 12), repeated("rare", 11)), 12, Vocabulary::Unknown::signatures);
   EXPECT_TRUE(v.known("Seen"));
   EXPECT_FALSE(v.known("rare"));
   for (const auto& c : signature_classes("rare")) EXPECT_TRUE(has_symbol(v, c)) << c;

@@ -47,7 +47,8 @@ trellis::LossOptions loss_options(c10::string_view reduction, double label_smoot
 
 void check_temperature(const char* op, double temperature) {
   if (!(std::isfinite(temperature) && temperature > 0))
-    throw trellis::Error(trellis::message::text("trellis.", op, ": temperature must be a positive finite number, got ", temperature));
+    throw trellis::Error(
+        trellis::message::text("trellis.", op, ": temperature must be a positive finite number, got ", temperature));
 }
 
 // The inputs at a sampling temperature τ, whose logits are softcap(x·Wᵀ + b) / τ. Dividing x, the bias and the soft-cap
@@ -87,20 +88,19 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x, const at:
                                                   std::optional<double> softcap, int64_t ignore_index, bool entropy,
                                                   int64_t chunk_bytes, double temperature) {
   const Tempered t = temper("token_logprobs", x, bias, softcap, temperature);
-  auto r =
-      trellis::token_logprobs(t.x, weight, targets, head_options(t.bias, t.softcap, ignore_index, chunk_bytes), entropy);
+  auto r = trellis::token_logprobs(t.x, weight, targets, head_options(t.bias, t.softcap, ignore_index, chunk_bytes),
+                                   entropy);
   return {r.logprobs, entropy ? r.entropy : none(r.logprobs)};
 }
 
 Tensors5 linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                       const std::optional<at::Tensor>& bias, int64_t ignore_index,
                                       c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
-                                      double z_loss, int64_t chunk_bytes, bool recompute_logits,
-                                      int64_t memory_budget, Mask want) {
-  auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
-                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits,
-                                                              memory_budget),
-                                                 loss_options(reduction, label_smoothing, z_loss), want);
+                                      double z_loss, int64_t chunk_bytes, bool recompute_logits, int64_t memory_budget,
+                                      Mask want) {
+  auto f = trellis::linear_cross_entropy_forward(
+      x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits, memory_budget),
+      loss_options(reduction, label_smoothing, z_loss), want);
   return {f.loss, or_none(f.lse, x), or_none(f.dx, x), or_none(f.dweight, x), or_none(f.dbias, x)};
 }
 
@@ -113,22 +113,21 @@ Tensors3 linear_cross_entropy_backward(const at::Tensor& grad, const at::Tensor&
   trellis::LinearCrossEntropyForward f;
   f.lse = lse;
   auto d = trellis::linear_cross_entropy_backward(
-      grad, x, weight, targets,
-      head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits, memory_budget),
+      grad, x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits, memory_budget),
       loss_options("none", label_smoothing, z_loss), f, want);
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
 
 // Backward of linear_logsumexp and token_logprobs (each grad optional: zero).
-Tensors3 head_statistics_backward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& targets,
-                                  const std::optional<at::Tensor>& bias, std::optional<double> softcap,
-                                  int64_t ignore_index, int64_t chunk_bytes, const std::optional<at::Tensor>& grad_lse,
+Tensors3 head_statistics_backward(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& targets, const std::optional<at::Tensor>& bias,
+                                  std::optional<double> softcap, int64_t ignore_index, int64_t chunk_bytes,
+                                  const std::optional<at::Tensor>& grad_lse,
                                   const std::optional<at::Tensor>& grad_logprob,
                                   const std::optional<at::Tensor>& grad_entropy, Mask want) {
-  auto d = trellis::head_statistics_backward(x, weight, targets.value_or(at::Tensor()),
-                                             head_options(bias, softcap, ignore_index, chunk_bytes),
-                                             grad_lse.value_or(at::Tensor()), grad_logprob.value_or(at::Tensor()),
-                                             grad_entropy.value_or(at::Tensor()), want);
+  auto d = trellis::head_statistics_backward(
+      x, weight, targets.value_or(at::Tensor()), head_options(bias, softcap, ignore_index, chunk_bytes),
+      grad_lse.value_or(at::Tensor()), grad_logprob.value_or(at::Tensor()), grad_entropy.value_or(at::Tensor()), want);
   return {or_none(d[0], x), or_none(d[1], x), or_none(d[2], x)};
 }
 
@@ -181,8 +180,8 @@ at::Tensor vp_linear_logsumexp(const at::Tensor& x, const at::Tensor& weight, c1
                                const std::optional<at::Tensor>& bias, std::optional<double> softcap,
                                int64_t chunk_bytes, double temperature) {
   const Tempered t = temper("vocab_parallel_linear_logsumexp", x, bias, softcap, temperature);
-  return std::get<0>(vp_head_statistics_forward(t.x, weight, std::nullopt, group_name, t.bias, t.softcap, -100, false,
-                                                chunk_bytes));
+  return std::get<0>(
+      vp_head_statistics_forward(t.x, weight, std::nullopt, group_name, t.bias, t.softcap, -100, false, chunk_bytes));
 }
 
 std::tuple<at::Tensor, at::Tensor> vp_token_logprobs(const at::Tensor& x, const at::Tensor& weight,
@@ -201,10 +200,9 @@ Tensors5 vp_linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& 
                                          int64_t ignore_index, c10::string_view reduction, double label_smoothing,
                                          std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
                                          bool recompute_logits, Mask want) {
-  auto f = trellis::linear_cross_entropy_forward(x, weight, targets,
-                                                 head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
-                                                 loss_options(reduction, label_smoothing, z_loss),
-                                                 vocabulary_slice(group_name), want);
+  auto f = trellis::linear_cross_entropy_forward(
+      x, weight, targets, head_options(bias, softcap, ignore_index, chunk_bytes, recompute_logits),
+      loss_options(reduction, label_smoothing, z_loss), vocabulary_slice(group_name), want);
   return {f.loss, or_none(f.lse, x), or_none(f.dx, x), or_none(f.dweight, x), or_none(f.dbias, x)};
 }
 
@@ -241,9 +239,9 @@ at::Tensor linear_cross_entropy_loss(const at::Tensor& x, const at::Tensor& weig
                                      double z_loss, int64_t chunk_bytes, bool recompute_logits, double temperature,
                                      int64_t memory_budget) {
   const Tempered t = temper("linear_cross_entropy", x, bias, softcap, temperature);
-  return std::get<0>(linear_cross_entropy_forward(t.x, weight, targets, t.bias, ignore_index, reduction, label_smoothing,
-                                                  t.softcap, z_loss, chunk_bytes, recompute_logits, memory_budget,
-                                                  {false, false, false}));
+  return std::get<0>(linear_cross_entropy_forward(t.x, weight, targets, t.bias, ignore_index, reduction,
+                                                  label_smoothing, t.softcap, z_loss, chunk_bytes, recompute_logits,
+                                                  memory_budget, {false, false, false}));
 }
 
 // ---- Meta kernels: the same results' shapes and types, with symbolic sizes ----
@@ -272,8 +270,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_meta(const at::Tensor& x, cons
 
 Tensors5 linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&,
                                            const std::optional<at::Tensor>& bias, int64_t, c10::string_view reduction,
-                                           double, std::optional<double>, double, int64_t, bool, int64_t,
-                                           Mask want) {
+                                           double, std::optional<double>, double, int64_t, bool, int64_t, Mask want) {
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   want[2] = want[2] && bias;
   const bool formed = !unreduced && (want[0] || want[1] || want[2]);  // the gradients come with the loss
@@ -318,8 +315,8 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_meta(const at::Tensor& x, c
 
 Tensors5 vp_head_statistics_forward_meta(const at::Tensor& x, const at::Tensor&,
                                          const std::optional<at::Tensor>& targets, c10::string_view,
-                                         const std::optional<at::Tensor>&, std::optional<double>, int64_t,
-                                         bool entropy, int64_t) {
+                                         const std::optional<at::Tensor>&, std::optional<double>, int64_t, bool entropy,
+                                         int64_t) {
   const at::Tensor empty = at::empty({0}, acc_options(x));
   return {rows_meta(x), targets ? rows_meta(x) : empty, entropy ? rows_meta(x) : empty, rows_meta(x),
           entropy ? rows_meta(x) : empty};
@@ -341,8 +338,8 @@ Tensors5 vp_linear_cross_entropy_forward_meta(const at::Tensor& x, const at::Ten
                                               std::optional<double> softcap, double z_loss, int64_t chunk_bytes,
                                               bool recompute_logits, Mask want) {
   // As on one device, except that recompute_logits keeps the lse for the backward instead of forming the gradients.
-  auto m = linear_cross_entropy_forward_meta(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap,
-                                             z_loss, chunk_bytes, false, -1,
+  auto m = linear_cross_entropy_forward_meta(x, weight, targets, bias, ignore_index, reduction, label_smoothing,
+                                             softcap, z_loss, chunk_bytes, false, -1,
                                              recompute_logits ? Mask{false, false, false} : want);
   return m;
 }
@@ -367,8 +364,7 @@ at::Tensor vp_linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tens
 
 at::Tensor linear_cross_entropy_loss_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                           const std::optional<at::Tensor>&, int64_t, c10::string_view reduction, double,
-                                          std::optional<double>, double, int64_t, bool, double temperature,
-                                          int64_t) {
+                                          std::optional<double>, double, int64_t, bool, double temperature, int64_t) {
   check_temperature("linear_cross_entropy", temperature);
   const bool unreduced = trellis::parse_reduction(std::string(reduction)) == trellis::Reduction::none;
   return unreduced ? rows_meta(x) : at::empty({}, acc_options(x));
@@ -438,7 +434,9 @@ std::optional<double> saved_softcap(const torch::autograd::AutogradContext* ctx)
   const c10::IValue& v = ctx->saved_data.at("softcap");
   return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
 }
-std::optional<at::Tensor> optional(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
 
 // The gradients of linear_logsumexp and token_logprobs: the logits formed again (_head_statistics_backward).
 Tensors3 statistics_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_lse,
@@ -447,9 +445,10 @@ Tensors3 statistics_backward(torch::autograd::AutogradContext* ctx, const at::Te
   const auto s = ctx->get_saved_variables();  // x, weight, targets, bias
   const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                      s[3].defined() && ctx->needs_input_grad(bias_input)};
-  auto [dx, dweight, dbias] = op.call(s[0], s[1], optional(s[2]), optional(s[3]), saved_softcap(ctx),
-                                      ctx->saved_data.at("ignore_index").toInt(), ctx->saved_data.at("chunk_bytes").toInt(),
-                                      optional(grad_lse), optional(grad_logprob), optional(grad_entropy), want);
+  auto [dx, dweight, dbias] =
+      op.call(s[0], s[1], optional(s[2]), optional(s[3]), saved_softcap(ctx),
+              ctx->saved_data.at("ignore_index").toInt(), ctx->saved_data.at("chunk_bytes").toInt(), optional(grad_lse),
+              optional(grad_logprob), optional(grad_entropy), want);
   return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
 }
 
@@ -507,8 +506,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     static const auto op =
         find<decltype(vp_linear_cross_entropy_forward)>("trellis::_vocab_parallel_linear_cross_entropy_forward");
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, lse, dx, dweight, dbias] = op.call(x, weight, targets, group_name, bias, ignore_index, reduction,
-                                                   label_smoothing, softcap, z_loss, chunk_bytes, recompute_logits, want);
+    auto [loss, lse, dx, dweight, dbias] =
+        op.call(x, weight, targets, group_name, bias, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                chunk_bytes, recompute_logits, want);
     // The gradients come with the forward (a reduced loss), or its backward forms them from the inputs and lse.
     const bool formed = reduction != "none" && !recompute_logits && (want[0] || want[1] || want[2]);
     if (formed) ctx->save_for_backward({dx, dweight, dbias});
@@ -540,8 +540,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
       // The forward formed the gradients; the library scales them by grad (in operators that torch.compile traces).
       trellis::LinearCrossEntropyForward f;
       f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
-      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {}, loss_options(d.at("reduction").toStringRef(), 0, 0),
-                                                 f, want);
+      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {},
+                                                 loss_options(d.at("reduction").toStringRef(), 0, 0), f, want);
     } else {
       auto [dx, dweight, dbias] =
           op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4],
@@ -611,8 +611,15 @@ struct VocabParallelHeadStatistics : torch::autograd::Function<VocabParallelHead
         op.call(s[0], s[1], optional(s[2]), d.at("group_name").toStringRef(), optional(s[3]), saved_softcap(ctx),
                 d.at("ignore_index").toInt(), d.at("chunk_bytes").toInt(), s[4], s[5], s[6], optional(grad[0]),
                 optional(grad_logprob), optional(grad_entropy), want);
-    return {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), {}, {}, want[2] ? dbias : at::Tensor(),
-            {}, {}, {}, {}};
+    return {want[0] ? dx : at::Tensor(),
+            want[1] ? dweight : at::Tensor(),
+            {},
+            {},
+            want[2] ? dbias : at::Tensor(),
+            {},
+            {},
+            {},
+            {}};
   }
 };
 
@@ -635,8 +642,9 @@ std::tuple<at::Tensor, at::Tensor> vp_token_logprobs_autograd(const at::Tensor& 
   return {out[1], out[2]};
 }
 
-at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                     std::optional<double> softcap, int64_t chunk_bytes, double temperature) {
+at::Tensor linear_logsumexp_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias, std::optional<double> softcap,
+                                     int64_t chunk_bytes, double temperature) {
   const Tempered t = temper("linear_logsumexp", x, bias, softcap, temperature);
   return LinearLogsumexp::apply(t.x, weight, t.bias, t.softcap, chunk_bytes);
 }
@@ -669,57 +677,70 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& x, const at::Tensor& 
 
 TORCH_LIBRARY(trellis, m) {
   // temperature τ > 0: every result is that of the logits softcap(x·Wᵀ + b) / τ (the sampling temperature).
-  m.def("linear_logsumexp(Tensor x, Tensor weight, Tensor? bias=None, float? softcap=None, int chunk_bytes=0, "
-        "float temperature=1.0) -> Tensor");
-  m.def("token_logprobs(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, float? softcap=None, "
-        "int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) -> (Tensor, Tensor)");
-  m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
-        "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
-        "bool recompute_logits=False, float temperature=1.0, int memory_budget=-1) -> Tensor");
+  m.def(
+      "linear_logsumexp(Tensor x, Tensor weight, Tensor? bias=None, float? softcap=None, int chunk_bytes=0, "
+      "float temperature=1.0) -> Tensor");
+  m.def(
+      "token_logprobs(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, float? softcap=None, "
+      "int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) -> (Tensor, Tensor)");
+  m.def(
+      "linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, Tensor? bias=None, int ignore_index=-100, "
+      "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, int chunk_bytes=0, "
+      "bool recompute_logits=False, float temperature=1.0, int memory_budget=-1) -> Tensor");
   // linear_cross_entropy's halves. The forward returns (loss, lse, dx, dweight, dbias): the gradients when it forms
   // them (a mean or sum reduction with gradients wanted), else lse for the backward; empty tensors stand for none.
-  m.def("_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, Tensor? bias, int ignore_index, "
-        "str reduction, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, "
-        "int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, Tensor? bias, "
-        "Tensor lse, int ignore_index, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, "
-        "bool recompute_logits, int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, Tensor? bias, int ignore_index, "
+      "str reduction, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, "
+      "int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, Tensor? bias, "
+      "Tensor lse, int ignore_index, float label_smoothing, float? softcap, float z_loss, int chunk_bytes, "
+      "bool recompute_logits, int memory_budget, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // The backward of linear_logsumexp and token_logprobs: gradients for (x, weight, bias) of
   // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy.
   // Vocabulary parallelism: weight and bias are this rank's contiguous slice of the vocabulary (ranks in order),
   // targets are ids of the whole vocabulary, group_name names the process group (torch.distributed's group_name).
-  m.def("vocab_parallel_linear_logsumexp(Tensor x, Tensor weight, str group_name, Tensor? bias=None, "
-        "float? softcap=None, int chunk_bytes=0, float temperature=1.0) -> Tensor");
-  m.def("vocab_parallel_token_logprobs(Tensor x, Tensor weight, Tensor targets, str group_name, Tensor? bias=None, "
-        "float? softcap=None, int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) "
-        "-> (Tensor, Tensor)");
-  m.def("vocab_parallel_linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, str group_name, "
-        "Tensor? bias=None, int ignore_index=-100, str reduction='mean', float label_smoothing=0.0, "
-        "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False, "
-        "float temperature=1.0) -> Tensor");
+  m.def(
+      "vocab_parallel_linear_logsumexp(Tensor x, Tensor weight, str group_name, Tensor? bias=None, "
+      "float? softcap=None, int chunk_bytes=0, float temperature=1.0) -> Tensor");
+  m.def(
+      "vocab_parallel_token_logprobs(Tensor x, Tensor weight, Tensor targets, str group_name, Tensor? bias=None, "
+      "float? softcap=None, int ignore_index=-100, bool entropy=False, int chunk_bytes=0, float temperature=1.0) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_linear_cross_entropy(Tensor x, Tensor weight, Tensor targets, str group_name, "
+      "Tensor? bias=None, int ignore_index=-100, str reduction='mean', float label_smoothing=0.0, "
+      "float? softcap=None, float z_loss=0.0, int chunk_bytes=0, bool recompute_logits=False, "
+      "float temperature=1.0) -> Tensor");
   // Returns (loss, lse, dx, dweight, dbias) as _linear_cross_entropy_forward does (the gradients formed with a reduced
   // loss, unless recompute_logits, which keeps lse for the backward).
-  m.def("_vocab_parallel_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, str group_name, "
-        "Tensor? bias, int ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss, "
-        "int chunk_bytes, bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("_vocab_parallel_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, "
-        "str group_name, Tensor? bias, Tensor lse, int ignore_index, str reduction, float label_smoothing, "
-        "float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, bool[3] output_mask) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.def("_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, Tensor? bias, float? softcap, "
-        "int ignore_index, int chunk_bytes, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
-        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_vocab_parallel_linear_cross_entropy_forward(Tensor x, Tensor weight, Tensor targets, str group_name, "
+      "Tensor? bias, int ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss, "
+      "int chunk_bytes, bool recompute_logits, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_vocab_parallel_linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor targets, "
+      "str group_name, Tensor? bias, Tensor lse, int ignore_index, str reduction, float label_smoothing, "
+      "float? softcap, float z_loss, int chunk_bytes, bool recompute_logits, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, Tensor? bias, float? softcap, "
+      "int ignore_index, int chunk_bytes, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // vocab_parallel_linear_logsumexp's and vocab_parallel_token_logprobs' halves. The forward returns (lse, logprobs,
   // entropy, slice_share, slice_expected_logit_excess): the results, and this rank's slice's statistics that the
   // backward takes (empty tensors stand for none). The backward's gradients are those of
   // Σ grad_lse·lse + grad_logprob·logprob + grad_entropy·entropy, dx all-reduced over the group.
-  m.def("_vocab_parallel_head_statistics_forward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
-        "Tensor? bias, float? softcap, int ignore_index, bool entropy, int chunk_bytes) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("_vocab_parallel_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
-        "Tensor? bias, float? softcap, int ignore_index, int chunk_bytes, Tensor lse, Tensor slice_share, "
-        "Tensor slice_expected_logit_excess, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
-        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_vocab_parallel_head_statistics_forward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
+      "Tensor? bias, float? softcap, int ignore_index, bool entropy, int chunk_bytes) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_vocab_parallel_head_statistics_backward(Tensor x, Tensor weight, Tensor? targets, str group_name, "
+      "Tensor? bias, float? softcap, int ignore_index, int chunk_bytes, Tensor lse, Tensor slice_share, "
+      "Tensor slice_expected_logit_excess, Tensor? grad_lse, Tensor? grad_logprob, Tensor? grad_entropy, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {

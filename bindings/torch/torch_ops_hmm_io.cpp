@@ -38,21 +38,20 @@ at::Tensor empty_doubles() { return at::empty({0}, at::kDouble); }
 
 LoadedModel hmm_load(c10::string_view path) {
   const trellis::HMMModelFile file = trellis::load_hmm(std::string(path));
-  const at::Tensor labels = file.state_labels.empty()
-                                ? at::empty({0}, at::kLong)
-                                : at::tensor(file.state_labels, at::kLong);
-  const at::Tensor history = file.log_likelihood_history.empty()
-                                 ? empty_doubles()
-                                 : at::tensor(file.log_likelihood_history, at::kDouble);
+  const at::Tensor labels =
+      file.state_labels.empty() ? at::empty({0}, at::kLong) : at::tensor(file.state_labels, at::kLong);
+  const at::Tensor history =
+      file.log_likelihood_history.empty() ? empty_doubles() : at::tensor(file.log_likelihood_history, at::kDouble);
   return std::visit(
       [&](const auto& hmm) -> LoadedModel {
         const at::Tensor start = hmm.log_start.exp(), transitions = hmm.log_transitions.exp();
         if constexpr (std::is_same_v<std::decay_t<decltype(hmm)>, trellis::CategoricalHMM>)
-          return {"categorical", start, transitions, hmm.log_emissions.exp(), empty_doubles(), empty_doubles(),
-                  file.state_names, file.vocabulary, labels, history};
+          return {"categorical",   start,           transitions,      hmm.log_emissions.exp(),
+                  empty_doubles(), empty_doubles(), file.state_names, file.vocabulary,
+                  labels,          history};
         else
-          return {"gaussian", start, transitions, empty_doubles(), hmm.means, hmm.variances,
-                  file.state_names, file.vocabulary, labels, history};
+          return {"gaussian",       start,           transitions, empty_doubles(), hmm.means, hmm.variances,
+                  file.state_names, file.vocabulary, labels,      history};
       },
       file.model);
 }
@@ -77,8 +76,8 @@ void hmm_save(c10::string_view path_view, c10::string_view emission_view, const 
   if (emission == "categorical") {
     if (!given(emissionprob) || given(means) || given(covars))
       throw trellis::Error(path + ": not written: a categorical model takes emissionprob (and no means or covars)");
-    file.model = trellis::CategoricalHMM{log_start, log_transitions,
-                                         as_parameter(*emissionprob, path, "emissionprob").log()};
+    file.model =
+        trellis::CategoricalHMM{log_start, log_transitions, as_parameter(*emissionprob, path, "emissionprob").log()};
   } else if (emission == "gaussian") {
     if (given(emissionprob) || !given(means) || !given(covars))
       throw trellis::Error(path + ": not written: a Gaussian model takes means and covars (and no emissionprob)");
@@ -98,10 +97,12 @@ void hmm_save(c10::string_view path_view, c10::string_view emission_view, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trellis, m) {
-  m.def("hmm_load(str path) -> (str emission, Tensor startprob, Tensor transmat, Tensor emissionprob, Tensor means, "
-        "Tensor covars, str[] state_names, str[] vocabulary, Tensor state_labels, Tensor log_likelihood_history)",
-        &hmm_load);
-  m.def("hmm_save(str path, str emission, Tensor startprob, Tensor transmat, Tensor? emissionprob, Tensor? means, "
-        "Tensor? covars, str[] state_names, str[] vocabulary, int[] state_labels, float[] log_likelihood_history) -> ()",
-        &hmm_save);
+  m.def(
+      "hmm_load(str path) -> (str emission, Tensor startprob, Tensor transmat, Tensor emissionprob, Tensor means, "
+      "Tensor covars, str[] state_names, str[] vocabulary, Tensor state_labels, Tensor log_likelihood_history)",
+      &hmm_load);
+  m.def(
+      "hmm_save(str path, str emission, Tensor startprob, Tensor transmat, Tensor? emissionprob, Tensor? means, "
+      "Tensor? covars, str[] state_names, str[] vocabulary, int[] state_labels, float[] log_likelihood_history) -> ()",
+      &hmm_save);
 }

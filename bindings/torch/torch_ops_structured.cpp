@@ -8,8 +8,8 @@
 //   max_matmul(Tensor a, Tensor b) -> Tensor
 //       C[..., i, j] = ⊕_k a[..., i, k] ⊗ b[..., k, j] for a [..., M, K] and b [..., K, N], the batch dimensions
 //       broadcast (torch.matmul's rule; both at least 2-d): ⊕ = log-sum-exp or max, ⊗ = +. Exact (no exp of
-//       unshifted values, -inf rows give -inf and a zero gradient); genbmm's logbmm and maxbmm. Gradients w.r.t. a and b:
-//       softmax weights for log_matmul, routed to the argmax for max_matmul (_semiring_matmul_backward).
+//       unshifted values, -inf rows give -inf and a zero gradient); genbmm's logbmm and maxbmm. Gradients w.r.t. a and
+//       b: softmax weights for log_matmul, routed to the argmax for max_matmul (_semiring_matmul_backward).
 //   crf_log_partition(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths,
 //                     bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None,
 //                     Tensor? allowed_end=None) -> Tensor                                     log Z [B]
@@ -38,13 +38,13 @@
 //                      bool batch_first=True) -> Tensor                                       log P(o) [B]
 //   hmm_posteriors(<the same arguments>) -> Tensor                                            P(s_t = k | o) [B,T,K]
 //   hmm_viterbi(<the same arguments>) -> (Tensor, Tensor)          states [B,T] int64 (-1 at padding), log P(o, s) [B]
-//       An HMM as trellis/hmm/hmm.h holds one, in log space: log_start [K], log_transitions [K,K] (row i: from state i),
-//       and either log_emissions [K,V] with integer symbol ids observations [B,T] (categorical), or means and
+//       An HMM as trellis/hmm/hmm.h holds one, in log space: log_start [K], log_transitions [K,K] (row i: from state
+//       i), and either log_emissions [K,V] with integer symbol ids observations [B,T] (categorical), or means and
 //       variances [K,F] with float observations [B,T,F] (diagonal Gaussian). hmm_log_likelihood is differentiable
 //       w.r.t. the parameters and Gaussian observations (_hmm_log_likelihood_backward).
 //
-// Conventions (trellis/crf/chain_inputs.h): batch_first=False means emissions [T,B,K], masks, tags, observations and every
-// per-position result time-first: nodes [T,B,K], edges [T-1,B,K,K], paths [T,B], k-best paths [T,B,k], posteriors
+// Conventions (trellis/crf/chain_inputs.h): batch_first=False means emissions [T,B,K], masks, tags, observations and
+// every per-position result time-first: nodes [T,B,K], edges [T-1,B,K,K], paths [T,B], k-best paths [T,B,k], posteriors
 // [T,B,K]. Masks are bool or uint8, right-padded, exclusive with lengths [B]. Emissions and parameters may be float16,
 // bfloat16, float32 or float64, mixed: the computation and its scores are float64 when any input is, else float32.
 // Gradients come back in each input's own dtype. Bad inputs are trellis::Error exceptions (RuntimeError in Python)
@@ -250,9 +250,9 @@ at::Tensor max_matmul_autograd(const at::Tensor& a, const at::Tensor& b) {
 
 using Allowed = std::array<OptionalTensor, 3>;  // allowed, allowed_start, allowed_end
 
-trellis::ChainInputs chain_inputs(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
-                                  const OptionalTensor& end, const OptionalTensor& mask, const OptionalTensor& lengths,
-                                  bool batch_first) {
+trellis::ChainInputs chain_inputs(const at::Tensor& emissions, const at::Tensor& transitions,
+                                  const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+                                  const OptionalTensor& lengths, bool batch_first) {
   return {emissions, transitions, get(start), get(end), get(mask), get(lengths), batch_first};
 }
 
@@ -293,8 +293,8 @@ Reduction reduction_of(c10::string_view name, const char* what) {
                        std::string(name) + "'");
 }
 
-at::Tensor reduction_divisor(Reduction r, const at::Tensor& score, const at::Tensor& emissions, const OptionalTensor& mask,
-                             const OptionalTensor& lengths) {
+at::Tensor reduction_divisor(Reduction r, const at::Tensor& score, const at::Tensor& emissions,
+                             const OptionalTensor& mask, const OptionalTensor& lengths) {
   const at::TensorOptions o = score.options();
   switch (r) {
     case Reduction::mean: return at::scalar_tensor(static_cast<double>(score.size(0)), o);
@@ -310,7 +310,8 @@ at::Tensor crf_log_likelihood(const at::Tensor& emissions, const at::Tensor& tag
                               const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
                               const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
   const Reduction r = reduction_of(reduction, "trellis::crf_log_likelihood");
-  const at::Tensor score = crf_score(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first), tags, {});
+  const at::Tensor score =
+      crf_score(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first), tags, {});
   if (r == Reduction::none) return score;
   return score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
 }
@@ -321,7 +322,8 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
                                                     const OptionalTensor& tags, const at::Tensor& transitions,
                                                     const OptionalTensor& start, const OptionalTensor& end,
                                                     const OptionalTensor& mask, const OptionalTensor& lengths,
-                                                    bool batch_first, const Allowed& allowed, std::array<bool, 4> want) {
+                                                    bool batch_first, const Allowed& allowed,
+                                                    std::array<bool, 4> want) {
   const trellis::AutogradScope scope;
   if (tags && !grad.defined() && emissions.dim() == 3 && emissions.size(batch_first ? 0 : 1) > 0) {
     // The log-likelihood and the gradients of its sum: the library's forward and backward passes, no graph.
@@ -332,13 +334,13 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
     const auto as_input = [&](std::size_t i, const at::Tensor& g, const at::Tensor& input) {
       return want[i] && g.defined() ? fresh(g.to(input.scalar_type())) : none(emissions);
     };
-    return {r.log_likelihood, {as_input(0, batch_first ? r.emissions : r.emissions.transpose(0, 1), emissions),
-                               as_input(1, r.transitions, transitions), as_input(2, r.start, get(start)),
-                               as_input(3, r.end, get(end))}};
+    return {r.log_likelihood,
+            {as_input(0, batch_first ? r.emissions : r.emissions.transpose(0, 1), emissions),
+             as_input(1, r.transitions, transitions), as_input(2, r.start, get(start)), as_input(3, r.end, get(end))}};
   }
   c10::AutoGradMode grad_on(true);
-  const std::vector<at::Tensor> leaves = {leaf(emissions, want[0]), leaf(transitions, want[1]), leaf(get(start), want[2]),
-                                          leaf(get(end), want[3])};
+  const std::vector<at::Tensor> leaves = {leaf(emissions, want[0]), leaf(transitions, want[1]),
+                                          leaf(get(start), want[2]), leaf(get(end), want[3])};
   const trellis::ChainInputs in{leaves[0], leaves[1], leaves[2], leaves[3], get(mask), get(lengths), batch_first};
   const at::Tensor score = crf_score(in, get(tags), allowed);
   const auto g = vector_jacobian(score, grad.defined() ? grad : at::ones_like(score), leaves);
@@ -396,8 +398,9 @@ Tensors2 crf_kbest(const at::Tensor& emissions, const at::Tensor& transitions, c
                    const OptionalTensor& end, const OptionalTensor& mask, const OptionalTensor& lengths, int64_t k,
                    bool batch_first, const OptionalTensor& allowed, const OptionalTensor& allowed_start,
                    const OptionalTensor& allowed_end) {
-  const trellis::ChainPotentials p = potentials(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first),
-                                                {allowed, allowed_start, allowed_end}, "trellis::crf_kbest");
+  const trellis::ChainPotentials p =
+      potentials(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first),
+                 {allowed, allowed_start, allowed_end}, "trellis::crf_kbest");
   const trellis::KBestResult r = trellis::caller_layout(trellis::kbest_viterbi(p, k), batch_first, emissions.device());
   return {r.paths, r.scores};
 }
@@ -410,15 +413,16 @@ at::TensorOptions score_options(const at::Tensor& emissions, const at::Tensor& t
 }
 void check_emissions_meta(const at::Tensor& emissions, const char* what) {
   if (emissions.dim() != 3)
-    throw trellis::Error(std::string(what) + ": emissions must be a 3-d tensor, got " + std::to_string(emissions.dim()) +
-                         " dimensions");
+    throw trellis::Error(std::string(what) + ": emissions must be a 3-d tensor, got " +
+                         std::to_string(emissions.dim()) + " dimensions");
 }
 c10::SymInt batch_size(const at::Tensor& x, bool batch_first) { return x.sym_size(batch_first ? 0 : 1); }
 c10::SymInt steps(const at::Tensor& x, bool batch_first) { return x.sym_size(batch_first ? 1 : 0); }
 
-at::Tensor crf_log_partition_meta(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
-                                  const OptionalTensor& end, const OptionalTensor&, const OptionalTensor&, bool batch_first,
-                                  const OptionalTensor&, const OptionalTensor&, const OptionalTensor&) {
+at::Tensor crf_log_partition_meta(const at::Tensor& emissions, const at::Tensor& transitions,
+                                  const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor&,
+                                  const OptionalTensor&, bool batch_first, const OptionalTensor&, const OptionalTensor&,
+                                  const OptionalTensor&) {
   check_emissions_meta(emissions, "trellis::crf_log_partition");
   return at::empty_symint({batch_size(emissions, batch_first)},
                           score_options(emissions, transitions, start, end, "trellis::crf_log_partition"));
@@ -444,8 +448,9 @@ Tensors4 crf_score_backward_meta(const at::Tensor&, const at::Tensor& emissions,
   return {like(want[0], emissions), like(want[1], transitions), like(want[2], get(start)), like(want[3], get(end))};
 }
 
-Tensors5 crf_score_and_gradients_meta(const at::Tensor& emissions, const OptionalTensor& tags, const at::Tensor& transitions,
-                                      const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+Tensors5 crf_score_and_gradients_meta(const at::Tensor& emissions, const OptionalTensor& tags,
+                                      const at::Tensor& transitions, const OptionalTensor& start,
+                                      const OptionalTensor& end, const OptionalTensor& mask,
                                       const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
                                       const OptionalTensor& allowed_start, const OptionalTensor& allowed_end,
                                       std::array<bool, 4> want) {
@@ -453,9 +458,9 @@ Tensors5 crf_score_and_gradients_meta(const at::Tensor& emissions, const Optiona
   check_emissions_meta(emissions, what);
   const at::Tensor score =
       at::empty_symint({batch_size(emissions, batch_first)}, score_options(emissions, transitions, start, end, what));
-  return std::tuple_cat(std::make_tuple(score), crf_score_backward_meta(score, emissions, tags, transitions, start, end,
-                                                                        mask, lengths, batch_first, allowed,
-                                                                        allowed_start, allowed_end, want));
+  return std::tuple_cat(std::make_tuple(score),
+                        crf_score_backward_meta(score, emissions, tags, transitions, start, end, mask, lengths,
+                                                batch_first, allowed, allowed_start, allowed_end, want));
 }
 
 Tensors2 crf_marginals_meta(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
@@ -463,10 +468,10 @@ Tensors2 crf_marginals_meta(const at::Tensor& emissions, const at::Tensor& trans
                             bool edges, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&) {
   check_emissions_meta(emissions, "trellis::crf_marginals");
   const at::TensorOptions o = score_options(emissions, transitions, start, end, "trellis::crf_marginals");
-  const c10::SymInt B = batch_size(emissions, batch_first), T = steps(emissions, batch_first), K = emissions.sym_size(2);
+  const c10::SymInt B = batch_size(emissions, batch_first), T = steps(emissions, batch_first),
+                    K = emissions.sym_size(2);
   at::Tensor edge = at::empty({0}, o);
-  if (edges)
-    edge = batch_first ? at::empty_symint({B, T - 1, K, K}, o) : at::empty_symint({T - 1, B, K, K}, o);
+  if (edges) edge = batch_first ? at::empty_symint({B, T - 1, K, K}, o) : at::empty_symint({T - 1, B, K, K}, o);
   return {at::empty_symint(emissions.sym_sizes(), o), edge};
 }
 
@@ -487,8 +492,9 @@ Tensors2 crf_kbest_meta(const at::Tensor& emissions, const at::Tensor& transitio
   const at::TensorOptions o = score_options(emissions, transitions, start, end, "trellis::crf_kbest");
   const c10::SymInt B = batch_size(emissions, batch_first), T = steps(emissions, batch_first);
   const c10::SymInt kk(k);
-  return {batch_first ? at::empty_symint({B, kk, T}, o.dtype(at::kLong)) : at::empty_symint({T, B, kk}, o.dtype(at::kLong)),
-          at::empty_symint({B, kk}, o)};
+  return {
+      batch_first ? at::empty_symint({B, kk, T}, o.dtype(at::kLong)) : at::empty_symint({T, B, kk}, o.dtype(at::kLong)),
+      at::empty_symint({B, kk}, o)};
 }
 
 // log Z and the log-likelihood: the forward operator, and _crf_score_backward for the gradients.
@@ -542,13 +548,24 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
         if (want[i]) out[i] = scaled[next++];
       std::tie(de, dt, ds, dn) = std::make_tuple(out[0], out[1], out[2], out[3]);
     } else {
-      std::tie(de, dt, ds, dn) = op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]),
-                                         optional(s[5]), optional(s[6]), ctx->saved_data.at("batch_first").toBool(),
-                                         optional(s[7]), optional(s[8]), optional(s[9]), want);
+      std::tie(de, dt, ds, dn) =
+          op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]), optional(s[5]), optional(s[6]),
+                  ctx->saved_data.at("batch_first").toBool(), optional(s[7]), optional(s[8]), optional(s[9]), want);
     }
     // One entry per forward argument: emissions, tags, transitions, start, end, then the rest.
-    return {want[0] ? de : at::Tensor(), {}, want[1] ? dt : at::Tensor(), want[2] ? ds : at::Tensor(),
-            want[3] ? dn : at::Tensor(), {}, {}, {}, {}, {}, {}, {}, {}};
+    return {want[0] ? de : at::Tensor(),
+            {},
+            want[1] ? dt : at::Tensor(),
+            want[2] ? ds : at::Tensor(),
+            want[3] ? dn : at::Tensor(),
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+            {}};
   }
 };
 
@@ -558,16 +575,18 @@ std::array<bool, 4> score_grads_wanted(const at::Tensor& emissions, const at::Te
 }
 
 at::Tensor crf_log_partition_autograd(const at::Tensor& emissions, const at::Tensor& transitions,
-                                      const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
-                                      const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
-                                      const OptionalTensor& allowed_start, const OptionalTensor& allowed_end) {
-  return CrfScoreFunction::apply(emissions, OptionalTensor(), transitions, start, end, mask, lengths, batch_first, allowed,
-                                 allowed_start, allowed_end, score_grads_wanted(emissions, transitions, start, end),
-                                 std::string("none"));
+                                      const OptionalTensor& start, const OptionalTensor& end,
+                                      const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
+                                      const OptionalTensor& allowed, const OptionalTensor& allowed_start,
+                                      const OptionalTensor& allowed_end) {
+  return CrfScoreFunction::apply(emissions, OptionalTensor(), transitions, start, end, mask, lengths, batch_first,
+                                 allowed, allowed_start, allowed_end,
+                                 score_grads_wanted(emissions, transitions, start, end), std::string("none"));
 }
 
-at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags, const at::Tensor& transitions,
-                                       const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
+at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags,
+                                       const at::Tensor& transitions, const OptionalTensor& start,
+                                       const OptionalTensor& end, const OptionalTensor& mask,
                                        const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
   const std::array<bool, 4> want = score_grads_wanted(emissions, transitions, start, end);
   if (!(want[0] || want[1] || want[2] || want[3])) {  // nothing to differentiate: the kernel alone
@@ -604,9 +623,9 @@ Tensors2 crf_viterbi_autograd(const at::Tensor& emissions, const at::Tensor& tra
 }
 
 Tensors2 crf_kbest_autograd(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
-                            const OptionalTensor& end, const OptionalTensor& mask, const OptionalTensor& lengths, int64_t k,
-                            bool batch_first, const OptionalTensor& allowed, const OptionalTensor& allowed_start,
-                            const OptionalTensor& allowed_end) {
+                            const OptionalTensor& end, const OptionalTensor& mask, const OptionalTensor& lengths,
+                            int64_t k, bool batch_first, const OptionalTensor& allowed,
+                            const OptionalTensor& allowed_start, const OptionalTensor& allowed_end) {
   return without_gradient<&crf_kbest>("trellis::crf_kbest", emissions, transitions, start, end, mask, lengths, k,
                                       batch_first, allowed, allowed_start, allowed_end);
 }
@@ -646,16 +665,19 @@ auto with_hmm(const HmmArgs& h, const char* what, F&& f) {
   const std::string prefix = std::string(what) + ": ";
   const at::Tensor& x = h.observations;
   if (!x.defined() || x.dim() != (is_categorical ? 2 : 3))
-    throw trellis::Error(prefix + "observations must be " +
-                         (is_categorical ? (h.batch_first ? "[B,T]" : "[T,B]") : (h.batch_first ? "[B,T,F]" : "[T,B,F]")) +
-                         " for a " + (is_categorical ? "categorical" : "Gaussian") + " HMM, got shape " + shape(x));
+    throw trellis::Error(
+        prefix + "observations must be " +
+        (is_categorical ? (h.batch_first ? "[B,T]" : "[T,B]") : (h.batch_first ? "[B,T,F]" : "[T,B,F]")) + " for a " +
+        (is_categorical ? "categorical" : "Gaussian") + " HMM, got shape " + shape(x));
   if (is_categorical && !at::isIntegralType(x.scalar_type(), /*includeBool=*/false))
     throw trellis::Error(prefix + "a categorical HMM's observations must be integer symbol ids, got " +
                          std::string(c10::toString(x.scalar_type())));
   const at::ScalarType type = hmm_compute_type(h, is_categorical, what);
   for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"log_start", h.log_start},
-                                {"log_transitions", h.log_transitions}, {"log_emissions", h.log_emissions},
-                                {"means", h.means}, {"variances", h.variances}})
+                                {"log_transitions", h.log_transitions},
+                                {"log_emissions", h.log_emissions},
+                                {"means", h.means},
+                                {"variances", h.variances}})
     if (t.defined() && t.device() != x.device())
       throw trellis::Error(prefix + name + " is on " + t.device().str() + " but the observations are on " +
                            x.device().str());
@@ -685,15 +707,15 @@ auto with_hmm(const HmmArgs& h, const char* what, F&& f) {
   const auto cast = [&](const at::Tensor& t) { return t.to(type); };
   if (is_categorical)
     return f(trellis::CategoricalHMM{cast(h.log_start), cast(h.log_transitions), cast(h.log_emissions)}, obs, lengths);
-  return f(trellis::GaussianHMM{cast(h.log_start), cast(h.log_transitions), cast(h.means), cast(h.variances)}, cast(obs),
-           lengths);
+  return f(trellis::GaussianHMM{cast(h.log_start), cast(h.log_transitions), cast(h.means), cast(h.variances)},
+           cast(obs), lengths);
 }
 
 HmmArgs hmm_args(const at::Tensor& observations, const at::Tensor& log_start, const at::Tensor& log_transitions,
                  const OptionalTensor& log_emissions, const OptionalTensor& means, const OptionalTensor& variances,
                  const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first) {
-  return {observations, log_start, log_transitions, get(log_emissions), get(means), get(variances), get(mask),
-          get(lengths), batch_first};
+  return {observations,   log_start, log_transitions, get(log_emissions), get(means),
+          get(variances), get(mask), get(lengths),    batch_first};
 }
 
 HmmArgs usable(const trellis::AutogradScope& scope, HmmArgs h) {
@@ -706,21 +728,20 @@ at::Tensor hmm_log_likelihood(const at::Tensor& observations, const at::Tensor& 
                               const at::Tensor& log_transitions, const OptionalTensor& log_emissions,
                               const OptionalTensor& means, const OptionalTensor& variances, const OptionalTensor& mask,
                               const OptionalTensor& lengths, bool batch_first) {
-  return with_hmm(hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths,
-                           batch_first),
-                  "trellis::hmm_log_likelihood",
-                  [](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
-                    return trellis::batch_log_partition(hmm.potentials(obs, len));
-                  });
+  return with_hmm(
+      hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths, batch_first),
+      "trellis::hmm_log_likelihood", [](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
+        return trellis::batch_log_partition(hmm.potentials(obs, len));
+      });
 }
 
-at::Tensor hmm_posteriors(const at::Tensor& observations, const at::Tensor& log_start, const at::Tensor& log_transitions,
-                          const OptionalTensor& log_emissions, const OptionalTensor& means,
-                          const OptionalTensor& variances, const OptionalTensor& mask, const OptionalTensor& lengths,
-                          bool batch_first) {
+at::Tensor hmm_posteriors(const at::Tensor& observations, const at::Tensor& log_start,
+                          const at::Tensor& log_transitions, const OptionalTensor& log_emissions,
+                          const OptionalTensor& means, const OptionalTensor& variances, const OptionalTensor& mask,
+                          const OptionalTensor& lengths, bool batch_first) {
   const trellis::AutogradScope scope;
-  return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask,
-                                         lengths, batch_first)),
+  return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances,
+                                         mask, lengths, batch_first)),
                   "trellis::hmm_posteriors", [&](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
                     return trellis::caller_layout(trellis::batch_marginals(hmm.potentials(obs, len), false).nodes,
                                                   batch_first);
@@ -731,26 +752,30 @@ Tensors2 hmm_viterbi(const at::Tensor& observations, const at::Tensor& log_start
                      const OptionalTensor& log_emissions, const OptionalTensor& means, const OptionalTensor& variances,
                      const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first) {
   const trellis::AutogradScope scope;
-  return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask,
-                                         lengths, batch_first)),
+  return with_hmm(usable(scope, hmm_args(observations, log_start, log_transitions, log_emissions, means, variances,
+                                         mask, lengths, batch_first)),
                   "trellis::hmm_viterbi", [&](const auto& hmm, const at::Tensor& obs, const at::Tensor& len) {
-                    const trellis::ViterbiResult r = trellis::caller_layout(trellis::batch_viterbi(hmm.potentials(obs, len)), batch_first);
+                    const trellis::ViterbiResult r =
+                        trellis::caller_layout(trellis::batch_viterbi(hmm.potentials(obs, len)), batch_first);
                     return Tensors2{r.path, r.score};
                   });
 }
 
 // Gradients w.r.t. (observations, log_start, log_transitions, log_emissions, means, variances) of Σ grad·log P(o).
-Tensors6 hmm_log_likelihood_backward(const at::Tensor& grad, const at::Tensor& observations, const at::Tensor& log_start,
-                                     const at::Tensor& log_transitions, const OptionalTensor& log_emissions,
-                                     const OptionalTensor& means, const OptionalTensor& variances,
-                                     const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
-                                     std::array<bool, 6> want) {
+Tensors6 hmm_log_likelihood_backward(const at::Tensor& grad, const at::Tensor& observations,
+                                     const at::Tensor& log_start, const at::Tensor& log_transitions,
+                                     const OptionalTensor& log_emissions, const OptionalTensor& means,
+                                     const OptionalTensor& variances, const OptionalTensor& mask,
+                                     const OptionalTensor& lengths, bool batch_first, std::array<bool, 6> want) {
   const trellis::AutogradScope scope;
   c10::AutoGradMode grad_on(true);
   const bool float_observations = observations.is_floating_point();
-  const std::vector<at::Tensor> leaves = {leaf(observations, want[0] && float_observations), leaf(log_start, want[1]),
-                                          leaf(log_transitions, want[2]), leaf(get(log_emissions), want[3]),
-                                          leaf(get(means), want[4]), leaf(get(variances), want[5])};
+  const std::vector<at::Tensor> leaves = {leaf(observations, want[0] && float_observations),
+                                          leaf(log_start, want[1]),
+                                          leaf(log_transitions, want[2]),
+                                          leaf(get(log_emissions), want[3]),
+                                          leaf(get(means), want[4]),
+                                          leaf(get(variances), want[5])};
   const at::Tensor value = hmm_log_likelihood(leaves[0], leaves[1], leaves[2], optional(leaves[3]), optional(leaves[4]),
                                               optional(leaves[5]), mask, lengths, batch_first);
   const auto g = vector_jacobian(value, grad, leaves);
@@ -775,8 +800,8 @@ at::Tensor hmm_log_likelihood_meta(const at::Tensor& observations, const at::Ten
                                    const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first) {
   const char* what = "trellis::hmm_log_likelihood";
   check_observations_meta(observations, what);
-  const HmmArgs h = hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths,
-                             batch_first);
+  const HmmArgs h =
+      hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths, batch_first);
   return at::empty_symint({batch_size(observations, batch_first)}, hmm_score_options(h, what));
 }
 
@@ -786,34 +811,35 @@ at::Tensor hmm_posteriors_meta(const at::Tensor& observations, const at::Tensor&
                                const OptionalTensor& lengths, bool batch_first) {
   const char* what = "trellis::hmm_posteriors";
   check_observations_meta(observations, what);
-  const HmmArgs h = hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths,
-                             batch_first);
+  const HmmArgs h =
+      hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths, batch_first);
   return at::empty_symint({observations.sym_size(0), observations.sym_size(1), log_transitions.sym_size(0)},
                           hmm_score_options(h, what));
 }
 
-Tensors2 hmm_viterbi_meta(const at::Tensor& observations, const at::Tensor& log_start, const at::Tensor& log_transitions,
-                          const OptionalTensor& log_emissions, const OptionalTensor& means,
-                          const OptionalTensor& variances, const OptionalTensor& mask, const OptionalTensor& lengths,
-                          bool batch_first) {
+Tensors2 hmm_viterbi_meta(const at::Tensor& observations, const at::Tensor& log_start,
+                          const at::Tensor& log_transitions, const OptionalTensor& log_emissions,
+                          const OptionalTensor& means, const OptionalTensor& variances, const OptionalTensor& mask,
+                          const OptionalTensor& lengths, bool batch_first) {
   const char* what = "trellis::hmm_viterbi";
   check_observations_meta(observations, what);
-  const HmmArgs h = hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths,
-                             batch_first);
+  const HmmArgs h =
+      hmm_args(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths, batch_first);
   const at::TensorOptions o = hmm_score_options(h, what);
   return {at::empty_symint({observations.sym_size(0), observations.sym_size(1)}, o.dtype(at::kLong)),
           at::empty_symint({batch_size(observations, batch_first)}, o)};
 }
 
-Tensors6 hmm_log_likelihood_backward_meta(const at::Tensor&, const at::Tensor& observations, const at::Tensor& log_start,
-                                          const at::Tensor& log_transitions, const OptionalTensor& log_emissions,
-                                          const OptionalTensor& means, const OptionalTensor& variances,
-                                          const OptionalTensor&, const OptionalTensor&, bool, std::array<bool, 6> want) {
+Tensors6 hmm_log_likelihood_backward_meta(const at::Tensor&, const at::Tensor& observations,
+                                          const at::Tensor& log_start, const at::Tensor& log_transitions,
+                                          const OptionalTensor& log_emissions, const OptionalTensor& means,
+                                          const OptionalTensor& variances, const OptionalTensor&, const OptionalTensor&,
+                                          bool, std::array<bool, 6> want) {
   want[0] = want[0] && observations.is_floating_point();
   const auto like = [&](bool wanted, const at::Tensor& t) {
     return wanted && t.defined() ? at::empty_symint(t.sym_sizes(), t.options()) : none(log_start);
   };
-  return {like(want[0], observations), like(want[1], log_start), like(want[2], log_transitions),
+  return {like(want[0], observations),       like(want[1], log_start),  like(want[2], log_transitions),
           like(want[3], get(log_emissions)), like(want[4], get(means)), like(want[5], get(variances))};
 }
 
@@ -828,7 +854,8 @@ struct HmmLogLikelihoodFunction : torch::autograd::Function<HmmLogLikelihoodFunc
                             get(mask), get(lengths)});
     ctx->saved_data["batch_first"] = batch_first;
     for (std::size_t i = 0; i < want.size(); ++i) ctx->saved_data["want" + std::to_string(i)] = want[i];
-    return op.call(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths, batch_first);
+    return op.call(observations, log_start, log_transitions, log_emissions, means, variances, mask, lengths,
+                   batch_first);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     static const auto op = find<decltype(hmm_log_likelihood_backward)>("trellis::_hmm_log_likelihood_backward");
@@ -838,8 +865,16 @@ struct HmmLogLikelihoodFunction : torch::autograd::Function<HmmLogLikelihoodFunc
     const auto g = op.call(grad[0], s[0], s[1], s[2], optional(s[3]), optional(s[4]), optional(s[5]), optional(s[6]),
                            optional(s[7]), ctx->saved_data.at("batch_first").toBool(), want);
     const auto pick = [&](std::size_t i, const at::Tensor& t) { return want[i] ? t : at::Tensor(); };
-    return {pick(0, std::get<0>(g)), pick(1, std::get<1>(g)), pick(2, std::get<2>(g)), pick(3, std::get<3>(g)),
-            pick(4, std::get<4>(g)), pick(5, std::get<5>(g)), {}, {}, {}, {}};
+    return {pick(0, std::get<0>(g)),
+            pick(1, std::get<1>(g)),
+            pick(2, std::get<2>(g)),
+            pick(3, std::get<3>(g)),
+            pick(4, std::get<4>(g)),
+            pick(5, std::get<5>(g)),
+            {},
+            {},
+            {},
+            {}};
   }
 };
 
@@ -853,8 +888,8 @@ at::Tensor hmm_log_likelihood_autograd(const at::Tensor& observations, const at:
                                     wants_grad(log_emissions),
                                     wants_grad(means),
                                     wants_grad(variances)};
-  return HmmLogLikelihoodFunction::apply(observations, log_start, log_transitions, log_emissions, means, variances, mask,
-                                         lengths, batch_first, want);
+  return HmmLogLikelihoodFunction::apply(observations, log_start, log_transitions, log_emissions, means, variances,
+                                         mask, lengths, batch_first, want);
 }
 
 at::Tensor hmm_posteriors_autograd(const at::Tensor& observations, const at::Tensor& log_start,
@@ -878,43 +913,55 @@ Tensors2 hmm_viterbi_autograd(const at::Tensor& observations, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(trellis, m) {
   m.def("log_matmul(Tensor a, Tensor b) -> Tensor");
   m.def("max_matmul(Tensor a, Tensor b) -> Tensor");
-  m.def("crf_log_partition(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
-        "Tensor? lengths, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
-        "Tensor? allowed_end=None) -> Tensor");
-  m.def("crf_log_likelihood(Tensor emissions, Tensor tags, Tensor transitions, Tensor? start, Tensor? end, "
-        "Tensor? mask, Tensor? lengths, bool batch_first=True, str reduction=\"none\") -> Tensor");
-  m.def("crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
-        "Tensor? lengths, bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None, "
-        "Tensor? allowed_end=None) -> (Tensor, Tensor)");
-  m.def("crf_viterbi(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
-        "Tensor? lengths, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
-        "Tensor? allowed_end=None) -> (Tensor, Tensor)");
-  m.def("crf_kbest(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths, "
-        "int k, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
-        "Tensor? allowed_end=None) -> (Tensor, Tensor)");
-  m.def("hmm_log_likelihood(Tensor observations, Tensor log_start, Tensor log_transitions, "
-        "Tensor? log_emissions=None, Tensor? means=None, Tensor? variances=None, Tensor? mask=None, "
-        "Tensor? lengths=None, bool batch_first=True) -> Tensor");
-  m.def("hmm_posteriors(Tensor observations, Tensor log_start, Tensor log_transitions, Tensor? log_emissions=None, "
-        "Tensor? means=None, Tensor? variances=None, Tensor? mask=None, Tensor? lengths=None, "
-        "bool batch_first=True) -> Tensor");
-  m.def("hmm_viterbi(Tensor observations, Tensor log_start, Tensor log_transitions, Tensor? log_emissions=None, "
-        "Tensor? means=None, Tensor? variances=None, Tensor? mask=None, Tensor? lengths=None, "
-        "bool batch_first=True) -> (Tensor, Tensor)");
+  m.def(
+      "crf_log_partition(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
+      "Tensor? lengths, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
+      "Tensor? allowed_end=None) -> Tensor");
+  m.def(
+      "crf_log_likelihood(Tensor emissions, Tensor tags, Tensor transitions, Tensor? start, Tensor? end, "
+      "Tensor? mask, Tensor? lengths, bool batch_first=True, str reduction=\"none\") -> Tensor");
+  m.def(
+      "crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
+      "Tensor? lengths, bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None, "
+      "Tensor? allowed_end=None) -> (Tensor, Tensor)");
+  m.def(
+      "crf_viterbi(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, "
+      "Tensor? lengths, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
+      "Tensor? allowed_end=None) -> (Tensor, Tensor)");
+  m.def(
+      "crf_kbest(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths, "
+      "int k, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
+      "Tensor? allowed_end=None) -> (Tensor, Tensor)");
+  m.def(
+      "hmm_log_likelihood(Tensor observations, Tensor log_start, Tensor log_transitions, "
+      "Tensor? log_emissions=None, Tensor? means=None, Tensor? variances=None, Tensor? mask=None, "
+      "Tensor? lengths=None, bool batch_first=True) -> Tensor");
+  m.def(
+      "hmm_posteriors(Tensor observations, Tensor log_start, Tensor log_transitions, Tensor? log_emissions=None, "
+      "Tensor? means=None, Tensor? variances=None, Tensor? mask=None, Tensor? lengths=None, "
+      "bool batch_first=True) -> Tensor");
+  m.def(
+      "hmm_viterbi(Tensor observations, Tensor log_start, Tensor log_transitions, Tensor? log_emissions=None, "
+      "Tensor? means=None, Tensor? variances=None, Tensor? mask=None, Tensor? lengths=None, "
+      "bool batch_first=True) -> (Tensor, Tensor)");
   // The backward operators: gradients of Σ grad·result w.r.t. the inputs output_mask names (empty tensors elsewhere).
-  m.def("_semiring_matmul_backward(Tensor grad, Tensor a, Tensor b, bool max, bool[2] output_mask) -> (Tensor, Tensor)");
+  m.def(
+      "_semiring_matmul_backward(Tensor grad, Tensor a, Tensor b, bool max, bool[2] output_mask) -> (Tensor, Tensor)");
   // (emissions, transitions, start, end) of the log-likelihood of tags, or of the log-partition when tags is None.
-  m.def("_crf_score_backward(Tensor grad, Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, "
-        "Tensor? end, Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, "
-        "Tensor? allowed_end, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_crf_score_backward(Tensor grad, Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, "
+      "Tensor? end, Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, "
+      "Tensor? allowed_end, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
   // The score [B] and the gradients of its sum: a reduced log-likelihood's forward.
-  m.def("_crf_score_and_gradients(Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, Tensor? end, "
-        "Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, Tensor? allowed_end, "
-        "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_crf_score_and_gradients(Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, Tensor? end, "
+      "Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, Tensor? allowed_end, "
+      "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (observations, log_start, log_transitions, log_emissions, means, variances).
-  m.def("_hmm_log_likelihood_backward(Tensor grad, Tensor observations, Tensor log_start, Tensor log_transitions, "
-        "Tensor? log_emissions, Tensor? means, Tensor? variances, Tensor? mask, Tensor? lengths, bool batch_first, "
-        "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_hmm_log_likelihood_backward(Tensor grad, Tensor observations, Tensor log_start, Tensor log_transitions, "
+      "Tensor? log_emissions, Tensor? means, Tensor? variances, Tensor? mask, Tensor? lengths, bool batch_first, "
+      "bool[6] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {

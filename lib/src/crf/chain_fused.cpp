@@ -141,10 +141,8 @@ struct StepFactory {
     }
   }
   auto make() const {
-    if constexpr (S::kIsMax)
-      return SemiringStep<S, T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), K_);
-    else
-      return ScaledLogStep<T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), colmax_.data_ptr<T>(), K_);
+    if constexpr (S::kIsMax) return SemiringStep<S, T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), K_);
+    else return ScaledLogStep<T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), colmax_.data_ptr<T>(), K_);
   }
   at::Tensor trans_, aux_, colmax_;
   int64_t K_;
@@ -161,9 +159,9 @@ T rebase(T* a, int64_t K) {
 }
 
 // One sequence at a time, sequences in parallel; messages are [T,K] rows. A sequence's messages grow to about -T
-// (log-probabilities of its prefixes), where a float32 keeps only about 1e-2 absolutely: each alpha_t is stored minus its
-// largest entry, the offsets summed in float64. The recursion and its reverse mode only take differences of alpha_{t-1}
-// and pre_t, which share an offset; frame_score is the score in the last alpha's frame, score the true one.
+// (log-probabilities of its prefixes), where a float32 keeps only about 1e-2 absolutely: each alpha_t is stored minus
+// its largest entry, the offsets summed in float64. The recursion and its reverse mode only take differences of
+// alpha_{t-1} and pre_t, which share an offset; frame_score is the score in the last alpha's frame, score the true one.
 template <class S, class T>
 void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
                  const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
@@ -221,7 +219,8 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
   // At most 64 chunks, fewer when their K×K buffers would pass 64 MiB, but at least 4 (while B allows) so that large
   // K stays parallel.
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(B, 64));
-  const int64_t chunks = std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), std::min<int64_t>(most, 4), most);
+  const int64_t chunks =
+      std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), std::min<int64_t>(most, 4), most);
   const StepFactory<S, T> steps(trans);
   at::Tensor part_w = at::zeros({chunks, K, K}, alpha.options());
   at::Tensor part_s = at::zeros({chunks, K}, alpha.options()), part_e = at::zeros({chunks, K}, alpha.options());
@@ -324,8 +323,7 @@ at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at:
   r.pre = at::empty_like(em);
   // The [B] results in one allocation, the returned one first (an operator's output starts its storage).
   const at::Tensor results = at::empty({tags.numel() ? 3 : 2, B}, em.options());
-  at::Tensor loglik = tags.numel() ? results[0] : at::empty({0}, em.options()),
-             score = results[tags.numel() ? 1 : 0];
+  at::Tensor loglik = tags.numel() ? results[0] : at::empty({0}, em.options()), score = results[tags.numel() ? 1 : 0];
   r.frame_score = results[tags.numel() ? 2 : 1];
   const auto long_opts = em.options().dtype(at::kLong);
   if (S::kIsMax) {
@@ -388,8 +386,8 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
                             const at::Tensor& tags) {
     ChainRecord r;
     const at::Tensor out = forward_pass<S>(em, trans, start, end, lengths.numel() ? lengths : at::Tensor(), tags, r);
-    ctx->save_for_backward({r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
-                            r.scaled, r.colmax});
+    ctx->save_for_backward(
+        {r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score, r.scaled, r.colmax});
     return out;
   }
 
@@ -415,12 +413,12 @@ bool shared_chain_kernels_take(const at::Tensor& emissions) {
 template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags) {
-  return FusedChainFunction<S>::apply(emissions.contiguous(), transitions.contiguous(), start.contiguous(),
-                                      end.contiguous(),
-                                      // autograd takes defined inputs only: no lengths (all T long) and no tags are
-                                      // empty tensors
-                                      lengths.defined() ? lengths.contiguous() : at::empty({0}, long_options(emissions)),
-                                      tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)));
+  return FusedChainFunction<S>::apply(
+      emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+      // autograd takes defined inputs only: no lengths (all T long) and no tags are
+      // empty tensors
+      lengths.defined() ? lengths.contiguous() : at::empty({0}, long_options(emissions)),
+      tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)));
 }
 
 template <class S>
@@ -428,10 +426,9 @@ std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emis
                                                           const at::Tensor& start, const at::Tensor& end,
                                                           const at::Tensor& lengths, const at::Tensor& tags) {
   ChainRecord r;
-  const at::Tensor score =
-      forward_pass<S>(emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
-                      contiguous_or_none(lengths),
-                      tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)), r);
+  const at::Tensor score = forward_pass<S>(
+      emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+      contiguous_or_none(lengths), tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)), r);
   auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(at::Tensor(), r);
   return {score, g_em, g_trans, g_start, g_end};
 }
@@ -444,11 +441,11 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
   const at::Tensor len = em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous();
   const int64_t B = em.size(0), Tn = em.size(1);
   // The CUDA backtrace needs only the argmax record: the messages are not written there.
-  at::Tensor alpha = em.is_cuda() ? at::Tensor() : at::empty_like(em), pre = em.is_cuda() ? at::Tensor() : at::empty_like(em);
+  at::Tensor alpha = em.is_cuda() ? at::Tensor() : at::empty_like(em),
+             pre = em.is_cuda() ? at::Tensor() : at::empty_like(em);
   at::Tensor score = at::empty({B}, em.options()), frame_score = at::empty({B}, em.options()),
-             loglik = at::empty({0}, em.options()),
-             arg = at::empty(em.sizes(), no_tags.options()), end_arg = at::empty({B}, no_tags.options()),
-             path = at::empty({B, Tn}, no_tags.options());
+             loglik = at::empty({0}, em.options()), arg = at::empty(em.sizes(), no_tags.options()),
+             end_arg = at::empty({B}, no_tags.options()), path = at::empty({B, Tn}, no_tags.options());
   if (em.is_cuda()) {
     cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
                                      loglik);

@@ -58,14 +58,16 @@ at::ScalarType chain_compute_type(std::initializer_list<std::pair<const char*, a
   for (const auto& [name, t] : scores) {
     if (!t.defined()) continue;
     if (!is_score_type(t.scalar_type()))
-      throw Error(std::string(what) + ": " + name + " must be float16, bfloat16, float32 or float64, got " + type_name(t));
+      throw Error(std::string(what) + ": " + name + " must be float16, bfloat16, float32 or float64, got " +
+                  type_name(t));
     if (t.scalar_type() == at::kDouble) type = at::kDouble;
   }
   return type;
 }
 
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first) {
-  return batch_first ? BatchShape{sequences.size(0), sequences.size(1)} : BatchShape{sequences.size(1), sequences.size(0)};
+  return batch_first ? BatchShape{sequences.size(0), sequences.size(1)}
+                     : BatchShape{sequences.size(1), sequences.size(0)};
 }
 
 at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, bool batch_first, BatchShape shape,
@@ -85,8 +87,8 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
     throw Error(prefix + "mask must be a bool or uint8 tensor, got " + type_name(mask));
   const std::vector<int64_t> expected = positions_shape(shape, batch_first);
   if (mask.sizes().vec() != expected)
-    throw Error(prefix + "mask has shape " + shape_string(mask.sizes()) + ", expected " + positions_layout(batch_first) +
-                " = " + shape_string(expected));
+    throw Error(prefix + "mask has shape " + shape_string(mask.sizes()) + ", expected " +
+                positions_layout(batch_first) + " = " + shape_string(expected));
   at::Tensor on = mask.to(device, at::kBool);
   if (!batch_first) on = on.t();
   if (shape.batch == 0) return {};
@@ -144,7 +146,8 @@ at::Tensor batch_first_tags(const at::Tensor& tags, const ChainInputs& in, const
     const std::vector<int64_t> expected = positions_shape(batch_shape(in.emissions, in.batch_first), in.batch_first);
     if (tags.sizes().vec() != expected)
       throw Error(prefix + "tags have shape " + shape_string(tags.sizes()) + ", expected " +
-                  positions_layout(in.batch_first) + " = " + shape_string(expected) + " (the emissions' batch and steps)");
+                  positions_layout(in.batch_first) + " = " + shape_string(expected) +
+                  " (the emissions' batch and steps)");
   }
   return (in.batch_first ? tags : tags.t()).to(in.emissions.device(), at::kLong);
 }

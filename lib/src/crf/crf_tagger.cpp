@@ -22,9 +22,9 @@ namespace {
 
 constexpr char kMagic[8] = {'T', 'R', 'E', 'L', 'C', 'R', 'F', '\n'};
 constexpr uint32_t kFirstFormatVersion = 1;  // no column layout: inputs first, the label last
-constexpr uint32_t kDensePairsVersion = 2;    // every feature with every label: written for such models
-constexpr uint32_t kFormatVersion = 3;        // version 2 with the seen (feature, label) pairs before the weights
-constexpr int64_t kTagChunk = 1024;  // sentences decoded per batch
+constexpr uint32_t kDensePairsVersion = 2;   // every feature with every label: written for such models
+constexpr uint32_t kFormatVersion = 3;       // version 2 with the seen (feature, label) pairs before the weights
+constexpr int64_t kTagChunk = 1024;          // sentences decoded per batch
 
 // Weights of -inf (set through the API; model files hold finite ones) can forbid every label sequence of a sentence:
 // its probabilities would be NaN, so it is an error instead. best_scores [B] of the sentences first, first + 1, ...
@@ -46,7 +46,9 @@ ColumnLayout ColumnLayout::resolve(std::size_t columns, int label_column, const 
                   std::to_string(columns) + " columns (0.." + std::to_string(columns) + "-1, or -1 for the last)");
     return static_cast<std::size_t>(resolved);
   };
-  if (columns < 2) throw Error("'" + source + "' has " + std::to_string(columns) + " column; a tagger needs an input and a label column");
+  if (columns < 2)
+    throw Error("'" + source + "' has " + std::to_string(columns) +
+                " column; a tagger needs an input and a label column");
   ColumnLayout l;
   l.columns = columns;
   l.label = index(label_column, "--label-column");
@@ -95,8 +97,9 @@ std::string ColumnLayout::describe() const {
 ConllCorpus ColumnLayout::project(const ConllCorpus& corpus, bool* has_labels) const {
   const bool labelled = corpus.num_columns == columns;
   if (!labelled && corpus.num_columns + 1 != columns)
-    throw Error("'" + corpus.source + "' has " + std::to_string(corpus.num_columns) + " columns; the model was trained on " +
-                describe() + " (a file without the label column has " + std::to_string(columns - 1) + ")");
+    throw Error("'" + corpus.source + "' has " + std::to_string(corpus.num_columns) +
+                " columns; the model was trained on " + describe() + " (a file without the label column has " +
+                std::to_string(columns - 1) + ")");
   // Without the label column, the columns after it sit one place to the left.
   const auto at = [&](std::size_t c) { return labelled || c < label ? c : c - 1; };
   ConllCorpus out;
@@ -123,8 +126,9 @@ ConllCorpus ColumnLayout::project(const ConllCorpus& corpus, bool* has_labels) c
 FeaturePairs parse_feature_pairs(const std::string& name) {
   if (name == "all") return FeaturePairs::All;
   if (name == "seen") return FeaturePairs::Seen;
-  throw Error("--feature-pairs must be all (every feature with every label) or seen (the pairs seen in training), not '" +
-              name + "'");
+  throw Error(
+      "--feature-pairs must be all (every feature with every label) or seen (the pairs seen in training), not '" +
+      name + "'");
 }
 
 std::string feature_pairs_name(FeaturePairs pairs) { return pairs == FeaturePairs::Seen ? "seen" : "all"; }
@@ -132,10 +136,8 @@ std::string feature_pairs_name(FeaturePairs pairs) { return pairs == FeaturePair
 CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> features,
                      std::unique_ptr<FeatureExtractor> extractor, std::size_t input_columns,
                      const std::vector<std::vector<int64_t>>* seen_labels)
-    : labels_(std::move(labels)),
-      features_(std::make_shared<const StringIndex>(std::move(features), "feature")),
-      extractor_(std::move(extractor)),
-      input_columns_(input_columns),
+    : labels_(std::move(labels)), features_(std::make_shared<const StringIndex>(std::move(features), "feature")),
+      extractor_(std::move(extractor)), input_columns_(input_columns),
       layout_(ColumnLayout::inputs_then_label(input_columns)) {
   if (labels_.empty()) throw Error("a CRF tagger needs at least one label");
   for (std::size_t i = 0; i < labels_.size(); ++i)
@@ -143,13 +145,15 @@ CrfTagger::CrfTagger(std::vector<std::string> labels, std::vector<std::string> f
   const int64_t K = labels_.size(), F = features_->size();
   if (seen_labels) {
     if (static_cast<int64_t>(seen_labels->size()) != F)
-      throw Error("seen feature pairs for " + std::to_string(seen_labels->size()) + " features, not " + std::to_string(F));
+      throw Error("seen feature pairs for " + std::to_string(seen_labels->size()) + " features, not " +
+                  std::to_string(F));
     std::vector<int64_t> offsets{0}, pair_labels;
     for (int64_t f = 0; f < F; ++f) {
       for (std::size_t i = 0; i < (*seen_labels)[f].size(); ++i) {
         const int64_t y = (*seen_labels)[f][i];
         if (y < 0 || y >= K || (i > 0 && y <= (*seen_labels)[f][i - 1]))
-          throw Error("feature " + std::to_string(f) + ": seen label ids must increase within [0, " + std::to_string(K) + ")");
+          throw Error("feature " + std::to_string(f) + ": seen label ids must increase within [0, " +
+                      std::to_string(K) + ")");
         pair_labels.push_back(y);
       }
       offsets.push_back(static_cast<int64_t>(pair_labels.size()));
@@ -327,7 +331,7 @@ std::vector<TaggedSentence> CrfTagger::tag(const std::vector<const TokenRows*>& 
 }
 
 std::vector<std::vector<TaggedSentence>> CrfTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
-                                                               int64_t k) const {
+                                                              int64_t k) const {
   if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
   at::NoGradGuard no_grad;
   const int64_t K = static_cast<int64_t>(labels_.size());
@@ -390,7 +394,8 @@ void CrfTagger::save(const std::string& path) const {
   if (pair_labels_.defined()) {  // the pairs: their count, each feature's number of them, their labels
     w.pod<uint64_t>(pair_labels_.numel());
     const int64_t* offsets = pair_offsets_.data_ptr<int64_t>();
-    for (int64_t f = 0; f + 1 < pair_offsets_.numel(); ++f) w.pod<uint32_t>(static_cast<uint32_t>(offsets[f + 1] - offsets[f]));
+    for (int64_t f = 0; f + 1 < pair_offsets_.numel(); ++f)
+      w.pod<uint32_t>(static_cast<uint32_t>(offsets[f + 1] - offsets[f]));
     const int64_t* labels = pair_labels_.data_ptr<int64_t>();
     for (int64_t p = 0; p < pair_labels_.numel(); ++p) w.pod<uint32_t>(static_cast<uint32_t>(labels[p]));
   }
@@ -413,8 +418,9 @@ CrfTagger CrfTagger::load(const std::string& path) {
   ModelReader r(data, sizeof kMagic, data.size() - sizeof(uint64_t), path, "model file");
   const auto version = r.pod<uint32_t>();
   if (version < kFirstFormatVersion || version > kFormatVersion)
-    throw Error("'" + path + "': model format version " + std::to_string(version) + " is not supported (this Trellis reads versions " +
-                std::to_string(kFirstFormatVersion) + " to " + std::to_string(kFormatVersion) + ")");
+    throw Error("'" + path + "': model format version " + std::to_string(version) +
+                " is not supported (this Trellis reads versions " + std::to_string(kFirstFormatVersion) + " to " +
+                std::to_string(kFormatVersion) + ")");
   uint64_t stored;
   std::memcpy(&stored, data.data() + data.size() - sizeof stored, sizeof stored);
   if (stored != fnv1a(data.data(), data.size() - sizeof stored)) r.corrupt("checksum mismatch: truncated or modified");
@@ -423,8 +429,7 @@ CrfTagger CrfTagger::load(const std::string& path) {
   if (version >= 2) {
     layout.columns = r.pod<uint64_t>();
     layout.label = r.pod<uint64_t>();
-    if (layout.columns <= columns || layout.label >= layout.columns)
-      r.corrupt("column layout");
+    if (layout.columns <= columns || layout.label >= layout.columns) r.corrupt("column layout");
     for (auto& c : layout.inputs) {
       c = r.pod<uint64_t>();
       if (c >= layout.columns || c == layout.label) r.corrupt("column layout");
@@ -461,7 +466,8 @@ CrfTagger CrfTagger::load(const std::string& path) {
   CrfTagger m(std::move(labels), std::move(features), std::move(extractor), columns,
               seen_labels ? &*seen_labels : nullptr);
   m.set_layout(std::move(layout));
-  m.weights = seen_labels ? r.floats({m.weights.numel()}, "weights") : r.floats({static_cast<int64_t>(F), K}, "weights");
+  m.weights =
+      seen_labels ? r.floats({m.weights.numel()}, "weights") : r.floats({static_cast<int64_t>(F), K}, "weights");
   m.transitions = r.floats({K, K}, "transitions");
   m.start = r.floats({K}, "start weights");
   m.end = r.floats({K}, "end weights");

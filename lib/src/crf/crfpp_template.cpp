@@ -11,11 +11,11 @@ namespace trellis {
 namespace {
 
 struct Piece {
-  std::string literal;     // text before the macro (or the whole tail when there is no macro)
+  std::string literal;  // text before the macro (or the whole tail when there is no macro)
   bool macro = false;
   int row = 0;
   std::size_t column = 0;
-  std::size_t line = 0;    // of the template file, for errors
+  std::size_t line = 0;  // of the template file, for errors
 };
 
 using UnigramTemplate = std::vector<Piece>;
@@ -55,14 +55,16 @@ UnigramTemplate parse_unigram(const std::string& text, const std::string& source
     // As in CRF++, '%' always starts a macro, and %x[row,column] is the only one a unigram template can use
     // (%y[...] would read the labels, which only CRF++'s bigram templates may).
     if (text.compare(pos, 3, "%x[") != 0)
-      throw ParseError(source, line, "unsupported macro at '" + text.substr(pos, 4) + "' in '" + text +
-                                         "': '%' must start %x[row,column]");
+      throw ParseError(
+          source, line,
+          "unsupported macro at '" + text.substr(pos, 4) + "' in '" + text + "': '%' must start %x[row,column]");
     std::size_t p = pos + 3;
     long row = 0, col = 0;
     if (!parse_int(text, p, row) || p >= text.size() || text[p++] != ',' || !parse_int(text, p, col) ||
         p >= text.size() || text[p++] != ']')
-      throw ParseError(source, line, "malformed macro in '" + text + "': expected %x[row,column] with integers within ±" +
-                                         std::to_string(kMaxMacroIndex));
+      throw ParseError(source, line,
+                       "malformed macro in '" + text + "': expected %x[row,column] with integers within ±" +
+                           std::to_string(kMaxMacroIndex));
     if (col < 0) throw ParseError(source, line, "negative column in '" + text + "'");
     pieces.push_back({literal, true, static_cast<int>(row), static_cast<std::size_t>(col), line});
     literal.clear();
@@ -113,12 +115,9 @@ class TemplateFeatures final : public FeatureExtractor {
         if (!p.macro) continue;
         const long r = static_cast<long>(t) + p.row;
         // CRF++'s names for positions outside the sentence.
-        if (r < 0)
-          out << "_B" << r;
-        else if (r >= n)
-          out << "_B+" << r - n + 1;
-        else
-          out << rows[r][p.column];
+        if (r < 0) out << "_B" << r;
+        else if (r >= n) out << "_B+" << r - n + 1;
+        else out << rows[r][p.column];
       }
       out.close();
     }

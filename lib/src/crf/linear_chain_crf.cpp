@@ -65,7 +65,8 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr, bool val
   auto same = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
     if (!t.defined()) return;
     if (t.sizes().vec() != shape)
-      throw Error(std::string("CRF: ") + name + " has shape " + message::text(t.sizes()) + ", expected " + message::text(shape));
+      throw Error(std::string("CRF: ") + name + " has shape " + message::text(t.sizes()) + ", expected " +
+                  message::text(shape));
     if (t.scalar_type() != e.scalar_type() || t.device() != e.device())
       throw Error(std::string("CRF: ") + name + " must have the emissions' dtype and device");
   };
@@ -100,10 +101,10 @@ Shape check(const ChainPotentials& p, const at::Tensor* tags = nullptr, bool val
   const int64_t* h = host.data_ptr<int64_t>();
   if (h[0] < 1 || h[1] > s.T)
     first_bad_index((lengths < 1) | (lengths > s.T), "lengths", lengths, "[1, " + std::to_string(s.T) + "]");
-  if (tags && (h[2] < 0 || h[3] >= s.K)) first_bad_index((y < 0) | (y >= s.K), "tags", y, "[0, " + std::to_string(s.K) + ")");
+  if (tags && (h[2] < 0 || h[3] >= s.K))
+    first_bad_index((y < 0) | (y >= s.K), "tags", y, "[0, " + std::to_string(s.K) + ")");
   return s;
 }
-
 
 at::Tensor or_zeros(const at::Tensor& t, const ChainPotentials& p, int64_t K) {
   return t.defined() ? t : at::zeros({K}, p.emissions.options());
@@ -181,14 +182,15 @@ at::Tensor scaled_log_partition(const ChainPotentials& p, const Shape& s) {
   const at::Tensor lengths = lengths_or_full(p, s);
   const detail::ScaledRight w = detail::scale_right(p.transitions.unsqueeze(0));
   if (p.emissions.is_cuda() && cuda::scaled_chain_supported(s.B, s.K)) {
-    const at::Tensor alpha = cuda::scaled_chain_forward(
-        p.emissions.contiguous(), w.original[0], w.scaled[0], w.colmax.view({s.K}),
-        or_zeros(p.start, p, s.K).contiguous(), lengths.contiguous(),
-        detail::underflow_threshold(p.emissions.scalar_type(), s.K));
+    const at::Tensor alpha =
+        cuda::scaled_chain_forward(p.emissions.contiguous(), w.original[0], w.scaled[0], w.colmax.view({s.K}),
+                                   or_zeros(p.start, p, s.K).contiguous(), lengths.contiguous(),
+                                   detail::underflow_threshold(p.emissions.scalar_type(), s.K));
     return semiring_sum<LogSemiring>(alpha + or_zeros(p.end, p, s.K), -1);
   }
   // Many sequences: the fused chain kernels (one launch for all steps) where they take K.
-  if (p.emissions.is_cuda() && detail::fused_chain_supported<LogSemiring>(p.emissions)) return chain_score<LogSemiring>(p, s);
+  if (p.emissions.is_cuda() && detail::fused_chain_supported<LogSemiring>(p.emissions))
+    return chain_score<LogSemiring>(p, s);
   // Each step's alpha is kept minus its largest entry, the offsets summed in float64: alphas of long sequences would
   // otherwise grow to about -T, where float32 keeps only about 1e-2 absolutely.
   const auto largest = [](const at::Tensor& a) {
@@ -266,8 +268,8 @@ at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
     }
     case ChainRoute::kFused:  // one fused node: gold score − log Z and its gradient (gold indicators − marginals)
       return detail::fused_chain_score<LogSemiring>(p.emissions, p.transitions, or_zeros(p.start, p, s.K),
-                                                     or_zeros(p.end, p, s.K), given_lengths(p),
-                                                     tags.to(p.emissions.device(), at::kLong));
+                                                    or_zeros(p.end, p, s.K), given_lengths(p),
+                                                    tags.to(p.emissions.device(), at::kLong));
     default: return gold_score_unchecked(p, s, tags) - log_partition(p);
   }
 }
@@ -351,7 +353,8 @@ Marginals marginals(const ChainPotentials& p, bool with_edges) {
   const ChainPotentials q = detached_with_emission_leaf(p);
   // Edge marginals need per-position transitions, which only the composed recursion takes.
   at::Tensor edge;
-  if (with_edges) edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
+  if (with_edges)
+    edge = q.transitions.expand({s.B, std::max<int64_t>(s.T - 1, 0), s.K, s.K}).contiguous().requires_grad_();
   const at::Tensor log_z =
       route == ChainRoute::kFused ? fused_score<LogSemiring>(q, s) : chain_forward<LogSemiring>(q, s, edge);
   torch::autograd::variable_list inputs{q.emissions};
@@ -486,7 +489,8 @@ at::Tensor viterbi_score(const ChainPotentials& p) {
 
 ChainPotentials constrain(const ChainPotentials& p, const TransitionConstraints& c) {
   const Shape s = check(p);
-  auto mask_out = [&](const at::Tensor& scores, const at::Tensor& allowed, const char* name, std::vector<int64_t> shape) {
+  auto mask_out = [&](const at::Tensor& scores, const at::Tensor& allowed, const char* name,
+                      std::vector<int64_t> shape) {
     if (!allowed.defined()) return scores;
     if (allowed.sizes().vec() != shape || allowed.scalar_type() != at::kBool)
       throw Error(std::string("constrain: ") + name + " must be a bool tensor of shape " + message::text(shape));

@@ -18,7 +18,8 @@ Reduction parse_reduction(const std::string& reduction) {
   if (reduction == "sum") return Reduction::sum;
   if (reduction == "mean") return Reduction::mean;
   if (reduction == "token_mean") return Reduction::token_mean;
-  throw Error(std::string(kWhat) + ": reduction must be 'none', 'sum', 'mean' or 'token_mean', got '" + reduction + "'");
+  throw Error(std::string(kWhat) + ": reduction must be 'none', 'sum', 'mean' or 'token_mean', got '" + reduction +
+              "'");
 }
 
 }  // namespace
@@ -62,19 +63,16 @@ at::Tensor CRFImpl::forward(const at::Tensor& emissions, const at::Tensor& tags,
   const ChainInputs in{emissions, {}, {}, {}, mask, {}, options.batch_first()};
   const at::Tensor llh = batch_log_likelihood(p, batch_first_tags(tags, in, kWhat));
   switch (r) {
-    case Reduction::none:
-      return llh;
-    case Reduction::sum:
-      return llh.sum();
-    case Reduction::mean:
-      return llh.mean();
-    case Reduction::token_mean:
-      break;
+    case Reduction::none: return llh;
+    case Reduction::sum: return llh.sum();
+    case Reduction::mean: return llh.mean();
+    case Reduction::token_mean: break;
   }
-  const at::Tensor tokens = p.lengths.defined() ? p.lengths.sum().to(llh.scalar_type())
-                                                : at::scalar_tensor(static_cast<double>(p.emissions.size(0)) *
-                                                                        static_cast<double>(p.emissions.size(1)),
-                                                                    llh.options());
+  const at::Tensor tokens =
+      p.lengths.defined()
+          ? p.lengths.sum().to(llh.scalar_type())
+          : at::scalar_tensor(static_cast<double>(p.emissions.size(0)) * static_cast<double>(p.emissions.size(1)),
+                              llh.options());
   return llh.sum() / tokens;
 }
 
@@ -84,7 +82,8 @@ at::Tensor CRFImpl::log_partition(const at::Tensor& emissions, const at::Tensor&
 
 ViterbiResult CRFImpl::decode(const at::Tensor& emissions, const at::Tensor& mask) {
   const AutogradScope scope;
-  return caller_layout(batch_viterbi(scope.usable(potentials(emissions, mask, /*constrained=*/true))), options.batch_first());
+  return caller_layout(batch_viterbi(scope.usable(potentials(emissions, mask, /*constrained=*/true))),
+                       options.batch_first());
 }
 
 KBestResult CRFImpl::kbest(const at::Tensor& emissions, int64_t k, const at::Tensor& mask) {

@@ -61,7 +61,7 @@ struct DistributedContext::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::string backend = "none";
   at::Device device = at::kCPU;  // where the backend's tensors live
-  mutable int64_t checks = 0;   // status checks so far (each posts failures under its own keys)
+  mutable int64_t checks = 0;    // status checks so far (each posts failures under its own keys)
   mutable int64_t barriers = 0;  // wait_for_all calls so far
 
   ~Impl() {
@@ -103,8 +103,7 @@ DistributedContext DistributedContext::from_environment(const std::string& devic
   so.multiTenant = true;
   Impl& impl = *ctx.impl_;
   try {
-    impl.store = c10::make_intrusive<c10d::PrefixStore>(
-        "trellis/", c10::make_intrusive<c10d::TCPStore>(*host, so));
+    impl.store = c10::make_intrusive<c10d::PrefixStore>("trellis/", c10::make_intrusive<c10d::TCPStore>(*host, so));
     if (device == "cpu") {
       impl.group = make_gloo_process_group(impl.store, rank, world, ctx.timeout_);
       impl.backend = "gloo";
@@ -120,9 +119,9 @@ DistributedContext DistributedContext::from_environment(const std::string& devic
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw Error("rank " + std::to_string(rank) + " of " + std::to_string(world) + ": cannot join the process group at " +
-                *host + ":" + std::to_string(so.port) + " within " + std::to_string(ctx.timeout_.count() / 1000) +
-                " s (TRELLIS_DIST_TIMEOUT): " + message_of(e));
+    throw Error("rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                ": cannot join the process group at " + *host + ":" + std::to_string(so.port) + " within " +
+                std::to_string(ctx.timeout_.count() / 1000) + " s (TRELLIS_DIST_TIMEOUT): " + message_of(e));
   }
   ctx.rank_ = rank;
   ctx.world_size_ = world;
@@ -144,8 +143,10 @@ void wait(const Start& start, const std::string& who, const char* what, std::chr
   try {
     start()->wait(timeout);
   } catch (const std::exception& e) {
-    throw Error(who + ": " + what + " over the process group failed (another rank has probably stopped: see its "
-                "messages): " + message_of(e));
+    throw Error(who + ": " + what +
+                " over the process group failed (another rank has probably stopped: see its "
+                "messages): " +
+                message_of(e));
   }
 }
 
@@ -178,8 +179,8 @@ void DistributedContext::check_all(const std::optional<std::string>& local_failu
         m = "(its message could not be read: " + message_of(e) + ")";
       }
     }
-    message += (message.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " of " + std::to_string(world_size_) +
-                                                 ": " + m);
+    message +=
+        (message.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " of " + std::to_string(world_size_) + ": " + m);
   }
   if (message.empty()) return;
   // Every rank has read the messages before any leaves (rank 0 may be serving the store).
@@ -250,7 +251,7 @@ void DistributedContext::receive(const at::Tensor& tensor, int source) const {
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                              int size, std::chrono::milliseconds timeout) {
+                                                               int size, std::chrono::milliseconds timeout) {
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   const c10::intrusive_ptr<c10d::Backend> backend =
       make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo/", store), rank, size, timeout);
@@ -326,7 +327,8 @@ std::vector<int64_t> balanced_shares(const std::vector<int64_t>& weights, int pa
   for (int r = 1; r < parts; ++r) {
     // The boundary whose prefix is nearest r/parts of the total, never before the previous one.
     const double target = static_cast<double>(prefix.back()) * r / parts;
-    int64_t i = std::lower_bound(prefix.begin(), prefix.end(), static_cast<int64_t>(std::ceil(target))) - prefix.begin();
+    int64_t i =
+        std::lower_bound(prefix.begin(), prefix.end(), static_cast<int64_t>(std::ceil(target))) - prefix.begin();
     i = std::min(i, n);
     if (i > 0 && target - static_cast<double>(prefix[i - 1]) < static_cast<double>(prefix[i]) - target) --i;
     bounds.push_back(std::max(i, bounds.back()));

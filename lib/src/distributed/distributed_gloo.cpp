@@ -21,8 +21,9 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                      c10d::ProcessGroupGloo::Options::create_default(timeout));
 #else
   (void)store, (void)rank, (void)size, (void)timeout;
-  throw Error("this Trellis was built without Gloo's headers (Debian: libgloo-dev), so it has no CPU process group: "
-              "run --device cpu as one process, or rebuild with them");
+  throw Error(
+      "this Trellis was built without Gloo's headers (Debian: libgloo-dev), so it has no CPU process group: "
+      "run --device cpu as one process, or rebuild with them");
 #endif
 }
 

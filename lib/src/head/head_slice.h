@@ -16,7 +16,7 @@ namespace trellis::head_slice {
 // or is ignored (head.ignore_index is not used). lse and target_logit always; Σ z (want_sum) and Σ p·z over the
 // slice's own softmax (want_expected) when asked.
 HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
-                              const HeadOptions& head, bool want_sum, bool want_expected);
+                        const HeadOptions& head, bool want_sum, bool want_expected);
 
 // Gradients of Σ_i g_i·loss_i with respect to this slice's x-share (dx summed over the slices is the whole dx), its
 // weight rows and bias entries, where loss is the whole vocabulary's: lse [N] is over the whole vocabulary and label
@@ -35,7 +35,6 @@ using Merge = std::function<HeadRowStats(const HeadRowStats&)>;
 std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::Tensor& weight,
                                                 const at::Tensor& local_targets, const HeadOptions& head,
                                                 const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
-                                                std::array<bool, 3> want, const Merge& merge,
-                                                HeadRowStats& merged);
+                                                std::array<bool, 3> want, const Merge& merge, HeadRowStats& merged);
 
 }  // namespace trellis::head_slice

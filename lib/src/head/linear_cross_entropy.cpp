@@ -63,9 +63,7 @@ int64_t slab_rows(const Head& h, int64_t bytes) {
 }
 
 // Whether the fused Hopper kernel forms the statistics and the recompute route's gradient chunks for x and W.
-bool fused_applies(const Head& h) {
-  return h.x.is_cuda() && cuda::fused_linear_head_applies(h.x, h.weight);
-}
+bool fused_applies(const Head& h) { return h.x.is_cuda() && cuda::fused_linear_head_applies(h.x, h.weight); }
 
 // What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
 struct Footprint {
@@ -148,14 +146,13 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
              bool check_targets = true) {
   TORCH_CHECK(x.defined() && weight.defined(), "linear head: x and weight are required");
   if (x.dim() < 1) throw Error("linear head: x must have at least one dimension (its last is D)");
-  if (weight.dim() != 2)
-    throw Error(message::text("linear head: weight must be [V, D], got ", weight.sizes()));
+  if (weight.dim() != 2) throw Error(message::text("linear head: weight must be [V, D], got ", weight.sizes()));
   if (weight.size(0) < 1) throw Error("linear head: the vocabulary (weight's first dimension) is empty");
   if (x.size(-1) != weight.size(1))
     throw Error(message::text("linear head: x has D=", x.size(-1), " but weight is ", weight.sizes()));
   if (!supported(x.scalar_type()) || x.scalar_type() != weight.scalar_type())
     throw Error(message::text("linear head: x and weight must share one of float32, float64, bfloat16, float16; got ",
-                         x.scalar_type(), " and ", weight.scalar_type()));
+                              x.scalar_type(), " and ", weight.scalar_type()));
   if (x.device() != weight.device())
     throw Error(message::text("linear head: x is on ", x.device(), " but weight on ", weight.device()));
   Head h;
@@ -180,7 +177,8 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
     if (!at::isIntegralType(targets.scalar_type(), /*includeBool=*/false))
       throw Error(message::text("linear head: targets must be integers, got ", targets.scalar_type()));
     if (targets.sizes().vec() != h.row_shape)
-      throw Error(message::text("linear head: targets are ", targets.sizes(), " but x's rows are ", at::IntArrayRef(h.row_shape)));
+      throw Error(message::text("linear head: targets are ", targets.sizes(), " but x's rows are ",
+                                at::IntArrayRef(h.row_shape)));
     if (targets.device() != x.device()) throw Error("linear head: targets must be on x's device");
     h.targets = targets.reshape({-1}).to(at::kLong).contiguous();  // kernels read it through a raw pointer
     if (check_targets) {
@@ -188,7 +186,8 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
       if (bad.any().item<bool>()) {
         const int64_t i = bad.nonzero()[0][0].item<int64_t>();
         throw Error(message::text("linear head: targets[", i, "] = ", h.targets[i].item<int64_t>(),
-                             " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index, ")"));
+                                  " is outside the vocabulary [0, ", V, ") and is not ignore_index (", o.ignore_index,
+                                  ")"));
       }
     }
   }
@@ -357,8 +356,8 @@ void add_slab_gradients(const Head& h, const at::Tensor& dz, int64_t r0, std::ar
 // merge, when given: W is a slice of the vocabulary, and each slab's statistics (lse, target logit, Σ z) become the
 // whole vocabulary's through it before the slab's gradient is formed; `merged` receives them for every row.
 Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
-                         std::array<bool, 3> want, at::Tensor* loss = nullptr,
-                         const head_slice::Merge* merge = nullptr, SlabStats* merged = nullptr) {
+                         std::array<bool, 3> want, at::Tensor* loss = nullptr, const head_slice::Merge* merge = nullptr,
+                         SlabStats* merged = nullptr) {
   const int64_t N = h.rows();
   Gradients out = empty_gradients(h, want);
   std::vector<SlabStats> merged_slabs;
@@ -380,14 +379,16 @@ Gradients head_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       if (z.is_cuda()) {
         at::Tensor row_lse = at::empty({n}, z.options());
         at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
-        if (cuda::linear_head_logit_gradient_in_place(
-                z, g.narrow(0, r0, n).contiguous(), h.targets.narrow(0, r0, n).contiguous(), {0, h.smoothing_vocabulary()},
-                o.label_smoothing, o.z_loss, h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
+        if (cuda::linear_head_logit_gradient_in_place(z, g.narrow(0, r0, n).contiguous(),
+                                                      h.targets.narrow(0, r0, n).contiguous(),
+                                                      {0, h.smoothing_vocabulary()}, o.label_smoothing, o.z_loss,
+                                                      h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
       if (!s.lse.defined()) s.lse = trellis::logsumexp(z, 1);
       slab_lse = s.lse;
-      if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
+      if (loss)
+        loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
     if (!dz.defined()) dz = slab_logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o);
     add_slab_gradients(h, dz, r0, want, out);
@@ -478,9 +479,10 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
 // a chunk of columns at a time through its logits x·W[c]ᵀ, their gradient dz, dW[c] = dzᵀ·x (complete, written once
 // in W's type) and dx += dz·W[c]. Where the fused Hopper kernel applies, it forms dz on its tiles (the logits stay on
 // chip); elsewhere a GEMM writes the chunk's logits and dz takes their memory. A chunk's slab lives in memory that
-// nothing needs yet: dW's rows after the chunk, dx's buffer before dx is written, or a slab of at most 2 KiB per row. For 16-bit inputs dx sums in float32 inside
-// dW's last rows; the chunks over those rows run twice: for dx first, then, once dx is written, for dW. Where dW
-// cannot hold that sum (it would take over half of dW, or dW is not wanted), the sum takes a buffer of its own.
+// nothing needs yet: dW's rows after the chunk, dx's buffer before dx is written, or a slab of at most 2 KiB per row.
+// For 16-bit inputs dx sums in float32 inside dW's last rows; the chunks over those rows run twice: for dx first, then,
+// once dx is written, for dW. Where dW cannot hold that sum (it would take over half of dW, or dW is not wanted), the
+// sum takes a buffer of its own.
 Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
                                std::array<bool, 3> want) {
   const int64_t N = h.rows(), V = h.vocabulary(), D = h.x.size(1);
@@ -515,10 +517,12 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
   // The chunk from column v0 (at most `rest` columns) and its slab of logits [N, c]: in dW after the chunk's own rows
   // up to byte dw_limit (0: not there), or in `spare` (a free buffer, or undefined), whichever holds more columns;
   // the small slab where neither holds as many as it does.
-  auto next_slab = [&](int64_t v0, int64_t rest, int64_t dw_limit, const at::Tensor& spare) -> std::pair<int64_t, at::Tensor> {
+  auto next_slab = [&](int64_t v0, int64_t rest, int64_t dw_limit,
+                       const at::Tensor& spare) -> std::pair<int64_t, at::Tensor> {
     const int64_t in_dw =
-        dw_limit > 0 ? whole(std::max<int64_t>(0, dw_limit - v0 * row_bytes - kAlign) / (N * slab_size + row_bytes), rest)
-                     : 0;
+        dw_limit > 0
+            ? whole(std::max<int64_t>(0, dw_limit - v0 * row_bytes - kAlign) / (N * slab_size + row_bytes), rest)
+            : 0;
     const int64_t in_spare = spare.defined() ? whole(spare.numel() / (N * slab_size), rest) : 0;
     const int64_t c = std::max(in_dw, in_spare);
     if (c > 0 && c >= std::min(rest, tail_columns)) {
@@ -556,9 +560,10 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
       const at::Tensor wc = h.weight.narrow(0, v0, c);
       at::Tensor dz = slab;
       if (fused)
-        TORCH_CHECK(cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, h.smoothing_vocabulary()}, row_lse, row_g,
-                                                      o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
-                    "linear head: the fused gradient kernel did not take a chunk it was chosen for");
+        TORCH_CHECK(
+            cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, h.smoothing_vocabulary()}, row_lse,
+                                              row_g, o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
+            "linear head: the fused gradient kernel did not take a chunk it was chosen for");
       if (!fused) {
         mm_into(slab, h.x, wc.t(), true);
         finish_logits(h, slab, v0);
@@ -601,8 +606,8 @@ SlabStats all_row_stats(const Head& h, bool want_sum, bool want_expected) {
   if (h.recompute && !want_expected && h.rows() > 0) return chunked_stats(h, want_sum);
   std::vector<SlabStats> slabs;
   for (int64_t r0 = 0; r0 < h.rows(); r0 += h.rows_per_slab)
-    slabs.push_back(slab_stats(h, slab_logits(h, r0, std::min(h.rows_per_slab, h.rows() - r0)), r0, want_sum,
-                               want_expected));
+    slabs.push_back(
+        slab_stats(h, slab_logits(h, r0, std::min(h.rows_per_slab, h.rows() - r0)), r0, want_sum, want_expected));
   const auto join = [&](at::Tensor SlabStats::*field) {
     if (slabs.empty()) return at::empty({0}, h.x.options().dtype(h.acc));
     if (!(slabs[0].*field).defined()) return at::Tensor();
@@ -770,8 +775,8 @@ std::array<at::Tensor, 3> linear_cross_entropy_backward(const at::Tensor& grad, 
   const Head h = prepare(x, weight, targets, head, /*check_targets=*/false);
   want[2] = want[2] && h.bias.defined();
   const at::Tensor g = grad.reshape({-1}).to(h.acc) * valid_targets(h.targets, h.ignore_index);
-  Gradients d = h.recompute ? recomputed_gradients(h, g, forward.lse, loss, want)
-                            : head_gradients(h, g, forward.lse, loss, want);
+  Gradients d =
+      h.recompute ? recomputed_gradients(h, g, forward.lse, loss, want) : head_gradients(h, g, forward.lse, loss, want);
   return {d.x.defined() ? d.x.view(x.sizes()) : d.x, d.weight, d.bias};
 }
 
@@ -787,7 +792,8 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   const auto rows = [&](const at::Tensor& g, const char* name) {
     if (!g.defined()) return g;
     if (g.numel() != h.rows())
-      throw Error(message::text("head_statistics_backward: ", name, " has ", g.numel(), " entries for ", h.rows(), " rows"));
+      throw Error(
+          message::text("head_statistics_backward: ", name, " has ", g.numel(), " entries for ", h.rows(), " rows"));
     return g.reshape({-1}).to(h.acc);
   };
   if (!grad_lse.defined() && !grad_entropy.defined() && grad_logprob.defined()) {
@@ -817,7 +823,7 @@ HeadOptions slice_options(const HeadOptions& head) {
 }  // namespace
 
 HeadRowStats statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& local_targets,
-                              const HeadOptions& head, bool want_sum, bool want_expected) {
+                        const HeadOptions& head, bool want_sum, bool want_expected) {
   c10::NoGradGuard no_grad;
   return all_row_stats(prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false), want_sum,
                        want_expected);
@@ -837,8 +843,7 @@ std::array<at::Tensor, 3> gradients(const at::Tensor& x, const at::Tensor& weigh
 std::array<at::Tensor, 3> gradients_in_one_pass(const at::Tensor& x, const at::Tensor& weight,
                                                 const at::Tensor& local_targets, const HeadOptions& head,
                                                 const LossOptions& loss, const at::Tensor& g, int64_t total_vocabulary,
-                                                std::array<bool, 3> want, const Merge& merge,
-                                                HeadRowStats& merged) {
+                                                std::array<bool, 3> want, const Merge& merge, HeadRowStats& merged) {
   c10::NoGradGuard no_grad;
   Head h = prepare(x, weight, local_targets, slice_options(head), /*check_targets=*/false);
   h.total_vocabulary = total_vocabulary;

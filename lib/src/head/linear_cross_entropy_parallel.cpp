@@ -35,7 +35,8 @@ struct Slice {
 
 Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
   if (!s.group) throw Error("vocabulary-parallel head: no process group");
-  if (weight.dim() != 2) throw Error(message::text("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
+  if (weight.dim() != 2)
+    throw Error(message::text("vocabulary-parallel head: weight must be [V_r, D], got ", weight.sizes()));
   Slice out{s.group, s.offset, weight.size(0), s.vocabulary};
   if ((s.offset < 0 || s.vocabulary <= 0) && s.group->getSize() == 1) {
     out.offset = 0;  // the only rank holds the whole vocabulary: nothing to gather (nor a device-to-host copy)
@@ -48,7 +49,7 @@ Slice resolve(const VocabularySlice& s, const at::Tensor& weight) {
   }
   if (out.offset < 0 || out.offset + out.size > out.vocabulary)
     throw Error(message::text("vocabulary-parallel head: rank ", s.group->getRank(), "'s rows [", out.offset, ", ",
-                         out.offset + out.size, ") lie outside the vocabulary of ", out.vocabulary));
+                              out.offset + out.size, ") lie outside the vocabulary of ", out.vocabulary));
   return out;
 }
 
@@ -61,8 +62,8 @@ at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t igno
   if (check && bad.any().item<bool>()) {
     const int64_t i = bad.nonzero()[0][0].item<int64_t>();
     throw Error(message::text("vocabulary-parallel head: targets[", i, "] = ", t[i].item<int64_t>(),
-                         " is outside the vocabulary [0, ", s.vocabulary, ") and is not ignore_index (", ignore_index,
-                         ")"));
+                              " is outside the vocabulary [0, ", s.vocabulary, ") and is not ignore_index (",
+                              ignore_index, ")"));
   }
   const at::Tensor here = valid & (t >= s.offset) & (t < s.offset + s.size);
   return at::where(here, t - s.offset, -1);
@@ -72,7 +73,7 @@ at::Tensor local_targets(const at::Tensor& targets, const Slice& s, int64_t igno
 // logits and logit sums add (each target is in one slice), and the expected logit Σ p·z is the slices' own, each
 // weighted by its share of the probability e^(lse_r − lse).
 HeadRowStats merge(const Group& group, const HeadRowStats& local, bool with_targets, bool want_sum,
-                         bool want_expected) {
+                   bool want_expected) {
   if (group->getSize() == 1) return local;  // one slice: its statistics are the whole vocabulary's
   std::vector<at::Tensor> columns{local.lse};
   if (with_targets) columns.push_back(local.target_logit);
@@ -192,9 +193,9 @@ struct ParallelHeadStatistics : torch::autograd::Function<ParallelHeadStatistics
     rows.slice_expected_logit_excess = s[6];
     const at::Tensor& targets = s[2];
     // needs_input_grad counts the tensor arguments given: bias is the fourth after targets, else the third.
-    const std::array<bool, 3> want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                      ctx->saved_data.at("bias").toBool() &&
-                                          ctx->needs_input_grad(targets.defined() ? 3 : 2)};
+    const std::array<bool, 3> want = {
+        ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+        ctx->saved_data.at("bias").toBool() && ctx->needs_input_grad(targets.defined() ? 3 : 2)};
     auto g = head_statistics_backward(s[0], s[1], targets, head, rows, grad_out[0],
                                       targets.defined() ? grad_out[1] : at::Tensor(),
                                       rows.slice_expected_logit_excess.defined() ? grad_out[2] : at::Tensor(),
@@ -236,7 +237,8 @@ ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& 
   const HeadRowStats whole = merge(slice.group, mine, targets.defined(), false, with_entropy);
   ParallelHeadRows rows;
   rows.lse = whole.lse;
-  if (targets.defined()) rows.logprobs = (whole.target_logit - whole.lse) * (targets.reshape({-1}) != head.ignore_index);
+  if (targets.defined())
+    rows.logprobs = (whole.target_logit - whole.lse) * (targets.reshape({-1}) != head.ignore_index);
   if (with_entropy) rows.entropy = whole.lse - whole.expected_logit;  // H = lse − Σ p·z
   rows.slice_share = (mine.lse - whole.lse).exp();
   if (with_entropy) rows.slice_expected_logit_excess = mine.expected_logit - whole.expected_logit;
@@ -276,8 +278,8 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
     LossOptions unreduced;
     unreduced.reduction = Reduction::none;
     const at::Tensor g = -rows(grad_logprob, "grad_logprob") * (targets.reshape({-1}) != head.ignore_index);
-    auto grads = head_slice::gradients(x, weight, local, head, unreduced, forward.lse.reshape({-1}), g,
-                                       slice.vocabulary, want);
+    auto grads =
+        head_slice::gradients(x, weight, local, head, unreduced, forward.lse.reshape({-1}), g, slice.vocabulary, want);
     if (want[0]) sum_over_ranks(slice.group, grads[0]);
     return grads;
   }
@@ -296,8 +298,8 @@ std::array<at::Tensor, 3> head_statistics_backward(const at::Tensor& x, const at
   if (logprob_grad.defined()) lse_grad = lse_grad + logprob_grad * (local >= 0);
   HeadOptions local_head = head;
   local_head.ignore_index = -1;  // local targets: -1 where the target is another slice's or ignored
-  auto grads = trellis::head_statistics_backward(x, weight, local, local_head, lse_grad, logprob_grad, entropy_grad,
-                                                 want);
+  auto grads =
+      trellis::head_statistics_backward(x, weight, local, local_head, lse_grad, logprob_grad, entropy_grad, want);
   if (want[0]) sum_over_ranks(slice.group, grads[0]);
   return grads;
 }
@@ -337,8 +339,8 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     if (want[0]) sum_over_ranks(slice.group, d[0]);
     f.dx = d[0], f.dweight = d[1], f.dbias = d[2];
   } else {
-    const HeadRowStats mine = head_slice::statistics(
-        x, weight, local_targets(targets, slice, head.ignore_index), head, smoothing, false);
+    const HeadRowStats mine =
+        head_slice::statistics(x, weight, local_targets(targets, slice, head.ignore_index), head, smoothing, false);
     stats = merge(slice.group, mine, true, smoothing, false);
     f.lse = stats.lse;
   }

@@ -26,7 +26,8 @@ namespace trellis {
 namespace {
 
 void check_chain(const at::Tensor& start, const at::Tensor& transitions, const char* what) {
-  if (!start.defined() || !transitions.defined()) throw Error(std::string(what) + ": log_start and log_transitions are required");
+  if (!start.defined() || !transitions.defined())
+    throw Error(std::string(what) + ": log_start and log_transitions are required");
   const int64_t K = transitions.size(0);
   if (transitions.dim() != 2 || transitions.size(1) != K || start.dim() != 1 || start.size(0) != K)
     throw Error(std::string(what) + ": expected log_start [K] and log_transitions [K,K]; got " +
@@ -34,9 +35,9 @@ void check_chain(const at::Tensor& start, const at::Tensor& transitions, const c
 }
 
 at::Tensor lengths_or_full(const at::Tensor& observations, const at::Tensor& lengths) {
-  return lengths.defined() ? lengths.to(observations.device(), at::kLong)
-                           : at::full({observations.size(0)}, observations.size(1),
-                                      observations.options().dtype(at::kLong));
+  return lengths.defined()
+             ? lengths.to(observations.device(), at::kLong)
+             : at::full({observations.size(0)}, observations.size(1), observations.options().dtype(at::kLong));
 }
 
 at::Tensor valid_mask(const at::Tensor& observations, const at::Tensor& lengths) {
@@ -83,8 +84,7 @@ LabelCounts label_counts(const at::Tensor& states, const at::Tensor& lengths, in
   const at::Tensor st = states.to(opt.device(), at::kLong);
   const at::Tensor mask = valid_mask(st, lengths);
   const at::Tensor bad = mask & ((st < 0) | (st >= K));
-  if (bad.any().item<bool>())
-    throw Error("HMM: state " + index_of(bad) + " is outside [0, " + std::to_string(K) + ")");
+  if (bad.any().item<bool>()) throw Error("HMM: state " + index_of(bad) + " is outside [0, " + std::to_string(K) + ")");
   const at::Tensor ids = st.masked_fill(~mask, 0);
   const auto count = [&](const at::Tensor& x, int64_t n) { return at::bincount(x, {}, n).to(opt.dtype()); };
   const at::Tensor pairs = (ids.slice(1, 0, -1) * K + ids.slice(1, 1)).masked_select(mask.slice(1, 1));
@@ -132,14 +132,16 @@ void check_model_shape(int64_t states, int64_t width, const std::string& unit, d
   // start, transitions and the emission parameters (a Gaussian has means and variances), float64
   const double bytes = 8 * (K + K * K + (unit == "features" ? 2 : 1) * K * W);
   check_fits_in_memory(copies * bytes, "a model of " + std::to_string(states) + " states and " + std::to_string(width) +
-                                           " " + unit + (copies > 1 ? " (" + number(copies) + " copies of its parameters)" : ""));
+                                           " " + unit +
+                                           (copies > 1 ? " (" + number(copies) + " copies of its parameters)" : ""));
 }
 
 void MStepOptions::check() const {
   if (!std::isfinite(smoothing) || smoothing < 0)
     throw Error("smoothing must be a finite number >= 0, not " + number(smoothing));
   if (!std::isfinite(covars_prior) || covars_prior <= 0)
-    throw Error("covars_prior must be a finite number > 0 (it keeps variances above zero), not " + number(covars_prior));
+    throw Error("covars_prior must be a finite number > 0 (it keeps variances above zero), not " +
+                number(covars_prior));
 }
 
 // ---- categorical emissions ----
@@ -244,9 +246,9 @@ at::Tensor GaussianHMM::emission_scores(const at::Tensor& observations, const at
   if (unusable.any().item<bool>()) {
     const at::Tensor i = unusable.nonzero()[0].cpu();
     const int64_t k = i[0].item<int64_t>(), f = i[1].item<int64_t>();
-    throw Error("Gaussian HMM: variance [" + std::to_string(k) + "][" + std::to_string(f) + "] = " +
-                number(variances[k][f].item<double>()) + " (mean " + number(means[k][f].item<double>()) + ") in " +
-                (variances.scalar_type() == at::kFloat ? "float32" : "float64") +
+    throw Error("Gaussian HMM: variance [" + std::to_string(k) + "][" + std::to_string(f) +
+                "] = " + number(variances[k][f].item<double>()) + " (mean " + number(means[k][f].item<double>()) +
+                ") in " + (variances.scalar_type() == at::kFloat ? "float32" : "float64") +
                 " is too small: 1/variance or mean²/variance overflows (compute in float64, or give the state a larger "
                 "variance)");
   }
@@ -363,8 +365,8 @@ at::Tensor state_vector(const at::Tensor& t, const at::Tensor& emissions) {
 // The batch longest first: the sequences still running at step t are then the first running(t) of that order, and
 // the steps past a sequence's end cost nothing.
 struct LongestFirst {
-  at::Tensor order;          // [B] positions in the batch, on the emissions' device
-  at::Tensor sorted;         // [B] their lengths, on the device
+  at::Tensor order;           // [B] positions in the batch, on the emissions' device
+  at::Tensor sorted;          // [B] their lengths, on the device
   std::vector<int64_t> host;  // the same lengths on the host
   int64_t running(int64_t t) const {
     return std::upper_bound(host.begin(), host.end(), t, [](int64_t u, int64_t length) { return length <= u; }) -
@@ -399,24 +401,27 @@ StreamedExpectations streamed_expectations(const ChainPotentials& p, bool with_c
   const at::Tensor E = em.slice(1, 0, longest).index_select(0, batch.order).contiguous();  // [B,S,K], longest first
   // Row b of `reversed` is sequence b from its last position back to its first (then its first again, unread).
   const auto long_opts = batch.sorted.options();
-  const at::Tensor back_steps = (batch.sorted.unsqueeze(1) - 1 - at::arange(longest, long_opts).unsqueeze(0)).clamp_min(0);
+  const at::Tensor back_steps =
+      (batch.sorted.unsqueeze(1) - 1 - at::arange(longest, long_opts).unsqueeze(0)).clamp_min(0);
   const at::Tensor reversed =
-      E.view({B * longest, K}).index_select(0, (back_steps + at::arange(B, long_opts).unsqueeze(1) * longest).flatten())
+      E.view({B * longest, K})
+          .index_select(0, (back_steps + at::arange(B, long_opts).unsqueeze(1) * longest).flatten())
           .view({B, longest, K});
   const detail::ScaledRight forward = detail::scale_right(p.transitions.unsqueeze(0));
   const detail::ScaledRight backward = detail::scale_right(p.transitions.t().contiguous().unsqueeze(0));
   const double threshold = detail::underflow_threshold(em.scalar_type(), K);
   const at::Tensor colmax = forward.colmax.view({K}).contiguous();
   at::Tensor offset, last, unused_offset, unused_last;
-  const at::Tensor alphas = cuda::rebased_scaled_chain_messages(E, forward.original[0].contiguous(),
-                                                                forward.scaled[0].contiguous(), colmax, start,
-                                                                batch.sorted, batch.host, threshold, offset, last);
+  const at::Tensor alphas =
+      cuda::rebased_scaled_chain_messages(E, forward.original[0].contiguous(), forward.scaled[0].contiguous(), colmax,
+                                          start, batch.sorted, batch.host, threshold, offset, last);
   const at::Tensor betas = cuda::rebased_scaled_chain_messages(
-      reversed, backward.original[0].contiguous(), backward.scaled[0].contiguous(), backward.colmax.view({K}).contiguous(),
-      end, batch.sorted, batch.host, threshold, unused_offset, unused_last);
+      reversed, backward.original[0].contiguous(), backward.scaled[0].contiguous(),
+      backward.colmax.view({K}).contiguous(), end, batch.sorted, batch.host, threshold, unused_offset, unused_last);
   StreamedExpectations r;
-  r.log_likelihood = at::empty({B}, em.options()).index_copy_(
-      0, batch.order, (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type()));
+  r.log_likelihood =
+      at::empty({B}, em.options())
+          .index_copy_(0, batch.order, (at::logsumexp(last + end, -1).to(at::kDouble) + offset).to(em.scalar_type()));
   // Each sequence's pairs of positions (t, t + 1), packed longest first.
   std::vector<int64_t> pair_start(B);
   int64_t pairs = 0;
@@ -470,7 +475,7 @@ HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p) {
   const bool gradients = quantity != HMMQuantity::expected_statistics &&
                          any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end});
   return streamed_kernels_take(p) && p.emissions.size(2) >= kStreamedMinStates && !gradients ? HMMRoute::streamed
-                                                                                              : HMMRoute::chain;
+                                                                                             : HMMRoute::chain;
 }
 
 ForcedHMMRoute::ForcedHMMRoute(HMMQuantity quantity, HMMRoute route)
@@ -523,7 +528,8 @@ ViterbiResult viterbi(const HMM& hmm, const at::Tensor& observations, const at::
 }
 
 template <class HMM>
-typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations, const at::Tensor& lengths) {
+typename HMM::Statistics expected_statistics(const HMM& hmm, const at::Tensor& observations,
+                                             const at::Tensor& lengths) {
   ChainPotentials p = hmm.potentials(observations, lengths);
   if (choose_route(HMMQuantity::expected_statistics, p) == HMMRoute::streamed) {
     const StreamedExpectations x = streamed_expectations(p, /*with_counts=*/true);
@@ -570,9 +576,9 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
   // Per position: the state, observation (or feature vector), mask and their temporaries.
   int64_t width = 1;
   if constexpr (std::is_same_v<HMM, GaussianHMM>) width = hmm.num_features();
-  check_fits_in_memory(static_cast<double>(num_sequences) * static_cast<double>(max_length) * (48.0 + 24.0 * width),
-                       "sampling " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) +
-                           " positions");
+  check_fits_in_memory(
+      static_cast<double>(num_sequences) * static_cast<double>(max_length) * (48.0 + 24.0 * width),
+      "sampling " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) + " positions");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor lengths = at::randint(min_length, max_length + 1, {num_sequences}, gen, at::kLong);
   const int64_t K = hmm.num_states();
@@ -595,12 +601,15 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t K, int64_t V, double smoothing) {
   MStepOptions{smoothing}.check();
-  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
+  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble),
+                             at::zeros({K, V}, at::kDouble)};
   return shape.maximise(labelled_statistics(shape, observations, states, lengths), {smoothing});
 }
 
 TrigramCounts& TrigramCounts::operator+=(const TrigramCounts& o) {
-  for (auto [a, b] : {std::pair{&unigrams, &o.unigrams}, {&bigrams, &o.bigrams}, {&trigrams, &o.trigrams},
+  for (auto [a, b] : {std::pair{&unigrams, &o.unigrams},
+                      {&bigrams, &o.bigrams},
+                      {&trigrams, &o.trigrams},
                       {&emissions, &o.emissions}})
     *a = a->defined() ? *a + *b : *b;
   return *this;
@@ -608,7 +617,8 @@ TrigramCounts& TrigramCounts::operator+=(const TrigramCounts& o) {
 
 TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& labels, const at::Tensor& lengths,
                              int64_t K, int64_t V) {
-  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble), at::zeros({K, V}, at::kDouble)};
+  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble),
+                             at::zeros({K, V}, at::kDouble)};
   const CategoricalHMM::Statistics s = labelled_statistics(shape, observations, labels, lengths);  // validates
   const at::Tensor l = labels.cpu().to(at::kLong);
   const at::Tensor mask = valid_mask(l, lengths.defined() ? lengths.cpu() : lengths);
@@ -630,7 +640,7 @@ TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& l
 CategoricalHMM second_order_hmm(const TrigramCounts& n, double emission_smoothing) {
   const int64_t K = n.unigrams.size(0);
   // TnT's deleted interpolation: each trigram's count goes to the estimate that best predicts it held out.
-  const at::Tensor c3 = n.trigrams, c2ab = n.bigrams.unsqueeze(2);                 // [K+1,K,1]
+  const at::Tensor c3 = n.trigrams, c2ab = n.bigrams.unsqueeze(2);  // [K+1,K,1]
   const at::Tensor c2bc = n.bigrams.slice(0, 0, K).unsqueeze(0), c1b = n.unigrams.view({1, K, 1});
   const at::Tensor c1c = n.unigrams.view({1, 1, K});
   const double N = n.unigrams.sum().item<double>();
@@ -644,7 +654,8 @@ CategoricalHMM second_order_hmm(const TrigramCounts& n, double emission_smoothin
   at::Tensor lambda = at::stack({(c3 * w1).sum(), (c3 * w2).sum(), (c3 * w3).sum()});
   lambda = lambda / lambda.sum();
   const auto rows = [](const at::Tensor& c) { return c / c.sum(-1, true).clamp_min(1e-300); };
-  const at::Tensor p3 = rows(c3), p2 = rows(n.bigrams.slice(0, 0, K)).unsqueeze(0), p1 = (n.unigrams / N).view({1, 1, K});
+  const at::Tensor p3 = rows(c3), p2 = rows(n.bigrams.slice(0, 0, K)).unsqueeze(0),
+                   p1 = (n.unigrams / N).view({1, 1, K});
   const at::Tensor mix = lambda[2] * p3 + lambda[1] * p2 + lambda[0] * p1;
   // [K+1,K,K]: P(c | a, b). Contexts never seen lack the trigram part (renormalised) or, with a zero unigram weight,
   // everything (uniform).
@@ -687,16 +698,16 @@ BaumWelchResult<HMM> baum_welch(const HMM& initial, const at::Tensor& observatio
   return result;
 }
 
-#define TRELLIS_INSTANTIATE_HMM(HMM)                                                                            \
-  template at::Tensor log_likelihood<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                  \
-  template ForwardBackward forward_backward<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);           \
-  template at::Tensor posteriors<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                      \
-  template ViterbiResult viterbi<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);                      \
-  template HMM::Statistics expected_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);        \
-  template HMM::Statistics labelled_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,         \
-                                                    const at::Tensor&);                                       \
-  template HMMSample sample<HMM>(const HMM&, int64_t, int64_t, int64_t, uint64_t);                            \
-  template BaumWelchResult<HMM> baum_welch<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,             \
+#define TRELLIS_INSTANTIATE_HMM(HMM)                                                                   \
+  template at::Tensor log_likelihood<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);           \
+  template ForwardBackward forward_backward<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);    \
+  template at::Tensor posteriors<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);               \
+  template ViterbiResult viterbi<HMM>(const HMM&, const at::Tensor&, const at::Tensor&);               \
+  template HMM::Statistics expected_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&); \
+  template HMM::Statistics labelled_statistics<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,  \
+                                                    const at::Tensor&);                                \
+  template HMMSample sample<HMM>(const HMM&, int64_t, int64_t, int64_t, uint64_t);                     \
+  template BaumWelchResult<HMM> baum_welch<HMM>(const HMM&, const at::Tensor&, const at::Tensor&,      \
                                                 const BaumWelchOptions&);
 TRELLIS_INSTANTIATE_HMM(CategoricalHMM)
 TRELLIS_INSTANTIATE_HMM(GaussianHMM)

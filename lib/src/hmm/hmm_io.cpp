@@ -104,8 +104,8 @@ const DriverFile* driver_file(const H5FD_t* f) { return reinterpret_cast<const D
 
 void push_driver_error(const char* function, H5E_minor_t minor, const std::string& what, int error) {
   // The sec2 driver's wording, so that hdf5_cause() finds the reason the same way.
-  H5Epush2(H5E_DEFAULT, __FILE__, function, __LINE__, H5E_ERR_CLS, H5E_VFL, minor, "%s, errno = %d, error message = '%s'",
-           what.c_str(), error, std::strerror(error));
+  H5Epush2(H5E_DEFAULT, __FILE__, function, __LINE__, H5E_ERR_CLS, H5E_VFL, minor,
+           "%s, errno = %d, error message = '%s'", what.c_str(), error, std::strerror(error));
 }
 
 H5FD_t* driver_open(const char* name, unsigned flags, hid_t fapl, haddr_t) {
@@ -119,7 +119,8 @@ H5FD_t* driver_open(const char* name, unsigned flags, hid_t fapl, haddr_t) {
   if (fd < 0 || ::fstat(fd, &st) != 0) {
     const int error = errno;
     if (fd >= 0) ::close(fd);
-    push_driver_error("driver_open", H5E_CANTOPENFILE, std::string("unable to open file: name = '") + name + "'", error);
+    push_driver_error("driver_open", H5E_CANTOPENFILE, std::string("unable to open file: name = '") + name + "'",
+                      error);
     return nullptr;
   }
   auto* f = new DriverFile{};
@@ -330,10 +331,13 @@ const H5::PredType& native_type(at::ScalarType t) {
 
 void write_int64s(H5::Group& file, const std::string& name, const std::vector<int64_t>& values) {
   const hsize_t n = values.size();
-  file.createDataSet(name, H5::PredType::STD_I64LE, H5::DataSpace(1, &n)).write(values.data(), H5::PredType::NATIVE_INT64);
+  file.createDataSet(name, H5::PredType::STD_I64LE, H5::DataSpace(1, &n))
+      .write(values.data(), H5::PredType::NATIVE_INT64);
 }
 
-bool exists(const H5::Group& file, const std::string& name) { return H5Lexists(file.getId(), name.c_str(), H5P_DEFAULT) > 0; }
+bool exists(const H5::Group& file, const std::string& name) {
+  return H5Lexists(file.getId(), name.c_str(), H5P_DEFAULT) > 0;
+}
 
 // The dataset `name`, which must be one (not a group).
 H5::DataSet open_dataset(const H5::Group& file, const std::string& path, const std::string& name) {
@@ -365,7 +369,8 @@ std::vector<std::string> read_strings(const H5::Group& file, const std::string& 
   if (ds.getTypeClass() != H5T_STRING || d.size() != 1)
     throw Error(path + ": dataset '" + name + "' must be a 1-d array of strings");
   const H5::StrType type = ds.getStrType();
-  check_readable(path, name, d, static_cast<double>(sizeof(std::string) + (type.isVariableStr() ? sizeof(char*) : type.getSize())));
+  check_readable(path, name, d,
+                 static_cast<double>(sizeof(std::string) + (type.isVariableStr() ? sizeof(char*) : type.getSize())));
   std::vector<std::string> out(d[0]);
   if (type.isVariableStr()) {
     std::vector<char*> raw(d[0]);
@@ -424,8 +429,8 @@ at::Tensor read_doubles(const H5::Group& file, const std::string& path, const st
   bool fits = got.size() == shape.size();
   for (std::size_t i = 0; fits && i < shape.size(); ++i) fits = shape[i] < 0 || got[i] == shape[i];
   if (!fits)
-    throw Error(path + ": dataset '" + name + "' has shape " + message::text(at::IntArrayRef(got)) + ", expected " + message::text(at::IntArrayRef(shape)) +
-                " (-1: any size)");
+    throw Error(path + ": dataset '" + name + "' has shape " + message::text(at::IntArrayRef(got)) + ", expected " +
+                message::text(at::IntArrayRef(shape)) + " (-1: any size)");
   check_readable(path, name, d, sizeof(double));
   // A chunked dataset whose chunks were never written reads as its fill value: 16 GB of them fit in a file of a few
   // kilobytes. Compressed parameters shrink far less than ten-thousandfold.
@@ -528,7 +533,8 @@ void check_probability_rows(const at::Tensor& p, const std::string& where, const
   const at::Tensor negative = p < 0;
   if (negative.any().item<bool>())
     throw Error(where + ": " + first_index(name, negative) + " = " +
-                std::to_string(p.masked_select(negative)[0].item<double>()) + " is negative; probabilities must be >= 0");
+                std::to_string(p.masked_select(negative)[0].item<double>()) +
+                " is negative; probabilities must be >= 0");
   const at::Tensor rows = p.dim() == 1 ? p.unsqueeze(0) : p;
   const at::Tensor bad = (rows.sum(1) - 1).abs() > 1e-6;
   if (bad.any().item<bool>()) {
@@ -553,7 +559,8 @@ void check_gaussian(const at::Tensor& means, const at::Tensor& covars, const std
   }
   const at::Tensor tiny = ~at::isfinite(covars.reciprocal()) | ~at::isfinite(means * means / covars);
   if (tiny.any().item<bool>())
-    throw Error(where + ": " + first_index("covars", tiny) + " = " + message::text(covars.masked_select(tiny)[0].item<double>()) +
+    throw Error(where + ": " + first_index("covars", tiny) + " = " +
+                message::text(covars.masked_select(tiny)[0].item<double>()) +
                 " is too small: 1/variance or mean²/variance overflows float64");
 }
 
@@ -639,8 +646,9 @@ HMMModelFile load_hmm(const std::string& path) {
       const at::Tensor l = read_doubles(f, path, "state_labels", {K});
       const at::Tensor bad = ~at::isfinite(l) | (l != l.round()) | (l < 0) | (l >= K);
       if (bad.any().item<bool>())
-        throw Error(path + ": " + first_index("state_labels", bad) + " = " + message::text(l.masked_select(bad)[0].item<double>()) +
-                    " is not a label id in [0, " + std::to_string(K) + ")");
+        throw Error(path + ": " + first_index("state_labels", bad) + " = " +
+                    message::text(l.masked_select(bad)[0].item<double>()) + " is not a label id in [0, " +
+                    std::to_string(K) + ")");
       const at::Tensor ids = l.to(at::kLong);
       out.state_labels.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + K);
     }
@@ -686,9 +694,7 @@ void save_hmm(const std::string& path, const HMMModelFile& m) {
 }
 
 std::vector<std::string> read_string_dataset(const std::string& path, const std::string& name) {
-  return h5(path, [&] {
-    return read_strings(open_readonly(path), path, name);
-  });
+  return h5(path, [&] { return read_strings(open_readonly(path), path, name); });
 }
 
 // ---- datasets ----
@@ -726,8 +732,8 @@ struct HMMDataset::Impl {
     at::Tensor out = width ? at::empty({n, width}, type) : at::empty({n}, type);
     if (n == 0) return out;
     const int rank = width ? 2 : 1;
-    const hsize_t start[2] = {static_cast<hsize_t>(begin), 0}, count[2] = {static_cast<hsize_t>(n),
-                                                                           static_cast<hsize_t>(width)};
+    const hsize_t start[2] = {static_cast<hsize_t>(begin), 0},
+                  count[2] = {static_cast<hsize_t>(n), static_cast<hsize_t>(width)};
     H5::DataSpace space = ds.getSpace();
     space.selectHyperslab(H5S_SELECT_SET, count, start);
     ds.read(out.data_ptr(), memory_type, H5::DataSpace(rank, count), space);
@@ -737,8 +743,8 @@ struct HMMDataset::Impl {
   // Rows [begin, begin + n) of an integer dataset: ids, each >= 0 and, when bound > 0, below bound.
   at::Tensor read_ids(const H5::DataSet& ds, bool is_unsigned64, const std::string& name, int64_t begin, int64_t n,
                       int64_t bound, const std::string& what) const {
-    const at::Tensor ids = read_rows(ds, begin, n, at::kLong, 0,
-                                     is_unsigned64 ? H5::PredType::NATIVE_UINT64 : H5::PredType::NATIVE_INT64);
+    const at::Tensor ids =
+        read_rows(ds, begin, n, at::kLong, 0, is_unsigned64 ? H5::PredType::NATIVE_UINT64 : H5::PredType::NATIVE_INT64);
     const at::Tensor bad = bound > 0 ? (ids < 0) | (ids >= bound) : ids < 0;
     if (bad.any().item<bool>()) {
       const int64_t r = bad.nonzero()[0][0].item<int64_t>();
@@ -796,7 +802,8 @@ HMMDataset::HMMDataset(const std::string& path) : impl_(std::make_unique<Impl>()
     for (std::size_t i = 1; i < d.offsets.size(); ++i)
       if (d.offsets[i] <= d.offsets[i - 1])
         throw Error(d.where("offsets", i) + " = " + stored_value(d.offsets[i], offsets_unsigned64) +
-                    " is not greater than offsets[" + std::to_string(i - 1) + "] = " + std::to_string(d.offsets[i - 1]) +
+                    " is not greater than offsets[" + std::to_string(i - 1) +
+                    "] = " + std::to_string(d.offsets[i - 1]) +
                     (d.offsets[i] == d.offsets[i - 1] ? " (sequence " + std::to_string(i - 1) + " is empty)"
                                                       : " (offsets must increase)"));
     if (d.offsets.back() != rows)
@@ -865,7 +872,8 @@ SequenceBatch HMMDataset::read(int64_t first, int64_t count, bool with_labels) c
         throw Error(d.where("observations", begin + i[0].item<int64_t>()) + "[" + std::to_string(i[1].item<int64_t>()) +
                     "] is " + (std::isnan(x[i[0]][i[1]].item<double>()) ? "NaN" : "infinite"));
       }
-      b.observations = at::zeros({count * T, d.features}, x.options()).index_copy_(0, target, x).view({count, T, d.features});
+      b.observations =
+          at::zeros({count * T, d.features}, x.options()).index_copy_(0, target, x).view({count, T, d.features});
     }
     if (with_labels) {
       const at::Tensor ids = d.read_ids(d.labels, d.labels_unsigned64, "labels", begin, n, d.label_count, "the states");
@@ -904,13 +912,13 @@ struct HMMDatasetWriter::Impl {
   int64_t features;
 
   Impl(const std::string& path, int64_t f, bool with_labels)
-      : out(path),
-        observations(out.write([&] {
+      : out(path), observations(out.write([&] {
           return Appendable(out.root(), "observations", f ? H5::PredType::IEEE_F32LE : H5::PredType::STD_I32LE, f, 0);
         })),
         features(f) {
     if (with_labels)
-      labels = out.write([&] { return std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, false); });
+      labels = out.write(
+          [&] { return std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, false); });
   }
 };
 
@@ -955,15 +963,15 @@ struct HMMInferenceWriter::Impl {
 
   Impl(const std::string& path, const std::vector<int64_t>& offsets, int64_t k, bool with_posteriors,
        const std::vector<int64_t>& state_label_ids, int posteriors_compression)
-      : out(path),
-        log_likelihood(out.write([&] { return Appendable(out.root(), "log_likelihood", H5::PredType::IEEE_F64LE, 0, 0); })),
+      : out(path), log_likelihood(out.write(
+                       [&] { return Appendable(out.root(), "log_likelihood", H5::PredType::IEEE_F64LE, 0, 0); })),
         viterbi(out.write([&] { return Appendable(out.root(), "viterbi_log_prob", H5::PredType::IEEE_F64LE, 0, 0); })),
         states(out.write([&] { return Appendable(out.root(), "states", H5::PredType::STD_I32LE, 0, 0); })) {
     out.write_void([&] {
       write_int64s(out.root(), "offsets", offsets);
       if (with_posteriors)
-        posteriors = std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k,
-                                                  posteriors_compression);
+        posteriors =
+            std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k, posteriors_compression);
       if (!state_label_ids.empty()) {
         labels = std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, 0);
         state_labels = at::tensor(state_label_ids, at::kLong);
@@ -1014,11 +1022,13 @@ LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions
     const H5::DataSet off = open_dataset(f, predictions, "offsets"), states = open_dataset(f, predictions, predicted);
     const auto od = dims_of(off), sd = dims_of(states);
     if (od.size() != 1 || od[0] != data.offsets().size())
-      throw Error(predictions + ": its '/offsets' differ from those of " + data.path() + " (predictions of other data?)");
+      throw Error(predictions + ": its '/offsets' differ from those of " + data.path() +
+                  " (predictions of other data?)");
     std::vector<int64_t> o(od[0]);
     off.read(o.data(), H5::PredType::NATIVE_INT64);
     if (o != data.offsets())
-      throw Error(predictions + ": its '/offsets' differ from those of " + data.path() + " (predictions of other data?)");
+      throw Error(predictions + ": its '/offsets' differ from those of " + data.path() +
+                  " (predictions of other data?)");
     if (sd.size() != 1 || static_cast<int64_t>(sd[0]) != o.back())
       throw Error(predictions + ": '/" + predicted + "' must be 1-d with one entry per token (" +
                   std::to_string(o.back()) + ")");

@@ -74,8 +74,8 @@ HMM for_computation(const HMM& m, const at::TensorOptions& opt) {
     if (bad.any().item<bool>()) {
       const at::Tensor i = bad.nonzero()[0];
       const int64_t k = i[0].item<int64_t>(), f = i[1].item<int64_t>();
-      throw Error("the model's covars[" + std::to_string(k) + "][" + std::to_string(f) + "] = " +
-                  c10::str(m.variances[k][f].template item<double>()) + " (mean " +
+      throw Error("the model's covars[" + std::to_string(k) + "][" + std::to_string(f) +
+                  "] = " + c10::str(m.variances[k][f].template item<double>()) + " (mean " +
                   c10::str(m.means[k][f].template item<double>()) + ") is too small for " +
                   (opt.dtype() == at::kFloat ? "float32 computation (1/variance or mean²/variance overflows): use "
                                                "--precision float64"
@@ -294,8 +294,12 @@ HMM random_start(const HMM& shape, HMMDataset& data, uint64_t seed, double covar
   } else {
     GaussianHMM m = GaussianHMM::random(shape.num_states(), shape.num_features(), seed);
     const SequenceBatch b = data.read(0, std::min<int64_t>(data.num_sequences(), 1000));
-    const at::Tensor x = b.observations.to(at::kDouble).reshape({-1, shape.num_features()}).index_select(
-        0, (at::arange(b.observations.size(1)).unsqueeze(0) < b.lengths.unsqueeze(1)).flatten().nonzero().squeeze(1));
+    const at::Tensor x = b.observations.to(at::kDouble)
+                             .reshape({-1, shape.num_features()})
+                             .index_select(0, (at::arange(b.observations.size(1)).unsqueeze(0) < b.lengths.unsqueeze(1))
+                                                  .flatten()
+                                                  .nonzero()
+                                                  .squeeze(1));
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     m.means = x.index_select(0, at::randint(0, x.size(0), {shape.num_states()}, gen, at::kLong));
     m.variances = (x.var(0, /*unbiased=*/false) + covars_prior).unsqueeze(0).expand_as(m.means).contiguous();
@@ -374,14 +378,13 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             log_likelihood += ll.sum().item<double>();  // waits for the batch's kernels: the compute time ends here
             sum.compute_seconds += since(phase);
             phase = Clock::now();
-            if (rank == 0)
-              out->append(ll, v.score, v.path, b.lengths, nodes);
+            if (rank == 0) out->append(ll, v.score, v.path, b.lengths, nodes);
             else
-              kept.push(with_posteriors ? std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
-                                                                  v.path.cpu().to(at::kInt),
-                                                                  nodes.detach().cpu().to(at::kFloat)}
-                                        : std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
-                                                                  v.path.cpu().to(at::kInt)});
+              kept.push(with_posteriors
+                            ? std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
+                                                      v.path.cpu().to(at::kInt), nodes.detach().cpu().to(at::kFloat)}
+                            : std::vector<at::Tensor>{at::stack({ll, v.score}).cpu().to(at::kDouble),
+                                                      v.path.cpu().to(at::kInt)});
             sum.write_seconds += since(phase);
             sum.sequences += count;
             sum.tokens += b.lengths.sum().item<int64_t>();
@@ -417,10 +420,8 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
               group->mark_progress();
             }
           }
-          if (!group)
-            out->commit();
-          else if (!write_failure)
-            write_failure = failure_of([&] { out->commit(); });
+          if (!group) out->commit();
+          else if (!write_failure) write_failure = failure_of([&] { out->commit(); });
           sum.assembly_seconds = since(assembly);
         } else {
           group->await("infer/" + std::to_string(rank), 0);  // rank 0 has written the ranks before this one
@@ -429,11 +430,11 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
           });
         }
         if (group) {
-          out.reset();  // without commit() its temporary file is removed
+          out.reset();            // without commit() its temporary file is removed
           group->wait_for_all();  // the ranks done sending wait for rank 0 to write the rest
           group->check_all(write_failure);
-          at::Tensor totals = at::tensor({static_cast<double>(sum.sequences), static_cast<double>(sum.tokens), log_likelihood},
-                                         at::kDouble);
+          at::Tensor totals = at::tensor(
+              {static_cast<double>(sum.sequences), static_cast<double>(sum.tokens), log_likelihood}, at::kDouble);
           group->all_reduce_sum({totals});
           sum.sequences = static_cast<int64_t>(totals[0].item<double>());
           sum.tokens = static_cast<int64_t>(totals[1].item<double>());
@@ -471,11 +472,13 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   }
   if (fit.supervised) {
     if (!data.has_labels()) throw Error(data.path() + ": supervised training needs a '/labels' dataset");
-    if (!K) K = out.state_names.empty() ? largest_id(data, true, scan_tokens, group) + 1 : int64_t(out.state_names.size());
+    if (!K)
+      K = out.state_names.empty() ? largest_id(data, true, scan_tokens, group) + 1 : int64_t(out.state_names.size());
     data.expect_labels(K);
   }
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
-  if (data.categorical() && !V) V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens, group) + 1 : int64_t(out.vocabulary.size());
+  if (data.categorical() && !V)
+    V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens, group) + 1 : int64_t(out.vocabulary.size());
   // Second-order models have a state per label pair.
   const int64_t model_states = fit.order == 2 ? (K + 1) * K : K;
   check_model_shape(model_states, data.categorical() ? V : data.num_features(),
@@ -488,8 +491,10 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   if (data.categorical())
     shape_file.model = CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)};
   else
-    shape_file.model = GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
-  const auto ranges = share_batches(data, dataset_share(data, group), batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
+    shape_file.model =
+        GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
+  const auto ranges =
+      share_batches(data, dataset_share(data, group), batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
   // Sums this rank's statistics over the ranks (a no-op for one process), extra numbers alongside.
   const auto sum_over_ranks = [&](std::vector<at::Tensor> tensors, const std::optional<std::string>& failure,
                                   std::vector<double*> extra = {}) {
@@ -528,7 +533,8 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
             sum_over_ranks(tensors_of(total), failure);
             CategoricalHMM m = second_order_hmm(total, fit.em.m_step.smoothing);
             if (!out.vocabulary.empty())
-              m.log_emissions = tagger_log_emissions(total.emissions, out.vocabulary, fit.em.m_step.smoothing).repeat({K + 1, 1});
+              m.log_emissions =
+                  tagger_log_emissions(total.emissions, out.vocabulary, fit.em.m_step.smoothing).repeat({K + 1, 1});
             out.model = m;
             std::vector<std::string> names;
             for (int64_t s = 0; s < (K + 1) * K; ++s) {
@@ -574,14 +580,16 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
             const auto failure = local_part([&] {
               for (const auto& [first, count] : ranges) {
                 const SequenceBatch b = data.read(first, count);
-                total += to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
+                total +=
+                    to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
                 tokens += static_cast<double>(b.lengths.sum().item<int64_t>());
                 if (group) group->mark_progress();
               }
             });
             sum_over_ranks(tensors_of(total), failure, {&total.log_likelihood, &tokens});
             if (on_iteration) on_iteration({r, it, total.log_likelihood, static_cast<int64_t>(tokens), since(t0)});
-            const bool converged = !history.empty() && total.log_likelihood - history.back() < fit.em.tolerance * tokens;
+            const bool converged =
+                !history.empty() && total.log_likelihood - history.back() < fit.em.tolerance * tokens;
             history.push_back(total.log_likelihood);
             if (converged && fit.em.tolerance > 0) break;
             m = m.maximise(total, fit.em.m_step);
@@ -604,7 +612,8 @@ void sample_dataset(const HMMModelFile& model, const std::string& output, int64_
   if (static_cast<double>(num_sequences) * static_cast<double>(max_length) >= 0x1p62)
     throw Error("sample: " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) +
                 " positions are more than a dataset can hold (2^62 positions)");
-  check_fits_in_memory(8.0 * static_cast<double>(num_sequences), "the offsets of " + std::to_string(num_sequences) + " sequences");
+  check_fits_in_memory(8.0 * static_cast<double>(num_sequences),
+                       "the offsets of " + std::to_string(num_sequences) + " sequences");
   std::visit(
       [&](const auto& m) {
         int64_t F = 0;
@@ -631,7 +640,8 @@ void sample_dataset(const HMMModelFile& model, const std::string& output, int64_
 at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std::string>& symbols, double smoothing) {
   const int64_t K = counts.size(0), V = counts.size(1);
   if (int64_t(symbols.size()) != V)
-    throw Error("tagger emissions: " + std::to_string(symbols.size()) + " symbols for " + std::to_string(V) + " columns");
+    throw Error("tagger emissions: " + std::to_string(symbols.size()) + " symbols for " + std::to_string(V) +
+                " columns");
   const at::Tensor C = counts.to(at::kDouble).contiguous();
   if (Vocabulary::from_symbols(symbols).unknown() != Vocabulary::Unknown::signatures) {
     const at::Tensor e = C + smoothing;
@@ -703,7 +713,8 @@ at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std:
   const at::Tensor u = (at::tensor(hapax, at::kDouble) / tag_total.clamp_min(1)).clamp(1e-6, 0.5).unsqueeze(1);
   const at::Tensor word_mask = at::from_blob(is_class.data(), {V}, at::kByte).logical_not();
   const at::Tensor words = at::where(word_mask, C + smoothing, at::zeros_like(C));
-  const at::Tensor e = (1 - u) * words / words.sum(1, true).clamp_min(1e-300) + u * novel / novel.sum(1, true).clamp_min(1e-300);
+  const at::Tensor e =
+      (1 - u) * words / words.sum(1, true).clamp_min(1e-300) + u * novel / novel.sum(1, true).clamp_min(1e-300);
   return e.log();
 }
 
@@ -714,7 +725,8 @@ struct ConllColumns {
   int word = 0;
   std::vector<int> label;
 
-  ConllColumns(const std::string& path, std::size_t num_columns, int word_column, const std::vector<int>& label_columns) {
+  ConllColumns(const std::string& path, std::size_t num_columns, int word_column,
+               const std::vector<int>& label_columns) {
     const int ncol = static_cast<int>(num_columns);
     const auto resolve = [&](int c, const char* what) {
       const int i = c < 0 ? ncol + c : c;
@@ -795,8 +807,9 @@ ConversionSummary convert_conll(const std::string& conll_path, const std::string
           const std::string label = cols.label_of(sent.rows[t]);
           const auto it = label_id.find(label);
           if (it == label_id.end())
-            throw ParseError(conll_path, sent.first_line + t, "label '" + label + "' is not one of the " +
-                                                                 std::to_string(labels->size()) + " known labels");
+            throw ParseError(
+                conll_path, sent.first_line + t,
+                "label '" + label + "' is not one of the " + std::to_string(labels->size()) + " known labels");
           L[s - s0][t] = it->second;
         }
       }

@@ -181,7 +181,10 @@ void write_file_atomically(const std::string& path, const std::function<void(std
   const int write_error = buffer.error();
   const int close_error = ::close(fd) != 0 ? errno : 0;
   if (write_error || close_error || !out)
-    throw Error("cannot write '" + path + "': " + std::strerror(write_error ? write_error : close_error ? close_error : EIO));
+    throw Error("cannot write '" + path + "': " +
+                std::strerror(write_error   ? write_error
+                              : close_error ? close_error
+                                            : EIO));
   tmp.commit();
 }
 

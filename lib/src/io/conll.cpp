@@ -33,7 +33,8 @@ bool read_line(std::istream& in, std::string& line, const std::string& source, s
     }
     if (c == '\n') return true;
     if (line.size() == kMaxLineBytes)
-      throw ParseError(source, line_no, "line longer than " + std::to_string(kMaxLineBytes) + " bytes (not a CoNLL file?)");
+      throw ParseError(source, line_no,
+                       "line longer than " + std::to_string(kMaxLineBytes) + " bytes (not a CoNLL file?)");
     line.push_back(static_cast<char>(c));
   }
 }
@@ -156,12 +157,14 @@ ConllCorpus read_conll(std::istream& in, const std::string& source_name, const C
       pos = line.find_first_not_of(kBlanks, end);
     }
     if (row.size() > kMaxColumns)
-      throw ParseError(source_name, line_no, std::to_string(row.size()) + " columns; at most " +
-                                                 std::to_string(kMaxColumns) + " are supported");
+      throw ParseError(
+          source_name, line_no,
+          std::to_string(row.size()) + " columns; at most " + std::to_string(kMaxColumns) + " are supported");
     if (corpus.num_columns == 0) corpus.num_columns = row.size();
     if (row.size() != corpus.num_columns)
-      throw ParseError(source_name, line_no,
-                       "expected " + std::to_string(corpus.num_columns) + " columns, found " + std::to_string(row.size()));
+      throw ParseError(
+          source_name, line_no,
+          "expected " + std::to_string(corpus.num_columns) + " columns, found " + std::to_string(row.size()));
     if (sentence.rows.empty()) sentence.first_line = line_no;
     sentence.rows.push_back(std::move(row));
   }

@@ -18,8 +18,7 @@ std::string describe(const std::string& path, const std::string& what) {
 
 std::ifstream open_input_file(const std::string& path, const std::string& what) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw Error("cannot open " + describe(path, what) + ": " + std::strerror(errno));
+  if (::stat(path.c_str(), &st) != 0) throw Error("cannot open " + describe(path, what) + ": " + std::strerror(errno));
   if (S_ISDIR(st.st_mode)) throw Error("cannot open " + describe(path, what) + ": it is a directory");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("cannot open " + describe(path, what) + ": " + std::strerror(errno));

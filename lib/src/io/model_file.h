@@ -22,7 +22,9 @@ inline uint64_t fnv1a(const char* data, std::size_t n) {
 class ModelWriter {
  public:
   template <class T>
-  void pod(T v) { buf_.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void pod(T v) {
+    buf_.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
   void str(const std::string& s) {
     pod<uint64_t>(s.size());
     buf_ += s;

@@ -105,7 +105,8 @@ std::vector<std::string> class_chain(const std::string& name) {
   if (!Vocabulary::is_unknown_class(name) || mark == std::string::npos || name.back() != '>') return {name};
   const std::string shape = name.substr(0, mark), suffix = name.substr(mark + 2, name.size() - mark - 3);
   std::vector<std::string> chain{shape + ">"};
-  for (std::size_t n = 1; n <= suffix.size(); ++n) chain.push_back(shape + kSuffixMark + suffix.substr(suffix.size() - n) + ">");
+  for (std::size_t n = 1; n <= suffix.size(); ++n)
+    chain.push_back(shape + kSuffixMark + suffix.substr(suffix.size() - n) + ">");
   return chain;
 }
 

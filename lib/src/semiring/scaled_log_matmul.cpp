@@ -14,7 +14,6 @@ namespace {
 
 at::Tensor finite_or_zero(const at::Tensor& m) { return at::where(m.isinf(), at::zeros({}, m.options()), m); }
 
-
 template <class T>
 void fixup_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& s, at::Tensor& c, double threshold) {
   const int64_t batch = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);

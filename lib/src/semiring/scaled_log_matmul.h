@@ -1,10 +1,11 @@
 // Log-space matrix product through one ordinary GEMM, exact to floating-point rounding (the fast path for large K).
 //
-// C = log(exp(A)·exp(B)) for A [Ba,M,K], B [Bb,K,N] (batches equal or 1): shifting each row of A and each column of B by its maximum keeps
-// every exponent ≤ 0, so C = log(exp(A − a)·exp(B − b)) + a + b needs no exponent above 1. A scaled sum can still
-// lose its mass to underflow when the rows' and columns' maxima sit in different places; every output whose scaled
-// sum is below the level where all of its terms are still represented to full relative precision is recomputed
-// exactly in log space. So the result is exact for any input range, and costs one GEMM when nothing underflows.
+// C = log(exp(A)·exp(B)) for A [Ba,M,K], B [Bb,K,N] (batches equal or 1): shifting each row of A and each column of B
+// by its maximum keeps every exponent ≤ 0, so C = log(exp(A − a)·exp(B − b)) + a + b needs no exponent above 1. A
+// scaled sum can still lose its mass to underflow when the rows' and columns' maxima sit in different places; every
+// output whose scaled sum is below the level where all of its terms are still represented to full relative precision is
+// recomputed exactly in log space. So the result is exact for any input range, and costs one GEMM when nothing
+// underflows.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -105,7 +105,8 @@ void matmul_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, at:
   if (a.is_cuda()) {
     return cuda::semiring_matmul_forward<S>(a, b, c, arg);
   }
-  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul", [&] { matmul_forward_cpu<S, scalar_t>(a, b, c, arg); });
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul",
+                             [&] { matmul_forward_cpu<S, scalar_t>(a, b, c, arg); });
 }
 
 template <class S>
@@ -162,7 +163,8 @@ struct SemiringSumFunction : torch::autograd::Function<SemiringSumFunction<S>> {
     if (x.is_cuda()) {
       cuda::semiring_reduce_forward<S>(x, out, arg);
     } else {
-      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "semiring_sum", [&] { reduce_forward_cpu<S, scalar_t>(x, out, arg); });
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "semiring_sum",
+                                 [&] { reduce_forward_cpu<S, scalar_t>(x, out, arg); });
     }
     ctx->save_for_backward({x, out, arg});
     return out;
@@ -185,7 +187,8 @@ struct SemiringSumFunction : torch::autograd::Function<SemiringSumFunction<S>> {
 void check_floating(const at::Tensor& t, const char* what) {
   if (!t.defined()) throw Error(std::string(what) + ": undefined tensor");
   if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble)
-    throw Error(std::string(what) + ": expected float32 or float64, got " + std::string(c10::toString(t.scalar_type())));
+    throw Error(std::string(what) + ": expected float32 or float64, got " +
+                std::string(c10::toString(t.scalar_type())));
 }
 
 }  // namespace
@@ -195,11 +198,11 @@ at::Tensor semiring_matmul(const at::Tensor& a, const at::Tensor& b) {
   check_floating(a, "semiring_matmul: A");
   check_floating(b, "semiring_matmul: B");
   if (a.dim() != 3 || b.dim() != 3)
-    throw Error("semiring_matmul: expected A [batch,M,K] and B [batch,K,N], got " + std::to_string(a.dim()) + "-d and " +
-                std::to_string(b.dim()) + "-d tensors");
+    throw Error("semiring_matmul: expected A [batch,M,K] and B [batch,K,N], got " + std::to_string(a.dim()) +
+                "-d and " + std::to_string(b.dim()) + "-d tensors");
   if (a.size(2) != b.size(1))
-    throw Error("semiring_matmul: inner sizes differ: A has K=" + std::to_string(a.size(2)) + ", B has K=" +
-                std::to_string(b.size(1)));
+    throw Error("semiring_matmul: inner sizes differ: A has K=" + std::to_string(a.size(2)) +
+                ", B has K=" + std::to_string(b.size(1)));
   if (a.size(0) != b.size(0) && a.size(0) != 1 && b.size(0) != 1)
     throw Error("semiring_matmul: batch sizes " + std::to_string(a.size(0)) + " and " + std::to_string(b.size(0)) +
                 " do not broadcast");

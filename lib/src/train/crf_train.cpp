@@ -233,7 +233,8 @@ std::vector<EncodedBatch> encode_batches(const CrfTagger& m, const LabeledSenten
     } else {
       std::vector<const TokenRows*> rows;
       std::vector<const std::vector<std::string>*> gold;
-      for (std::size_t k = first; k < i; ++k) rows.push_back(&data.inputs[order[k]]), gold.push_back(&data.labels[order[k]]);
+      for (std::size_t k = first; k < i; ++k)
+        rows.push_back(&data.inputs[order[k]]), gold.push_back(&data.labels[order[k]]);
       e = m.encode(rows, &gold);
     }
     for (at::Tensor* t : {&e.feature_ids, &e.offsets, &e.positions, &e.lengths, &e.tags}) *t = t->to(device);
@@ -366,7 +367,8 @@ class BlockedObjective {
       }
     }
     // The weight gradient's buffer is reused: a fresh one every evaluation would be page-faulted in again.
-    if (!weight_gradient_.defined() || weight_gradient_.use_count() > 1) weight_gradient_ = at::empty_like(model.weights);
+    if (!weight_gradient_.defined() || weight_gradient_.use_count() > 1)
+      weight_gradient_ = at::empty_like(model.weights);
     gradients[0] = weight_gradient_;
     float* out = gradients[0].data_ptr<float>();
     const float* score = score_gradients_.data_ptr<float>();
@@ -401,7 +403,7 @@ class BlockedObjective {
   // occurrence_start_[f + 1]), in increasing order.
   std::vector<int64_t> occurrence_start_, occurrence_token_;
   std::vector<int64_t> task_start_;  // the weight-gradient pass's tasks: features task_start_[i] .. task_start_[i + 1]
-  at::Tensor weight_gradient_;  // the weights' gradient, rewritten by every evaluation
+  at::Tensor weight_gradient_;       // the weights' gradient, rewritten by every evaluation
   at::Tensor score_gradients_;  // [tokens, K]: ∂(-log-likelihood)/∂(token score), rewritten by every evaluation
 };
 
@@ -433,9 +435,8 @@ std::vector<Minibatch> random_minibatches(const CrfTagger& m, const LabeledSente
     Minibatch b;
     b.tokens = std::accumulate(lengths.begin(), lengths.end(), int64_t(0));
     if (!part.empty())
-      b.part = std::move(encode_batches(m, data, &indexed, device, part, part.size(),
-                                        std::numeric_limits<int64_t>::max())
-                             .front());
+      b.part = std::move(
+          encode_batches(m, data, &indexed, device, part, part.size(), std::numeric_limits<int64_t>::max()).front());
     out.push_back(std::move(b));
   }
   return out;
@@ -444,14 +445,11 @@ std::vector<Minibatch> random_minibatches(const CrfTagger& m, const LabeledSente
 std::unique_ptr<torch::optim::Optimizer> make_minibatch_optimizer(CrfAlgorithm algorithm,
                                                                   const std::vector<at::Tensor>& params, double lr) {
   switch (algorithm) {
-    case CrfAlgorithm::Sgd:
-      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
+    case CrfAlgorithm::Sgd: return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr));
     case CrfAlgorithm::Adagrad:
       return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(lr));
-    case CrfAlgorithm::Adam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
-    case CrfAlgorithm::Lbfgs:
-      break;
+    case CrfAlgorithm::Adam: return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
+    case CrfAlgorithm::Lbfgs: break;
   }
   throw Error(std::string("no minibatch optimiser is called ") + crf_algorithm_name(algorithm));
 }
@@ -532,14 +530,10 @@ CrfAlgorithm parse_crf_algorithm(const std::string& name) {
 
 const char* crf_algorithm_name(CrfAlgorithm algorithm) {
   switch (algorithm) {
-    case CrfAlgorithm::Lbfgs:
-      return "lbfgs";
-    case CrfAlgorithm::Sgd:
-      return "sgd";
-    case CrfAlgorithm::Adagrad:
-      return "adagrad";
-    case CrfAlgorithm::Adam:
-      return "adam";
+    case CrfAlgorithm::Lbfgs: return "lbfgs";
+    case CrfAlgorithm::Sgd: return "sgd";
+    case CrfAlgorithm::Adagrad: return "adagrad";
+    case CrfAlgorithm::Adam: return "adam";
   }
   throw Error("CrfTrainOptions::algorithm holds " + std::to_string(static_cast<int>(algorithm)) +
               ", which is no CrfAlgorithm");
@@ -550,7 +544,8 @@ TrainingShare training_share(const LabeledSentences& train, const DistributedCon
   for (const auto& s : train.inputs) lengths.push_back(static_cast<int64_t>(s.size()));
   const int rank = distributed ? distributed->rank() : 0, world = distributed ? distributed->world_size() : 1;
   const std::vector<int64_t> bounds = balanced_shares(lengths, world);
-  TrainingShare share{static_cast<std::size_t>(bounds[rank]), static_cast<std::size_t>(bounds[rank + 1] - bounds[rank]), 0};
+  TrainingShare share{static_cast<std::size_t>(bounds[rank]), static_cast<std::size_t>(bounds[rank + 1] - bounds[rank]),
+                      0};
   for (std::size_t s = share.first; s < share.first + share.count; ++s) share.tokens += train.inputs[s].size();
   return share;
 }
@@ -634,7 +629,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
           ? length_sorted_batches(model, train, &indexed, device, kTokensPerBatch, share.first, share.count)
           : std::vector<EncodedBatch>{};
   const std::vector<Minibatch> minibatches =
-      full_batch ? std::vector<Minibatch>{} : random_minibatches(model, train, indexed, device, o.batch_size, rng, group);
+      full_batch ? std::vector<Minibatch>{}
+                 : random_minibatches(model, train, indexed, device, o.batch_size, rng, group);
   indexed = {};  // the batches hold the ids now
   const std::vector<EncodedBatch> dev_batches =
       dev ? length_sorted_batches(model, *dev, nullptr, device, kTokensPerBatch) : std::vector<EncodedBatch>{};

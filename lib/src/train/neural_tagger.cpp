@@ -42,14 +42,14 @@ namespace {
 constexpr char kMagic[8] = {'T', 'R', 'E', 'L', 'N', 'C', 'R', '\n'};
 constexpr uint32_t kFormatVersion = 1;
 constexpr const char* kKind = "neural-crf";
-constexpr int64_t kPad = 0, kUnknown = 1;            // ids in every vocabulary
-constexpr int64_t kWordBegin = 2, kWordEnd = 3;      // character vocabulary: markers around each word
-constexpr std::size_t kMaxWordChars = 50;            // longer tokens (URLs) are cut for the character model
+constexpr int64_t kPad = 0, kUnknown = 1;        // ids in every vocabulary
+constexpr int64_t kWordBegin = 2, kWordEnd = 3;  // character vocabulary: markers around each word
+constexpr std::size_t kMaxWordChars = 50;        // longer tokens (URLs) are cut for the character model
 // Padded tokens and sentences per batch when tagging: each batch costs the device a fixed time (the BiLSTM's steps
 // over its longest sentence, kernel launches), so a file is best cut into few of them.
 constexpr int64_t kTagTokens = 65536;
 constexpr int64_t kTagSentences = 8192;
-constexpr int64_t kDefaultWordDim = 100;             // without pretrained vectors
+constexpr int64_t kDefaultWordDim = 100;  // without pretrained vectors
 
 using Clock = std::chrono::steady_clock;
 
@@ -82,8 +82,11 @@ std::string word_shape(const std::string& word) {
   std::string s;
   for (const std::string_view cp : code_points(word)) {
     const char c = cp[0];
-    const char cls = cp.size() > 1 ? 'u' : (c >= 'A' && c <= 'Z') ? 'X' : (c >= 'a' && c <= 'z') ? 'x'
-                                                               : (c >= '0' && c <= '9') ? 'd' : c;
+    const char cls = cp.size() > 1            ? 'u'
+                     : (c >= 'A' && c <= 'Z') ? 'X'
+                     : (c >= 'a' && c <= 'z') ? 'x'
+                     : (c >= '0' && c <= '9') ? 'd'
+                                              : c;
     if (s.empty() || s.back() != cls) s.push_back(cls);
   }
   return s;
@@ -133,7 +136,7 @@ struct Architecture {
   std::string encoder;
   std::string char_encoder;  // "cnn" or "bilstm"
   int64_t words = 0, word_dim = 0, chars = 0, char_dim = 0, char_filters = 0, shapes = 0, feature_dim = 0;
-  std::vector<int64_t> extra;  // vocabulary size of each extra input column
+  std::vector<int64_t> extra;                                // vocabulary size of each extra input column
   int64_t hidden = 0, layers = 0, labels = 0, features = 0;  // features: hybrid sparse features (0: none)
   double dropout = 0;
 };
@@ -142,17 +145,17 @@ struct Architecture {
 // Token-level tensors list the real tokens row after row; positions maps them into the padded [B,T] layout.
 struct Batch {
   int64_t B = 0, T = 0, N = 0;
-  std::vector<std::size_t> rows;    // the index, among the sentences given, of each row
-  at::Tensor words, shapes;         // [B,T] int64
-  std::vector<at::Tensor> extra;    // [B,T] int64 each
-  at::Tensor chars, char_lengths;   // [N,L], [N] int64: the tokens' characters, the longest word first
-  at::Tensor char_lengths_cpu;      // the same on the CPU (the character BiLSTM packs by it)
-  at::Tensor char_positions;        // [N] int64: b*T + t of each row of chars
-  at::Tensor positions;             // [N] int64: b*T + t of each token
-  at::Tensor mask;                  // [B,T] bool
-  at::Tensor lengths;               // [B] int64, on the CPU (packing reads it there)
-  at::Tensor device_lengths;        // [B] int64 on the device
-  at::Tensor tags;                  // [B,T] int64 (0 at padding); undefined without labels
+  std::vector<std::size_t> rows;            // the index, among the sentences given, of each row
+  at::Tensor words, shapes;                 // [B,T] int64
+  std::vector<at::Tensor> extra;            // [B,T] int64 each
+  at::Tensor chars, char_lengths;           // [N,L], [N] int64: the tokens' characters, the longest word first
+  at::Tensor char_lengths_cpu;              // the same on the CPU (the character BiLSTM packs by it)
+  at::Tensor char_positions;                // [N] int64: b*T + t of each row of chars
+  at::Tensor positions;                     // [N] int64: b*T + t of each token
+  at::Tensor mask;                          // [B,T] bool
+  at::Tensor lengths;                       // [B] int64, on the CPU (packing reads it there)
+  at::Tensor device_lengths;                // [B] int64 on the device
+  at::Tensor tags;                          // [B,T] int64 (0 at padding); undefined without labels
   at::Tensor feature_ids, feature_offsets;  // hybrid: [nnz], [N]
 };
 
@@ -184,7 +187,9 @@ class Bf16Autocast {
 // Autocast off for the operations in its scope (the LSTM: LibTorch's autocast would run cuDNN's RNN in float16).
 class NoAutocast {
  public:
-  NoAutocast() : was_(at::autocast::is_autocast_enabled(at::kCUDA)) { at::autocast::set_autocast_enabled(at::kCUDA, false); }
+  NoAutocast() : was_(at::autocast::is_autocast_enabled(at::kCUDA)) {
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+  }
   ~NoAutocast() { at::autocast::set_autocast_enabled(at::kCUDA, was_); }
   NoAutocast(const NoAutocast&) = delete;
   NoAutocast& operator=(const NoAutocast&) = delete;
@@ -203,11 +208,12 @@ class NetworkImpl : public torch::nn::Module {
       e->weight[kPad].zero_();
     };
     int64_t input = a.word_dim + a.feature_dim * (1 + static_cast<int64_t>(a.extra.size()));
-    word_embedding = register_module("word_embedding",
-                                     torch::nn::Embedding(torch::nn::EmbeddingOptions(a.words, a.word_dim).padding_idx(kPad)));
+    word_embedding = register_module(
+        "word_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.words, a.word_dim).padding_idx(kPad)));
     uniform_rows(word_embedding);
-    shape_embedding = register_module(
-        "shape_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.shapes, a.feature_dim).padding_idx(kPad)));
+    shape_embedding =
+        register_module("shape_embedding",
+                        torch::nn::Embedding(torch::nn::EmbeddingOptions(a.shapes, a.feature_dim).padding_idx(kPad)));
     uniform_rows(shape_embedding);
     extra_embeddings = register_module("extra_embeddings", torch::nn::ModuleList());
     for (int64_t v : a.extra) {
@@ -221,11 +227,12 @@ class NetworkImpl : public torch::nn::Module {
       uniform_rows(char_embedding);
       if (a.char_encoder == "bilstm") {
         char_lstm = register_module(
-            "char_lstm", torch::nn::LSTM(torch::nn::LSTMOptions(a.char_dim, a.char_filters).bidirectional(true).batch_first(true)));
+            "char_lstm",
+            torch::nn::LSTM(torch::nn::LSTMOptions(a.char_dim, a.char_filters).bidirectional(true).batch_first(true)));
         input += 2 * a.char_filters;
       } else {
-        char_conv = register_module("char_conv",
-                                    torch::nn::Conv1d(torch::nn::Conv1dOptions(a.char_dim, a.char_filters, 3).padding(1)));
+        char_conv = register_module(
+            "char_conv", torch::nn::Conv1d(torch::nn::Conv1dOptions(a.char_dim, a.char_filters, 3).padding(1)));
         input += a.char_filters;
       }
     }
@@ -251,7 +258,8 @@ class NetworkImpl : public torch::nn::Module {
   }
 
   at::Tensor dropout(const at::Tensor& x) {
-    return torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(arch.dropout).training(is_training()));
+    return torch::nn::functional::dropout(
+        x, torch::nn::functional::DropoutFuncOptions().p(arch.dropout).training(is_training()));
   }
 
   // Emission scores [B,T,K], float32 (the encoder in bfloat16 under `bf16`).
@@ -273,7 +281,7 @@ class NetworkImpl : public torch::nn::Module {
           const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
                                                         /*batch_first=*/true, /*enforce_sorted=*/true);
           const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
-          c = at::cat({last[0], last[1]}, 1);  // [N,2H]
+          c = at::cat({last[0], last[1]}, 1);                                                              // [N,2H]
         } else {
           c = char_conv(dropout(char_embedding(b.chars)).transpose(1, 2));  // [N,F,L]
           const at::Tensor past_end =
@@ -341,12 +349,12 @@ struct NeuralTagger::Impl {
   std::size_t input_columns = 0;
   ColumnLayout layout;
   Vocabulary words, shapes, chars{{"<pad>", "<unk>", "<w>", "</w>"}};
-  std::vector<Vocabulary> extra;           // input columns 1.. (column 0 is the word)
-  std::vector<int64_t> word_counts;        // training occurrences per word id (training only)
+  std::vector<Vocabulary> extra;     // input columns 1.. (column 0 is the word)
+  std::vector<int64_t> word_counts;  // training occurrences per word id (training only)
   std::unique_ptr<FeatureExtractor> hybrid;
   Vocabulary features{std::vector<std::string>{}};  // hybrid's sparse features (no padding or unknown entries)
-  std::string scheme = "none";             // "BIO", "BIOES": decoding keeps to the chunk scheme of the labels
-  mutable Network net{nullptr};  // LibTorch's forward() methods are not const
+  std::string scheme = "none";                      // "BIO", "BIOES": decoding keeps to the chunk scheme of the labels
+  mutable Network net{nullptr};                     // LibTorch's forward() methods are not const
   at::Device device = at::kCPU;
   bool bf16 = false;
 
@@ -379,7 +387,8 @@ struct NeuralTagger::Impl {
     labels = std::move(l);
     label_ids.clear();
     for (std::size_t i = 0; i < labels.size(); ++i)
-      if (!label_ids.emplace(labels[i], static_cast<int64_t>(i)).second) throw Error("duplicate label '" + labels[i] + "'");
+      if (!label_ids.emplace(labels[i], static_cast<int64_t>(i)).second)
+        throw Error("duplicate label '" + labels[i] + "'");
   }
 
   int64_t label_id(const std::string& l) const {
@@ -508,7 +517,8 @@ struct NeuralTagger::Impl {
         const int64_t p = i * b.T + static_cast<int64_t>(t);
         int64_t word = s.words[t];
         if (word_dropout && a > 0 && word >= 2) {
-          const double count = word < static_cast<int64_t>(word_counts.size()) ? static_cast<double>(word_counts[word]) : 0.0;
+          const double count =
+              word < static_cast<int64_t>(word_counts.size()) ? static_cast<double>(word_counts[word]) : 0.0;
           if (uniform(*word_dropout) < a / (a + count)) word = kUnknown;
         }
         w[p] = word;
@@ -529,7 +539,8 @@ struct NeuralTagger::Impl {
         }
       }
     }
-    std::stable_sort(word_rows.begin(), word_rows.end(), [](const Word& x, const Word& y) { return x.count > y.count; });
+    std::stable_sort(word_rows.begin(), word_rows.end(),
+                     [](const Word& x, const Word& y) { return x.count > y.count; });
     for (int64_t r = 0; r < b.N; ++r) {
       std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
       chl[r] = word_rows[r].count;
@@ -574,7 +585,8 @@ struct NeuralTagger::Impl {
     p.lengths = b.device_lengths;
     p.values_checked = true;
     if (!constrained || scheme == "none") return p;
-    return constrain(p, {net->crf->allowed_transitions.ne(0), net->crf->allowed_start.ne(0), net->crf->allowed_end.ne(0)});
+    return constrain(p,
+                     {net->crf->allowed_transitions.ne(0), net->crf->allowed_start.ne(0), net->crf->allowed_end.ne(0)});
   }
 
   // Length-sorted chunks of at most kTagSentences sentences and kTagTokens padded tokens (fewer when
@@ -589,7 +601,8 @@ struct NeuralTagger::Impl {
       std::vector<std::size_t> chunk{order[i++]};
       while (i < order.size()) {
         const double padded = static_cast<double>(chunk.size() + 1) * static_cast<double>(sentences[order[i]]->size());
-        if (static_cast<int64_t>(chunk.size()) >= kTagSentences || padded > kTagTokens || padded * cell_bytes > max_bytes)
+        if (static_cast<int64_t>(chunk.size()) >= kTagSentences || padded > kTagTokens ||
+            padded * cell_bytes > max_bytes)
           break;
         chunk.push_back(order[i++]);
       }
@@ -611,7 +624,7 @@ struct NeuralTagger::Impl {
   std::vector<TaggedSentence> decode(const std::vector<const EncodedSentence*>& sentences, bool with_marginals) const {
     c10::NoGradGuard no_grad;
     struct Decoded {
-      std::vector<std::size_t> sentence;       // of each row
+      std::vector<std::size_t> sentence;     // of each row
       at::Tensor path, chosen, probability;  // on the device until read back
     };
     std::vector<Decoded> decoded;
@@ -647,7 +660,8 @@ struct NeuralTagger::Impl {
     return out;
   }
 
-  std::vector<std::vector<TaggedSentence>> kbest(const std::vector<const EncodedSentence*>& sentences, int64_t k) const {
+  std::vector<std::vector<TaggedSentence>> kbest(const std::vector<const EncodedSentence*>& sentences,
+                                                 int64_t k) const {
     if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
     c10::NoGradGuard no_grad;
     const double K = static_cast<double>(labels.size());
@@ -658,26 +672,28 @@ struct NeuralTagger::Impl {
                     std::to_string(labels.size()) + " labels need more than the " +
                     std::to_string(CrfTagger::kMaxKBestBytes >> 20) + " MiB allowed: ask for fewer");
     std::vector<std::vector<TaggedSentence>> out(sentences.size());
-    for_each_chunk(sentences, cell, static_cast<double>(CrfTagger::kMaxKBestBytes), [&](const std::vector<std::size_t>& chunk) {
-      Batch b;
-      const at::Tensor e = emissions_of(sentences, chunk, &b);
-      const KBestResult kb = net->crf->kbest(e, k, b.mask);
-      const at::Tensor prob = (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
-      const at::Tensor paths = kb.paths.cpu();
-      const auto Pa = paths.accessor<int64_t, 3>();
-      const auto Pr = prob.accessor<double, 2>();
-      for (std::size_t i = 0; i < chunk.size(); ++i) {
-        const std::size_t sentence = chunk[b.rows[i]];
-        std::vector<TaggedSentence> alternatives;
-        for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
-          TaggedSentence s;
-          for (std::size_t t = 0; t < sentences[sentence]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
-          s.probability = Pr[i][n];
-          alternatives.push_back(std::move(s));
-        }
-        out[sentence] = std::move(alternatives);
-      }
-    });
+    for_each_chunk(
+        sentences, cell, static_cast<double>(CrfTagger::kMaxKBestBytes), [&](const std::vector<std::size_t>& chunk) {
+          Batch b;
+          const at::Tensor e = emissions_of(sentences, chunk, &b);
+          const KBestResult kb = net->crf->kbest(e, k, b.mask);
+          const at::Tensor prob =
+              (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
+          const at::Tensor paths = kb.paths.cpu();
+          const auto Pa = paths.accessor<int64_t, 3>();
+          const auto Pr = prob.accessor<double, 2>();
+          for (std::size_t i = 0; i < chunk.size(); ++i) {
+            const std::size_t sentence = chunk[b.rows[i]];
+            std::vector<TaggedSentence> alternatives;
+            for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
+              TaggedSentence s;
+              for (std::size_t t = 0; t < sentences[sentence]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
+              s.probability = Pr[i][n];
+              alternatives.push_back(std::move(s));
+            }
+            out[sentence] = std::move(alternatives);
+          }
+        });
     return out;
   }
 
@@ -694,9 +710,8 @@ struct NeuralTagger::Impl {
     std::ostringstream s;
     s << "encoder=" << options.encoder << "\nword_dim=" << options.word_dim << "\nchar_dim=" << options.char_dim
       << "\nchar_filters=" << options.char_filters << "\nchar_encoder=" << options.char_encoder
-      << "\nfeature_dim=" << options.feature_dim
-      << "\nhidden=" << options.hidden << "\nlayers=" << options.layers << "\ndropout=" << show(options.dropout)
-      << "\nscheme=" << scheme << "\n";
+      << "\nfeature_dim=" << options.feature_dim << "\nhidden=" << options.hidden << "\nlayers=" << options.layers
+      << "\ndropout=" << show(options.dropout) << "\nscheme=" << scheme << "\n";
     return s.str();
   }
 };
@@ -721,7 +736,8 @@ void check_options(const NeuralTaggerOptions& o) {
   if (o.encoder != "bilstm" && o.encoder != "cnn")
     throw Error("--encoder must be bilstm, cnn or none, not '" + o.encoder + "'");
   const auto at_least = [](int64_t v, int64_t least, const char* flag) {
-    if (v < least) throw Error(std::string(flag) + " must be at least " + std::to_string(least) + ", not " + std::to_string(v));
+    if (v < least)
+      throw Error(std::string(flag) + " must be at least " + std::to_string(least) + ", not " + std::to_string(v));
   };
   const auto probability = [](double v, const char* flag) {
     if (!std::isfinite(v) || v < 0 || v >= 1) throw Error(std::string(flag) + " must be in [0, 1), not " + show(v));
@@ -735,7 +751,8 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.hidden, 1, "--hidden");
   at_least(o.layers, 1, "--layers");
   if (o.encoder == "bilstm" && o.layers > 8) throw Error("--layers must be at most 8, not " + std::to_string(o.layers));
-  if (o.encoder == "cnn" && o.layers > 16) throw Error("--layers must be at most 16 for --encoder cnn, not " + std::to_string(o.layers));
+  if (o.encoder == "cnn" && o.layers > 16)
+    throw Error("--layers must be at most 16 for --encoder cnn, not " + std::to_string(o.layers));
   probability(o.dropout, "--dropout");
   if (!std::isfinite(o.word_dropout) || o.word_dropout < 0)
     throw Error("--word-dropout must be a finite number >= 0, not " + show(o.word_dropout));
@@ -744,11 +761,13 @@ void check_options(const NeuralTaggerOptions& o) {
     throw Error("--batch-size must be at least 1, not " + std::to_string(static_cast<int64_t>(o.batch_size)));
   if (!std::isfinite(o.learning_rate) || o.learning_rate <= 0)
     throw Error("--lr must be a finite number > 0, not " + show(o.learning_rate));
-  if (!std::isfinite(o.beta2) || o.beta2 < 0 || o.beta2 >= 1) throw Error("--beta2 must be in [0, 1), not " + show(o.beta2));
+  if (!std::isfinite(o.beta2) || o.beta2 < 0 || o.beta2 >= 1)
+    throw Error("--beta2 must be in [0, 1), not " + show(o.beta2));
   probability(o.average, "--average");
   if (!std::isfinite(o.lr_decay) || o.lr_decay <= 0 || o.lr_decay > 1)
     throw Error("--lr-decay must be in (0, 1], not " + show(o.lr_decay));
-  if (!std::isfinite(o.clip) || o.clip < 0) throw Error("--clip must be a finite number >= 0 (0: off), not " + show(o.clip));
+  if (!std::isfinite(o.clip) || o.clip < 0)
+    throw Error("--clip must be a finite number >= 0 (0: off), not " + show(o.clip));
   at_least(o.patience, 0, "--patience");
   at_least(o.threads, 0, "--threads");
   at_least(o.min_feature_count, 1, "--min-freq");
@@ -831,7 +850,8 @@ std::vector<std::pair<std::string, std::vector<float>>> read_embeddings(const st
     if (v.empty()) throw ParseError(path, number, "a word without a vector");
     if (dim == 0) dim = v.size();
     if (v.size() != dim)
-      throw ParseError(path, number, "expected " + std::to_string(dim) + " values after the word, found " + std::to_string(v.size()));
+      throw ParseError(path, number,
+                       "expected " + std::to_string(dim) + " values after the word, found " + std::to_string(v.size()));
     if (seen.emplace(lowercase(word), 0).second) out.emplace_back(lowercase(word), std::move(v));
   }
   if (in.bad()) throw Error("error reading embeddings '" + path + "': " + std::strerror(errno));
@@ -871,8 +891,8 @@ std::string NeuralTagger::describe() const {
   const NeuralTaggerOptions& o = m.options;
   std::ostringstream s;
   s << "encoder: " << o.encoder << " (" << o.layers << (o.encoder == "bilstm" ? " layers of " : " dilated blocks of ")
-    << (o.encoder == "bilstm" ? o.hidden : 2 * o.hidden) << (o.encoder == "bilstm" ? " units per direction" : " channels")
-    << ", dropout " << o.dropout << ")\n";
+    << (o.encoder == "bilstm" ? o.hidden : 2 * o.hidden)
+    << (o.encoder == "bilstm" ? " units per direction" : " channels") << ", dropout " << o.dropout << ")\n";
   s << "inputs: words " << m.words.size() << " x " << o.word_dim << ", shapes " << m.shapes.size() << " x "
     << o.feature_dim;
   if (o.char_dim > 0)
@@ -888,7 +908,8 @@ std::string NeuralTagger::describe() const {
 
 void NeuralTagger::to(const at::Device& device, const std::string& precision) { impl_->move_to(device, precision); }
 
-std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences, bool with_marginals) const {
+std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences,
+                                              bool with_marginals) const {
   const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
   std::vector<const EncodedSentence*> ptrs;
   for (const auto& e : encoded) ptrs.push_back(&e);
@@ -897,7 +918,7 @@ std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*
 }
 
 std::vector<std::vector<TaggedSentence>> NeuralTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
-                                                                  int64_t k) const {
+                                                                 int64_t k) const {
   if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
   const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
   std::vector<const EncodedSentence*> ptrs;
@@ -950,7 +971,8 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
   char chunk[1 << 16];
   while (in.read(chunk, sizeof chunk) || in.gcount() > 0) data.append(chunk, in.gcount());
   if (in.bad()) throw Error("error reading model '" + path + "': " + std::strerror(errno));
-  ModelReader r(data, sizeof kMagic, data.size() >= sizeof kMagic + sizeof(uint64_t) ? data.size() - sizeof(uint64_t) : sizeof kMagic, path,
+  ModelReader r(data, sizeof kMagic,
+                data.size() >= sizeof kMagic + sizeof(uint64_t) ? data.size() - sizeof(uint64_t) : sizeof kMagic, path,
                 "neural CRF model file");
   const auto version = r.pod<uint32_t>();
   if (version != kFormatVersion)
@@ -1046,17 +1068,18 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
   }
   {
     // The embedding tables alone must fit the rest of the file before anything is allocated for them.
-    const double table_bytes =
-        sizeof(float) * (static_cast<double>(m->words.size()) * static_cast<double>(o.word_dim) +
-                         static_cast<double>(m->chars.size()) * static_cast<double>(o.char_dim) +
-                         static_cast<double>(m->hybrid ? m->features.size() : 0) * static_cast<double>(m->labels.size()));
+    const double table_bytes = sizeof(float) * (static_cast<double>(m->words.size()) * static_cast<double>(o.word_dim) +
+                                                static_cast<double>(m->chars.size()) * static_cast<double>(o.char_dim) +
+                                                static_cast<double>(m->hybrid ? m->features.size() : 0) *
+                                                    static_cast<double>(m->labels.size()));
     if (table_bytes > static_cast<double>(r.remaining())) r.corrupt("the parameters exceed the file");
   }
   m->build_network();
   auto named = m->net->named_parameters(/*recurse=*/true);
   const uint64_t stored_parameters = r.pod<uint64_t>();
   if (stored_parameters != named.size())
-    r.corrupt(std::to_string(stored_parameters) + " parameter tensors, the architecture has " + std::to_string(named.size()));
+    r.corrupt(std::to_string(stored_parameters) + " parameter tensors, the architecture has " +
+              std::to_string(named.size()));
   for (auto& p : named) {
     const std::string name = r.str();
     if (name != p.key()) r.corrupt("parameter '" + name + "' where the architecture has '" + p.key() + "'");
@@ -1105,8 +1128,9 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     for (std::size_t t = 0; t < train.inputs[s].size(); ++t) {
       const auto& row = train.inputs[s][t];
       if (row.size() != m->input_columns)
-        throw ParseError(train.source, (s < train.first_lines.size() ? train.first_lines[s] : 0) + t,
-                         "expected " + std::to_string(m->input_columns) + " input columns, found " + std::to_string(row.size()));
+        throw ParseError(
+            train.source, (s < train.first_lines.size() ? train.first_lines[s] : 0) + t,
+            "expected " + std::to_string(m->input_columns) + " input columns, found " + std::to_string(row.size()));
       const int64_t w = m->words.add(lowercase(row[0]));
       if (w >= static_cast<int64_t>(m->word_counts.size())) m->word_counts.resize(w + 1, 0);
       ++m->word_counts[w];
@@ -1149,8 +1173,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   if (!pretrained.empty()) {
     c10::NoGradGuard no_grad;
     at::Tensor table = m->net->word_embedding->weight;
-    for (const auto& [word, v] : pretrained)
-      table[m->words.find(word)].copy_(at::tensor(v, at::kFloat));
+    for (const auto& [word, v] : pretrained) table[m->words.find(word)].copy_(at::tensor(v, at::kFloat));
   }
 
   const auto gather = [](const LabeledSentences& d) {
@@ -1159,7 +1182,8 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     return p;
   };
   const auto [train_rows, train_gold] = gather(train);
-  const std::vector<EncodedSentence> train_set = m->encode_all(train_rows, &train_gold, train.source, &train.first_lines);
+  const std::vector<EncodedSentence> train_set =
+      m->encode_all(train_rows, &train_gold, train.source, &train.first_lines);
   std::vector<EncodedSentence> dev_set;
   if (dev) {
     const auto [dev_rows, dev_gold] = gather(*dev);
@@ -1224,8 +1248,8 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
         // The batch's share (by tokens) of c2·‖w‖², scaled as its log-likelihood is: the gradient only.
         c10::NoGradGuard no_grad;
         const at::Tensor& w = m->net->hybrid_weights;
-        w.mutable_grad().add_(w, 2 * o.c2 * static_cast<double>(b.N) / static_cast<double>(train_tokens) /
-                                     static_cast<double>(b.B));
+        w.mutable_grad().add_(
+            w, 2 * o.c2 * static_cast<double>(b.N) / static_cast<double>(train_tokens) / static_cast<double>(b.B));
       }
       if (o.clip > 0) clip_gradient_norm(params, o.clip);
       adam.step(lr, o.beta2);
@@ -1244,7 +1268,8 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     if (!std::isfinite(loss))
       throw Error("training diverged in epoch " + std::to_string(epoch) + ": the loss is " + show(loss) +
                   "; a smaller --lr or --clip may help");
-    NeuralEpoch rec{epoch, loss, lr, static_cast<double>(train_tokens) / std::max(train_seconds, 1e-9), 0, std::nullopt, std::nullopt};
+    NeuralEpoch rec{epoch, loss,         lr,          static_cast<double>(train_tokens) / std::max(train_seconds, 1e-9),
+                    0,     std::nullopt, std::nullopt};
     sum.epochs = epoch;
     bool stop = false;
     if (dev) {

@@ -17,8 +17,7 @@ namespace trellis {
 class Lbfgs {
  public:
   // `objective` sets each parameter's .grad() to the gradient at the current values and returns the value.
-  Lbfgs(std::vector<at::Tensor> params, std::function<double()> objective, int history = 6,
-        int max_line_search = 25);
+  Lbfgs(std::vector<at::Tensor> params, std::function<double()> objective, int history = 6, int max_line_search = 25);
 
   // One quasi-Newton step. Returns the objective at the new point, or at the old one when no direction descends
   // (then the parameters are unchanged).
@@ -65,7 +64,7 @@ class OwlQn {
   std::function<double()> smooth_;
   int history_, max_line_search_;
   std::deque<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> sy_;  // (s, y) pairs, newest last
-  std::vector<at::Tensor> grad_;                                                  // smooth gradient at the point
+  std::vector<at::Tensor> grad_;                                                // smooth gradient at the point
   double value_ = 0;
   bool started_ = false;
 };

@@ -27,12 +27,12 @@ std::string shape_string(at::IntArrayRef sizes);
 
 // Scores of a batch of chains as given by a caller; every tensor on the emissions' device except mask and lengths.
 struct ChainInputs {
-  at::Tensor emissions;    // [B,T,K] or [T,B,K]; float16, bfloat16, float32 or float64
-  at::Tensor transitions;  // [K,K], any float dtype
-  at::Tensor start;        // [K] or undefined
-  at::Tensor end;          // [K] or undefined
-  at::Tensor mask;         // [B,T] or [T,B] bool/uint8, or undefined
-  at::Tensor lengths;      // [B] integer, or undefined
+  at::Tensor emissions;     // [B,T,K] or [T,B,K]; float16, bfloat16, float32 or float64
+  at::Tensor transitions;   // [K,K], any float dtype
+  at::Tensor start;         // [K] or undefined
+  at::Tensor end;           // [K] or undefined
+  at::Tensor mask;          // [B,T] or [T,B] bool/uint8, or undefined
+  at::Tensor lengths;       // [B] integer, or undefined
   bool batch_first = true;  // the layout of emissions, mask and tags: [B,T,...] (true) or [T,B,...]
 };
 
@@ -48,10 +48,10 @@ struct BatchShape {
 // See BatchShape.
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first);
 
-// The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given (or B = 0). A mask's
-// shape, dtype and right-padding are checked here (one transfer to the host): "mask of the first timestep must all be
-// on", and a hole (on after off) is an error naming its position. Lengths are checked for shape and integer dtype; their
-// values in [1, T] are checked by the library's functions. `what` names the caller in messages.
+// The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given (or B = 0). A
+// mask's shape, dtype and right-padding are checked here (one transfer to the host): "mask of the first timestep must
+// all be on", and a hole (on after off) is an error naming its position. Lengths are checked for shape and integer
+// dtype; their values in [1, T] are checked by the library's functions. `what` names the caller in messages.
 at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, bool batch_first, BatchShape shape,
                             const at::Device& device, const char* what);
 
@@ -90,8 +90,8 @@ class AutogradScope {
 // CUDA kernels launch no empty grid.
 at::Tensor batch_log_partition(const ChainPotentials& p);
 at::Tensor batch_log_likelihood(const ChainPotentials& p, const at::Tensor& tags);  // see batch_log_partition
-Marginals batch_marginals(const ChainPotentials& p, bool with_edges);              // see batch_log_partition
-ViterbiResult batch_viterbi(const ChainPotentials& p);                             // see batch_log_partition
+Marginals batch_marginals(const ChainPotentials& p, bool with_edges);               // see batch_log_partition
+ViterbiResult batch_viterbi(const ChainPotentials& p);                              // see batch_log_partition
 
 // Whether any of allowed, allowed_start, allowed_end is given.
 inline bool any_constraint(const TransitionConstraints& c) {
@@ -105,6 +105,6 @@ at::Tensor caller_layout(const at::Tensor& batch_first_result, bool batch_first)
 // allowed); k-best paths [B,k,T] or [T,B,k]; node marginals [B,T,K] or [T,B,K], edges [B,T-1,K,K] or [T-1,B,K,K].
 ViterbiResult caller_layout(const ViterbiResult& r, bool batch_first);
 KBestResult caller_layout(const KBestResult& r, bool batch_first, const at::Device& device);  // see above
-Marginals caller_layout(const Marginals& m, bool batch_first);                               // see above
+Marginals caller_layout(const Marginals& m, bool batch_first);                                // see above
 
 }  // namespace trellis

@@ -45,10 +45,10 @@ class FeatureList {
   // An input iterator over the closed features, yielding string views.
   class iterator {
    public:
-    using value_type = std::string_view;                 // a feature
+    using value_type = std::string_view;                // a feature
     using difference_type = std::ptrdiff_t;             // a distance between positions
-    using reference = std::string_view;                  // features are yielded by value
-    using pointer = void;                                // no pointer to a feature
+    using reference = std::string_view;                 // features are yielded by value
+    using pointer = void;                               // no pointer to a feature
     using iterator_category = std::input_iterator_tag;  // one pass
     // Position i of list l.
     iterator(const FeatureList* l, std::size_t i) : l_(l), i_(i) {}

@@ -34,7 +34,7 @@ struct ColumnLayout {
   // Input columns 0..n-1, then the label: the layout of every model written before layouts were stored.
   static ColumnLayout inputs_then_label(std::size_t inputs);
   std::vector<std::size_t> ignored() const;  // the columns that are neither an input nor the label
-  std::string describe() const;  // e.g. "3 columns: inputs 0, label 1, ignored 2"
+  std::string describe() const;              // e.g. "3 columns: inputs 0, label 1, ignored 2"
 
   // The corpus with each row reduced to the input columns, followed by the label when the file has it. The file
   // must have `columns` columns (as in training) or one fewer (the same without the label column); any other count
@@ -44,9 +44,9 @@ struct ColumnLayout {
 
 // One sentence as tagged by CrfTagger::tag (or one of CrfTagger::tag_kbest's sequences).
 struct TaggedSentence {
-  std::vector<std::string> labels;   // best label sequence
-  std::vector<double> marginals;     // P(y_t = labels[t] | x) per token, when asked for
-  double probability = 0;            // P(labels | x), when marginals were asked for
+  std::vector<std::string> labels;  // best label sequence
+  std::vector<double> marginals;    // P(y_t = labels[t] | x) per token, when asked for
+  double probability = 0;           // P(labels | x), when marginals were asked for
 };
 
 // Which (feature, label) pairs have a weight: every feature with every label (weights [F,K]), or only the pairs seen
@@ -68,12 +68,12 @@ class CrfTagger {
             const std::vector<std::vector<int64_t>>* seen_labels = nullptr);
 
   const std::vector<std::string>& labels() const { return labels_; }  // label names, in id order
-  const std::vector<std::string>& features() const;                    // feature strings, in id order (rows of weights)
-  const FeatureExtractor& extractor() const { return *extractor_; }    // what turns tokens into feature strings
-  std::size_t input_columns() const { return input_columns_; }         // columns of a sentence given to tag()
+  const std::vector<std::string>& features() const;                   // feature strings, in id order (rows of weights)
+  const FeatureExtractor& extractor() const { return *extractor_; }   // what turns tokens into feature strings
+  std::size_t input_columns() const { return input_columns_; }        // columns of a sentence given to tag()
   // The CoNLL layout of the training data (stored in the model file); inputs_then_label(input_columns()) until set.
   const ColumnLayout& layout() const { return layout_; }
-  void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
+  void set_layout(ColumnLayout layout);              // Error unless it has input_columns() inputs
   int64_t label_id(const std::string& label) const;  // -1 when unknown
 
   // Which (feature, label) pairs have weights: all of them, or those seen in the training data.

@@ -49,9 +49,9 @@ class DistributedContext {
   int rank() const { return rank_; }
   // The number of processes.
   int world_size() const { return world_size_; }
-  bool distributed() const;       // a process group exists
-  std::string backend() const;    // "gloo", "nccl", or "none"
-  std::string describe() const;   // "rank 1 of 3"
+  bool distributed() const;      // a process group exists
+  std::string backend() const;   // "gloo", "nccl", or "none"
+  std::string describe() const;  // "rank 1 of 3"
   // How long a collective waits for the other ranks before it fails.
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10::intrusive_ptr<c10d::ProcessGroup> group() const;  // null for a single process
@@ -99,7 +99,7 @@ class DistributedContext {
 // themselves instead of reading torchrun's environment (DistributedContext::from_environment does for --device cpu);
 // the ranks may be threads of one process sharing a c10d::HashStore. A build without Gloo's headers throws Error.
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                              int size, std::chrono::milliseconds timeout);
+                                                               int size, std::chrono::milliseconds timeout);
 
 // Runs `work` and returns nullopt, or the message of the exception it threw (for DistributedContext::check_all).
 std::optional<std::string> failure_of(const std::function<void()>& work);

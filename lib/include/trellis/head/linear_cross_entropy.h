@@ -27,9 +27,9 @@ Reduction parse_reduction(const std::string& name);
 
 // The head's parameters beside x and the weight, and how it uses memory.
 struct HeadOptions {
-  at::Tensor bias;                      // [V], the dtype of x; undefined for none
-  std::optional<double> softcap;        // c > 0: logits become c·tanh(logit / c)
-  int64_t ignore_index = -100;          // targets equal to it are skipped (loss 0, no gradient, not counted)
+  at::Tensor bias;                // [V], the dtype of x; undefined for none
+  std::optional<double> softcap;  // c > 0: logits become c·tanh(logit / c)
+  int64_t ignore_index = -100;    // targets equal to it are skipped (loss 0, no gradient, not counted)
   // Bytes of float32 logits held at once (a slab of rows × V; on CUDA the slab's dL/dz takes the slab's own memory
   // where the types match or on compute capability 9.0, else it sits beside it in x's type); smaller saves memory,
   // larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
@@ -64,12 +64,12 @@ inline constexpr int64_t kBudgetMinColumns = 8;
 // What memory_budget (or, unset, chunk_bytes and recompute_logits) picks for training on x [..., D] and weight [V, D]
 // with gradients for both (and the bias when head.bias is given).
 struct HeadMemoryPlan {
-  bool recompute_logits = false;    // the route: logits formed twice, or a slab of rows' logits at a time
-  int64_t slab_bytes = 0;           // one slab: rows × V float32 logits, or the recompute route's chunk of columns
+  bool recompute_logits = false;  // the route: logits formed twice, or a slab of rows' logits at a time
+  int64_t slab_bytes = 0;         // one slab: rows × V float32 logits, or the recompute route's chunk of columns
   at::ScalarType slab_type = at::kFloat;  // the slab's element type: float32/float64 logits, or x's type for the
                                           // recompute route's fused gradient chunks
-  bool own_dx_sum = false;          // recompute route, 16-bit x: dx's float32 sum in a buffer of its own (not in dW)
-  int64_t extra_bytes = 0;          // the most the step allocates beyond inputs and gradients (an upper estimate)
+  bool own_dx_sum = false;  // recompute route, 16-bit x: dx's float32 sum in a buffer of its own (not in dW)
+  int64_t extra_bytes = 0;  // the most the step allocates beyond inputs and gradients (an upper estimate)
 };
 // The plan that training with these shapes and options follows (no work is done).
 HeadMemoryPlan plan_head_memory(const at::Tensor& x, const at::Tensor& weight, const HeadOptions& head = {});
@@ -104,11 +104,11 @@ at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, c
 // linear_cross_entropy in its two halves, for callers that wire autograd themselves (the PyTorch operators, which
 // torch.compile traces as a forward and a backward operator). want: which of x, weight, bias need gradients.
 struct LinearCrossEntropyForward {
-  at::Tensor loss;                 // what linear_cross_entropy returns
-  at::Tensor lse;                  // [N], each row's log-sum-exp: backward's input where it forms the gradients
-  at::Tensor dx;                   // the loss's gradient for x where the forward formed it (a mean or sum reduction)
-  at::Tensor dweight;              // the same for the weight
-  at::Tensor dbias;                // the same for the bias
+  at::Tensor loss;     // what linear_cross_entropy returns
+  at::Tensor lse;      // [N], each row's log-sum-exp: backward's input where it forms the gradients
+  at::Tensor dx;       // the loss's gradient for x where the forward formed it (a mean or sum reduction)
+  at::Tensor dweight;  // the same for the weight
+  at::Tensor dbias;    // the same for the bias
 };
 // The forward half: the loss, the rows' log-sum-exp and, with a mean or sum reduction, the wanted gradients.
 LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, const at::Tensor& weight,

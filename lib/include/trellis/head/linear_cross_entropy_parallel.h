@@ -1,13 +1,13 @@
 // The LLM head with its vocabulary split over the ranks of a torch.distributed process group (vocabulary
 // parallelism, as under tensor parallelism): rank r holds the contiguous rows [offset_r, offset_r + V_r) of the whole
 // weight (and of the bias); x and the targets (ids of the whole vocabulary) are the same on every rank. Each rank runs
-// the single-device head (trellis/head/linear_cross_entropy.h: the fused kernel, slabs or recompute_logits) on its slice,
-// and the rows' statistics merge across ranks the way the kernels merge them inside a GPU,
-// (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)): one all-gather of packed per-row statistics (log-sum-exp, target
-// logit, and the logit sum or expected logit where label smoothing or the entropy needs them). Every backward (the
-// loss's, the log-probabilities', the entropies', the log-sum-exps') forms the slice's gradients from the whole
-// vocabulary's per-row statistics: dW and the bias need no communication, dx one all-reduce. Every rank calls the same
-// function with the same x, targets and options (collectives).
+// the single-device head (trellis/head/linear_cross_entropy.h: the fused kernel, slabs or recompute_logits) on its
+// slice, and the rows' statistics merge across ranks the way the kernels merge them inside a GPU, (m1,s1)+(m2,s2) = (M,
+// s1·e^(m1−M) + s2·e^(m2−M)): one all-gather of packed per-row statistics (log-sum-exp, target logit, and the logit sum
+// or expected logit where label smoothing or the entropy needs them). Every backward (the loss's, the
+// log-probabilities', the entropies', the log-sum-exps') forms the slice's gradients from the whole vocabulary's
+// per-row statistics: dW and the bias need no communication, dx one all-reduce. Every rank calls the same function with
+// the same x, targets and options (collectives).
 //
 // A group of one rank runs the single-device head itself: no collective, and the training pass reads each slab of
 // logits once, where more ranks read it twice (the slice's log-sum-exp first, merged across the ranks before the
@@ -47,9 +47,9 @@ TokenLogprobs token_logprobs(const at::Tensor& x, const at::Tensor& weight, cons
 // linear_logsumexp and token_logprobs in two halves, for callers that wire autograd themselves (the PyTorch
 // operators). The forward's rows: [N] each, flattened.
 struct ParallelHeadRows {
-  at::Tensor lse;                  // over the whole vocabulary
-  at::Tensor logprobs;             // log p(target); undefined without targets
-  at::Tensor entropy;              // each row's entropy; undefined without with_entropy
+  at::Tensor lse;       // over the whole vocabulary
+  at::Tensor logprobs;  // log p(target); undefined without targets
+  at::Tensor entropy;   // each row's entropy; undefined without with_entropy
   // This rank's slice as the backward needs it: its share of each row's probability, e^(lse_slice − lse), and (with
   // the entropy) Σ q·z − Σ p·z, its own softmax q's expected logit less the whole vocabulary's p.
   at::Tensor slice_share;

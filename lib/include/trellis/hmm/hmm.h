@@ -34,8 +34,8 @@ struct CategoricalHMM {
   at::Tensor log_transitions;  // [K,K] log P(s_t = j | s_{t-1} = i)
   at::Tensor log_emissions;    // [K,V] log P(o_t = v | s_t = k)
 
-  int64_t num_states() const { return log_transitions.size(0); }   // K
-  int64_t num_symbols() const { return log_emissions.size(1); }    // V
+  int64_t num_states() const { return log_transitions.size(0); }  // K
+  int64_t num_symbols() const { return log_emissions.size(1); }   // V
 
   // A random model (rows drawn from a Dirichlet(1)), float64 on the CPU.
   static CategoricalHMM random(int64_t num_states, int64_t num_symbols, uint64_t seed);
@@ -51,10 +51,10 @@ struct CategoricalHMM {
 
   // Expected (or, from labels, observed) sufficient statistics, summed over sequences.
   struct Statistics {
-    at::Tensor start;               // [K] first states
-    at::Tensor transitions;         // [K,K] state pairs
-    at::Tensor emissions;           // [K,V]
-    double log_likelihood = 0;      // of the sequences accumulated (E-step only)
+    at::Tensor start;           // [K] first states
+    at::Tensor transitions;     // [K,K] state pairs
+    at::Tensor emissions;       // [K,V]
+    double log_likelihood = 0;  // of the sequences accumulated (E-step only)
     // Adds another batch's (or rank's) statistics.
     Statistics& operator+=(const Statistics& other);
   };
@@ -90,12 +90,12 @@ struct GaussianHMM {
 
   // Expected (or, from labels, observed) sufficient statistics, summed over sequences.
   struct Statistics {
-    at::Tensor start;               // [K] first states
-    at::Tensor transitions;         // [K,K] state pairs
-    at::Tensor weight;              // [K]   Σ_t γ_t(k)
-    at::Tensor first;               // [K,F] Σ_t γ_t(k) x_t
-    at::Tensor second;              // [K,F] Σ_t γ_t(k) x_t²
-    double log_likelihood = 0;      // of the sequences accumulated (E-step only)
+    at::Tensor start;           // [K] first states
+    at::Tensor transitions;     // [K,K] state pairs
+    at::Tensor weight;          // [K]   Σ_t γ_t(k)
+    at::Tensor first;           // [K,F] Σ_t γ_t(k) x_t
+    at::Tensor second;          // [K,F] Σ_t γ_t(k) x_t²
+    double log_likelihood = 0;  // of the sequences accumulated (E-step only)
     // Adds another batch's (or rank's) statistics.
     Statistics& operator+=(const Statistics& other);
   };
@@ -216,7 +216,7 @@ inline int64_t pair_label(int64_t state, int64_t num_labels) { return state % nu
 // When baum_welch stops, and its M-step.
 struct BaumWelchOptions {
   int max_iterations = 100;  // EM iterations at most
-  double tolerance = 1e-6;  // stop when the total log-likelihood gains less than this (relative to the token count)
+  double tolerance = 1e-6;   // stop when the total log-likelihood gains less than this (relative to the token count)
   MStepOptions m_step;       // each iteration's M-step
 };
 // What baum_welch returns.

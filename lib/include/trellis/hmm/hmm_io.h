@@ -17,10 +17,10 @@ namespace trellis {
 // An HMM model file's contents: the model and what the commands keep beside it.
 struct HMMModelFile {
   std::variant<CategoricalHMM, GaussianHMM> model;  // the parameters
-  std::vector<std::string> state_names;         // optional (empty)
-  std::vector<std::string> vocabulary;          // optional (empty)
-  std::vector<double> log_likelihood_history;   // total log-likelihood before each EM update; optional
-  std::vector<int64_t> state_labels;            // optional: the label each state stands for (second-order models)
+  std::vector<std::string> state_names;             // optional (empty)
+  std::vector<std::string> vocabulary;              // optional (empty)
+  std::vector<double> log_likelihood_history;       // total log-likelihood before each EM update; optional
+  std::vector<int64_t> state_labels;                // optional: the label each state stands for (second-order models)
 };
 // Tensors come back as float64 on the CPU.
 HMMModelFile load_hmm(const std::string& path);

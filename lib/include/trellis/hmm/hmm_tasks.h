@@ -17,10 +17,10 @@ namespace trellis {
 
 // How the dataset commands run: device, precision, memory, threads and processes.
 struct HMMRunOptions {
-  std::string device = "cpu";          // "cpu" or "cuda"
-  at::ScalarType dtype = at::kDouble;  // precision of the computation (the model is kept in float64)
+  std::string device = "cpu";                // "cpu" or "cuda"
+  at::ScalarType dtype = at::kDouble;        // precision of the computation (the model is kept in float64)
   int64_t memory_budget = int64_t(1) << 30;  // bytes for one batch's working tensors
-  int threads = 0;                     // CPU threads (0: LibTorch's default)
+  int threads = 0;                           // CPU threads (0: LibTorch's default)
   // gzip level of infer's posteriors, 0 (none) to 9. Posteriors are K float32 per token: gzip, single-threaded in
   // HDF5, writes some tens of MB/s, so at thousands of states it, not the computation, sets infer's pace.
   int posteriors_compression = 1;
@@ -40,17 +40,18 @@ struct DatasetShare {
 DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* distributed);
 
 // Tokens per batch that keep one batch's working tensors within options.memory_budget.
-int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& options);
+int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors,
+                     const HMMRunOptions& options);
 
 // Called after each batch with the totals so far.
 using BatchProgress = std::function<void(int64_t sequences, int64_t tokens)>;
 
 // What infer_dataset did.
 struct InferSummary {
-  int64_t sequences = 0;      // sequences inferred
-  int64_t tokens = 0;         // their observations
-  double log_likelihood = 0;  // total over the dataset
-  double seconds = 0;         // wall time of the whole call
+  int64_t sequences = 0;        // sequences inferred
+  int64_t tokens = 0;           // their observations
+  double log_likelihood = 0;    // total over the dataset
+  double seconds = 0;           // wall time of the whole call
   double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
   // Of `seconds`, this rank's time in each stage:
   double setup_seconds = 0;    // the model put on the device and the output file made
@@ -66,14 +67,14 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
 
 // What fit_dataset estimates, and from where it starts.
 struct HMMFitOptions {
-  bool supervised = false;  // maximum likelihood from /labels instead of EM
-  int order = 1;            // supervised only: 2 for a second-order (trigram) model over label pairs
-  int64_t states = 0;       // K (0: from the initial model, or the labels' names or largest id)
-  int64_t symbols = 0;      // V for categorical data (0: the vocabulary's size, or the largest id + 1)
+  bool supervised = false;              // maximum likelihood from /labels instead of EM
+  int order = 1;                        // supervised only: 2 for a second-order (trigram) model over label pairs
+  int64_t states = 0;                   // K (0: from the initial model, or the labels' names or largest id)
+  int64_t symbols = 0;                  // V for categorical data (0: the vocabulary's size, or the largest id + 1)
   std::optional<HMMModelFile> initial;  // EM start; otherwise random starts
-  int restarts = 1;         // random starts; the one reaching the highest log-likelihood is kept
-  uint64_t seed = 0;        // of the random starts
-  BaumWelchOptions em;      // iterations, tolerance and M-step of EM
+  int restarts = 1;                     // random starts; the one reaching the highest log-likelihood is kept
+  uint64_t seed = 0;                    // of the random starts
+  BaumWelchOptions em;                  // iterations, tolerance and M-step of EM
 };
 // One EM iteration, as reported to fit_dataset's on_iteration.
 struct EMIteration {

@@ -25,8 +25,8 @@ struct ConllReadOptions {
 
 // A whole column file as read_conll reads it.
 struct ConllCorpus {
-  std::string source;           // file name (or the name given for a stream)
-  std::size_t num_columns = 0;  // same for every token of the file; 0 when there are no tokens
+  std::string source;                    // file name (or the name given for a stream)
+  std::size_t num_columns = 0;           // same for every token of the file; 0 when there are no tokens
   std::vector<ConllSentence> sentences;  // in file order
   // The tokens of all sentences.
   std::size_t num_tokens() const;

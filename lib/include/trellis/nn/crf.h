@@ -79,7 +79,7 @@ class CRFImpl : public torch::nn::Cloneable<CRFImpl> {
   // constrained or not.
   ChainPotentials potentials(const at::Tensor& emissions, const at::Tensor& mask, bool constrained) const;
 
-  CRFOptions options;  // as constructed
+  CRFOptions options;              // as constructed
   at::Tensor transitions;          // parameter [K,K]: score of tag i followed by tag j
   at::Tensor start_transitions;    // parameter [K]: score of starting with each tag
   at::Tensor end_transitions;      // parameter [K]: score of ending with each tag

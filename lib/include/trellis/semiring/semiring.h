@@ -49,13 +49,19 @@ TRELLIS_HD T log_(T x) {
 struct LogSpaceScores {
   // ⊕'s identity: -inf.
   template <class T>
-  TRELLIS_HD static T zero() { return neg_inf<T>(); }
+  TRELLIS_HD static T zero() {
+    return neg_inf<T>();
+  }
   // ⊗'s identity: 0.
   template <class T>
-  TRELLIS_HD static T one() { return T(0); }
+  TRELLIS_HD static T one() {
+    return T(0);
+  }
   // a ⊗ b = a + b.
   template <class T>
-  TRELLIS_HD static T times(T a, T b) { return a + b; }
+  TRELLIS_HD static T times(T a, T b) {
+    return a + b;
+  }
 };
 
 // ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
@@ -105,7 +111,7 @@ struct LogSemiring : LogSpaceScores {
     for (; k < n; ++k) m[0] = term(k) > m[0] ? term(k) : m[0];
     Accumulator<T> acc;
     acc.max = (m[0] > m[1] ? m[0] : m[1]) > (m[2] > m[3] ? m[2] : m[3]) ? (m[0] > m[1] ? m[0] : m[1])
-                                                                         : (m[2] > m[3] ? m[2] : m[3]);
+                                                                        : (m[2] > m[3] ? m[2] : m[3]);
     if (!(acc.max > neg_inf<T>())) return acc;
     T s[4] = {T(0), T(0), T(0), T(0)};
     for (k = 0; k + 4 <= n; k += 4)

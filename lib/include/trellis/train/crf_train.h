@@ -42,20 +42,20 @@ const char* crf_algorithm_name(CrfAlgorithm algorithm);
 // How train_crf trains: the algorithm, its regularisation and stopping, the device, threads and processes.
 struct CrfTrainOptions {
   CrfAlgorithm algorithm = CrfAlgorithm::Lbfgs;  // the optimiser (see CrfAlgorithm)
-  double learning_rate = 0.05;  // minibatch algorithms
-  std::size_t batch_size = 32;  // sentences per minibatch
-  int max_iterations = 100;   // iterations (L-BFGS steps or epochs) at most
-  double c2 = 1.0;            // L2: the objective is -log-likelihood + c2·‖θ‖² (CRFsuite's convention)
-  double c1 = 0.0;            // L1: adds c1·‖θ‖₁ and trains with OWL-QN (lbfgs only); many weights become exactly 0
+  double learning_rate = 0.05;                   // minibatch algorithms
+  std::size_t batch_size = 32;                   // sentences per minibatch
+  int max_iterations = 100;                      // iterations (L-BFGS steps or epochs) at most
+  double c2 = 1.0;  // L2: the objective is -log-likelihood + c2·‖θ‖² (CRFsuite's convention)
+  double c1 = 0.0;  // L1: adds c1·‖θ‖₁ and trains with OWL-QN (lbfgs only); many weights become exactly 0
   double tolerance = 1e-5;    // stop when the objective improved by less than this fraction over `period` iterations
   int period = 10;            // iterations over which `tolerance` is measured
   int min_feature_count = 1;  // features seen fewer times in training are dropped
   // Which (feature, label) pairs get a weight: all of them, or those seen in the training data (CRFsuite's default).
   FeaturePairs feature_pairs = FeaturePairs::All;
   std::string device = "cpu";  // "cpu" or "cuda" (or "cuda:N"): where the weights and batches live
-  int threads = 0;            // CPU threads; 0 keeps LibTorch's default
-  int early_stopping = 0;     // with a dev set: stop after this many iterations without a better dev score (0: never)
-  uint64_t seed = 0;         // minibatch partition and epoch order
+  int threads = 0;             // CPU threads; 0 keeps LibTorch's default
+  int early_stopping = 0;      // with a dev set: stop after this many iterations without a better dev score (0: never)
+  uint64_t seed = 0;           // minibatch partition and epoch order
   // Data parallelism (docs/distributed.md): with a process group every rank reads the whole training set and builds
   // the same feature dictionary; lbfgs sums the objective and gradient of each rank's share (training_share) over
   // the ranks at every evaluation, the minibatch algorithms split every minibatch over the ranks and sum its
@@ -75,10 +75,10 @@ TrainingShare training_share(const LabeledSentences& train, const DistributedCon
 
 // One training iteration, as reported to train_crf's callback.
 struct CrfIteration {
-  int iteration;                      // from 1
-  double objective;                   // the objective (-log-likelihood plus the regularisation terms) it reports
-  double gradient_norm;               // the norm of the objective's gradient (pseudo-gradient with L1)
-  double seconds;                     // wall time since training started
+  int iteration;                       // from 1
+  double objective;                    // the objective (-log-likelihood plus the regularisation terms) it reports
+  double gradient_norm;                // the norm of the objective's gradient (pseudo-gradient with L1)
+  double seconds;                      // wall time since training started
   std::optional<double> dev_accuracy;  // percentage of dev tokens tagged right, with a dev set
   std::optional<double> dev_f1;        // the dev chunk F1 (percentage), with a dev set of chunk labels
 };

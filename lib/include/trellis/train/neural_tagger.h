@@ -23,17 +23,17 @@ namespace trellis {
 
 // The neural tagger's architecture and how train_neural_tagger trains it.
 struct NeuralTaggerOptions {
-  std::string encoder = "bilstm";  // "bilstm" or "cnn" (a stack of dilated convolutions)
-  int64_t word_dim = 0;            // word embedding size; 0: the pretrained vectors' size, or 100 without them
-  int64_t char_dim = 50;           // character embedding size (0: no character representation)
-  int64_t char_filters = 100;      // char CNN filters, or char BiLSTM units per direction
+  std::string encoder = "bilstm";       // "bilstm" or "cnn" (a stack of dilated convolutions)
+  int64_t word_dim = 0;                 // word embedding size; 0: the pretrained vectors' size, or 100 without them
+  int64_t char_dim = 50;                // character embedding size (0: no character representation)
+  int64_t char_filters = 100;           // char CNN filters, or char BiLSTM units per direction
   std::string char_encoder = "bilstm";  // "bilstm" (last states of both directions) or "cnn" (max over a convolution)
-  int64_t feature_dim = 20;        // embedding size of the word shape and of each extra input column
-  int64_t hidden = 200;            // BiLSTM units per direction; convolution channels are twice this
-  int64_t layers = 2;              // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
-  double dropout = 0.33;           // on the token inputs, between layers and before the emissions
-  double word_dropout = 0.25;      // a training word seen c times becomes unknown with probability a/(a+c)
-  std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
+  int64_t feature_dim = 20;             // embedding size of the word shape and of each extra input column
+  int64_t hidden = 200;                 // BiLSTM units per direction; convolution channels are twice this
+  int64_t layers = 2;                   // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
+  double dropout = 0.33;                // on the token inputs, between layers and before the emissions
+  double word_dropout = 0.25;           // a training word seen c times becomes unknown with probability a/(a+c)
+  std::string pretrained_embeddings;    // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;              // passes over the training set at most
   std::size_t batch_size = 64;  // sentences per minibatch (of similar lengths)
@@ -42,24 +42,24 @@ struct NeuralTaggerOptions {
   // Decay per step of an exponential moving average of the weights (Polyak averaging), which is what the dev set
   // scores and the model keeps (0: off, the weights themselves).
   double average = 0.999;
-  double lr_decay = 0.95;       // the learning rate is multiplied by this after every epoch
-  double clip = 5.0;            // gradient norm clipping (0: off)
-  int patience = 8;             // with a dev set: stop after this many epochs without a better dev score (0: never)
-  uint64_t seed = 0;            // initialisation, dropout, batches: a CPU run with the same seed gives the same model
-  std::string device = "cpu";     // "cpu" or "cuda" (or "cuda:N"): where the model trains
+  double lr_decay = 0.95;      // the learning rate is multiplied by this after every epoch
+  double clip = 5.0;           // gradient norm clipping (0: off)
+  int patience = 8;            // with a dev set: stop after this many epochs without a better dev score (0: never)
+  uint64_t seed = 0;           // initialisation, dropout, batches: a CPU run with the same seed gives the same model
+  std::string device = "cpu";  // "cpu" or "cuda" (or "cuda:N"): where the model trains
   std::string precision = "auto";  // "auto" (bf16 encoder on CUDA, fp32 on CPU), "bf16" or "fp32"; the CRF is fp32
   int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
   int min_feature_count = 1;       // hybrid: sparse features seen fewer times in training are dropped
-  double c2 = 1.0;                 // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
+  double c2 = 1.0;  // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
 };
 
 // One training epoch, as reported to train_neural_tagger's callback.
 struct NeuralEpoch {
-  int epoch;                 // from 1
-  double loss;               // training negative log-likelihood per token (dropout on)
-  double learning_rate;      // used during the epoch
-  double tokens_per_second;  // of the training pass
-  double seconds;            // since training started
+  int epoch;                           // from 1
+  double loss;                         // training negative log-likelihood per token (dropout on)
+  double learning_rate;                // used during the epoch
+  double tokens_per_second;            // of the training pass
+  double seconds;                      // since training started
   std::optional<double> dev_accuracy;  // percentage of dev tokens tagged right, with a dev set
   std::optional<double> dev_f1;        // dev chunk F1 (percentage), with a dev set of chunk labels
 };
@@ -70,13 +70,13 @@ struct NeuralTrainSummary {
   bool stopped_early = false;  // by patience
   std::size_t parameters = 0;  // the model's parameters (dense and, in a hybrid, sparse)
   // Vocabulary sizes:
-  std::size_t words = 0;       // words
-  std::size_t characters = 0;  // characters
-  std::size_t features = 0;    // the hybrid's sparse features
-  double seconds = 0;          // wall time of the whole call
-  double setup_seconds = 0;    // of `seconds`, before the first epoch
-  int best_epoch = 0;          // the epoch whose weights are returned
-  double seconds_to_best = 0;  // from the start of training to the end of the best epoch
+  std::size_t words = 0;                    // words
+  std::size_t characters = 0;               // characters
+  std::size_t features = 0;                 // the hybrid's sparse features
+  double seconds = 0;                       // wall time of the whole call
+  double setup_seconds = 0;                 // of `seconds`, before the first epoch
+  int best_epoch = 0;                       // the epoch whose weights are returned
+  double seconds_to_best = 0;               // from the start of training to the end of the best epoch
   std::optional<double> best_dev_accuracy;  // the returned weights' dev accuracy, with a dev set
   std::optional<double> best_dev_f1;        // their dev chunk F1, with a dev set of chunk labels
 };
@@ -97,7 +97,7 @@ class NeuralTagger {
   std::size_t input_columns() const;
   // The CoNLL layout of the training data (stored in the model file).
   const ColumnLayout& layout() const;
-  void set_layout(ColumnLayout layout);  // Error unless it has input_columns() inputs
+  void set_layout(ColumnLayout layout);        // Error unless it has input_columns() inputs
   const NeuralTaggerOptions& options() const;  // the architecture's fields; training fields as trained
   bool hybrid() const;                         // sparse features add to the emissions
   std::string describe() const;                // architecture, vocabulary and parameter counts, one line each
