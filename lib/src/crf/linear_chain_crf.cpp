@@ -302,7 +302,8 @@ LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, c
   const auto g = torch::autograd::grad({ll.sum()}, leaves, {}, /*retain_graph=*/false, /*create_graph=*/false,
                                        /*allow_unused=*/true);
   std::size_t next = 0;
-  LogLikelihoodGradients out{ll.detach()};
+  LogLikelihoodGradients out;
+  out.log_likelihood = ll.detach();
   for (auto [t, dst] : {std::pair{&p.emissions, &out.emissions}, std::pair{&p.transitions, &out.transitions},
                         std::pair{&p.start, &out.start}, std::pair{&p.end, &out.end}})
     if (t->defined()) {

@@ -461,6 +461,169 @@ ChainPotentials trusted_potentials(const CrfTagger& m, const EncodedBatch& b) {
   return p;
 }
 
+// What the optimisers minimise: −log-likelihood + c2·‖θ‖² over this process's share of the training data (summed over
+// the process group, when there is one), its gradient left in the parameters' .grad(). Full batch, it is summed over
+// blocks (CPU, `blocked`) or length-sorted batches (GPU); minibatch, one pass is an epoch of optimiser steps.
+class CrfObjective {
+ public:
+  CrfObjective(CrfTagger& model, std::vector<at::Tensor> params, double c2, double total_tokens,
+               const DistributedContext* group, std::optional<BlockedObjective> blocked,
+               std::vector<EncodedBatch> batches, std::vector<Minibatch> minibatches)
+      : model_(model),
+        params_(std::move(params)),
+        c2_(c2),
+        total_tokens_(total_tokens),
+        group_(group),
+        blocked_(std::move(blocked)),
+        batches_(std::move(batches)),
+        minibatches_(std::move(minibatches)) {}
+
+  const std::vector<at::Tensor>& params() const { return params_; }
+
+  // The full-batch objective.
+  double full_batch() {
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+    at::Tensor total = at::zeros({}, params_[0].options().dtype(at::kDouble).requires_grad(false));
+    summed_over_ranks(
+        [&] {
+          if (blocked_) {
+            std::vector<at::Tensor> gradients;
+            total.fill_(blocked_->evaluate(model_, gradients));
+            for (std::size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = gradients[i];
+            return;
+          }
+          for (const EncodedBatch& b : batches_) {
+            const at::Tensor nll = -log_likelihood(trusted_potentials(model_, b), b.tags).sum();
+            nll.backward();
+            total += nll.detach();
+          }
+        },
+        total);
+    return total.item<double>() + add_l2(1.0);
+  }
+
+  // One pass over the minibatches in a shuffled order, one step of `optimizer` each; returns the summed objective.
+  double epoch(torch::optim::Optimizer& optimizer, std::mt19937_64& rng) {
+    std::vector<std::size_t> order(minibatches_.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    at::Tensor total = at::zeros({}, params_[0].options().requires_grad(false));
+    double l2 = 0;
+    for (std::size_t i : order) {
+      const Minibatch& b = minibatches_[i];
+      optimizer.zero_grad();
+      at::Tensor nll;
+      summed_over_ranks(
+          [&] {
+            if (!b.part) return;
+            nll = -log_likelihood(trusted_potentials(model_, *b.part), b.part->tags).sum();
+            nll.backward();
+            nll = nll.detach();
+          },
+          nll);
+      total += nll;  // no sync
+      l2 += add_l2(static_cast<double>(b.tokens) / total_tokens_);
+      optimizer.step();
+    }
+    return total.item<double>() + l2;
+  }
+
+ private:
+  // c2·‖θ‖² (times `share`, a minibatch's share of the data) and its gradient, added in place: no autograd graph
+  // over millions of weights, and a sum whose bits do not depend on the thread count.
+  double add_l2(double share) {
+    c10::NoGradGuard no_grad;
+    double squares = 0;
+    for (auto& p : params_) {
+      squares += fixed_order_dot(p, p);
+      p.mutable_grad().add_(p, 2 * share * c2_);
+    }
+    return share * c2_ * squares;
+  }
+
+  // With a process group: sums this rank's gradients and `value` over the ranks (a rank without sentences adds
+  // zeros). `local` computes them; its failure on any rank stops every rank with its message.
+  void summed_over_ranks(const std::function<void()>& local, at::Tensor& value) {
+    if (!group_) {
+      local();
+      return;
+    }
+    const std::optional<std::string> failure = failure_of(local);
+    std::vector<at::Tensor> tensors;
+    for (auto& p : params_) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      tensors.push_back(p.grad());
+    }
+    if (!value.defined()) value = at::zeros({}, params_[0].options().requires_grad(false));
+    tensors.push_back(value);
+    group_->all_reduce_sum(tensors, failure);
+  }
+
+  CrfTagger& model_;
+  std::vector<at::Tensor> params_;
+  double c2_, total_tokens_;
+  const DistributedContext* group_;
+  std::optional<BlockedObjective> blocked_;
+  std::vector<EncodedBatch> batches_;
+  std::vector<Minibatch> minibatches_;
+};
+
+// One iteration of an optimiser over a CrfObjective: step() returns the objective it evaluated, gradient_norm() the
+// norm of the gradient it stepped along (the pseudo-gradient with L1).
+class CrfOptimiser {
+ public:
+  virtual ~CrfOptimiser() = default;
+  virtual double step() = 0;
+  virtual double gradient_norm() const = 0;
+};
+
+// L-BFGS over the full-batch objective (no L1).
+class LbfgsDriver : public CrfOptimiser {
+ public:
+  explicit LbfgsDriver(CrfObjective& f) : lbfgs_(f.params(), [&f] { return f.full_batch(); }) {}
+  double step() override { return lbfgs_.step(); }
+  double gradient_norm() const override { return lbfgs_.gradient_norm(); }
+
+ private:
+  Lbfgs lbfgs_;
+};
+
+// OWL-QN over the full-batch objective with c1·‖θ‖₁.
+class OwlQnDriver : public CrfOptimiser {
+ public:
+  OwlQnDriver(CrfObjective& f, double c1) : owlqn_(f.params(), c1, [&f] { return f.full_batch(); }) {}
+  double step() override { return owlqn_.step(); }
+  double gradient_norm() const override { return owlqn_.pseudo_gradient_norm(); }
+
+ private:
+  OwlQn owlqn_;
+};
+
+// One epoch of a LibTorch optimiser (SGD, Adagrad, Adam) over the minibatches per iteration.
+class MinibatchDriver : public CrfOptimiser {
+ public:
+  MinibatchDriver(CrfObjective& f, CrfAlgorithm algorithm, double learning_rate, std::mt19937_64& rng)
+      : f_(f), optimizer_(make_minibatch_optimizer(algorithm, f.params(), learning_rate)), rng_(rng) {}
+  double step() override { return f_.epoch(*optimizer_, rng_); }
+  // In float64, so that only a gradient that is itself inf or NaN gives a non-finite norm.
+  double gradient_norm() const override {
+    double squares = 0;
+    for (const auto& p : f_.params()) squares += fixed_order_dot(p.grad(), p.grad());
+    return std::sqrt(squares);
+  }
+
+ private:
+  CrfObjective& f_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::mt19937_64& rng_;
+};
+
+std::unique_ptr<CrfOptimiser> make_optimiser(const CrfTrainOptions& o, CrfObjective& f, std::mt19937_64& rng) {
+  if (o.algorithm != CrfAlgorithm::Lbfgs) return std::make_unique<MinibatchDriver>(f, o.algorithm, o.learning_rate, rng);
+  if (o.c1 > 0) return std::make_unique<OwlQnDriver>(f, o.c1);
+  return std::make_unique<LbfgsDriver>(f);
+}
+
 // Scores the model on batches encoded once (features are not extracted again every iteration).
 ChunkEvaluation evaluate(const CrfTagger& m, const std::vector<EncodedBatch>& batches) {
   c10::NoGradGuard no_grad;
@@ -624,11 +787,11 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   if (full_batch && device.is_cpu())
     blocked.emplace(length_sorted_batches(model, train, &indexed, device, kTokensPerBlock, share.first, share.count),
                     static_cast<int64_t>(model.features().size()));
-  const std::vector<EncodedBatch> batches =
+  std::vector<EncodedBatch> batches =
       full_batch && !blocked
           ? length_sorted_batches(model, train, &indexed, device, kTokensPerBatch, share.first, share.count)
           : std::vector<EncodedBatch>{};
-  const std::vector<Minibatch> minibatches =
+  std::vector<Minibatch> minibatches =
       full_batch ? std::vector<Minibatch>{}
                  : random_minibatches(model, train, indexed, device, o.batch_size, rng, group);
   indexed = {};  // the batches hold the ids now
@@ -640,88 +803,9 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   for (auto& p : params) p.requires_grad_();
   model.weights = params[0], model.transitions = params[1], model.start = params[2], model.end = params[3];
 
-  // c2·‖θ‖² (times `share`, a minibatch's share of the data) and its gradient, added in place: no autograd graph
-  // over millions of weights, and a sum whose bits do not depend on the thread count.
-  auto add_l2 = [&](double share) {
-    c10::NoGradGuard no_grad;
-    double squares = 0;
-    for (auto& p : params) {
-      squares += fixed_order_dot(p, p);
-      p.mutable_grad().add_(p, 2 * share * o.c2);
-    }
-    return share * o.c2 * squares;
-  };
-  const std::unique_ptr<torch::optim::Optimizer> minibatch_opt =
-      full_batch ? nullptr : make_minibatch_optimizer(o.algorithm, params, o.learning_rate);
-  // With a process group: sums this rank's gradients and `value` over the ranks (a rank without sentences adds
-  // zeros). `local` computes them; its failure on any rank stops every rank with its message.
-  auto summed_over_ranks = [&](const std::function<void()>& local, at::Tensor& value) {
-    if (!group) {
-      local();
-      return;
-    }
-    const std::optional<std::string> failure = failure_of(local);
-    std::vector<at::Tensor> tensors;
-    for (auto& p : params) {
-      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-      tensors.push_back(p.grad());
-    }
-    if (!value.defined()) value = at::zeros({}, params[0].options().requires_grad(false));
-    tensors.push_back(value);
-    group->all_reduce_sum(tensors, failure);
-  };
-  // One pass over the data in shuffled minibatches; returns the summed objective.
-  auto epoch = [&]() -> double {
-    std::vector<std::size_t> order(minibatches.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    at::Tensor total = at::zeros({}, params[0].options().requires_grad(false));
-    double l2 = 0;
-    for (std::size_t i : order) {
-      const Minibatch& b = minibatches[i];
-      minibatch_opt->zero_grad();
-      at::Tensor nll;
-      summed_over_ranks(
-          [&] {
-            if (!b.part) return;
-            nll = -log_likelihood(trusted_potentials(model, *b.part), b.part->tags).sum();
-            nll.backward();
-            nll = nll.detach();
-          },
-          nll);
-      total += nll;  // no sync
-      l2 += add_l2(static_cast<double>(b.tokens) / total_tokens);
-      minibatch_opt->step();
-    }
-    return total.item<double>() + l2;
-  };
-
-  // The full-batch objective -log-likelihood + L2, its gradient left in the parameters' .grad().
-  auto full_objective = [&]() -> double {
-    for (auto& p : params) p.mutable_grad() = at::Tensor();
-    at::Tensor total = at::zeros({}, params[0].options().dtype(at::kDouble).requires_grad(false));
-    summed_over_ranks(
-        [&] {
-          if (blocked) {
-            std::vector<at::Tensor> gradients;
-            total.fill_(blocked->evaluate(model, gradients));
-            for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradients[i];
-            return;
-          }
-          for (const EncodedBatch& b : batches) {
-            const at::Tensor nll = -log_likelihood(trusted_potentials(model, b), b.tags).sum();
-            nll.backward();
-            total += nll.detach();
-          }
-        },
-        total);
-    return total.item<double>() + add_l2(1.0);
-  };
-  // The full-batch optimiser: OWL-QN with L1, L-BFGS without, over the same smooth objective (-log-likelihood + L2).
-  std::optional<OwlQn> owlqn;
-  std::optional<Lbfgs> lbfgs;
-  if (full_batch && o.c1 > 0) owlqn.emplace(params, o.c1, full_objective);
-  if (full_batch && o.c1 == 0) lbfgs.emplace(params, full_objective);
+  CrfObjective objective(model, params, o.c2, total_tokens, group, std::move(blocked), std::move(batches),
+                         std::move(minibatches));
+  const std::unique_ptr<CrfOptimiser> optimiser = make_optimiser(o, objective, rng);
 
   CrfTrainSummary sum;
   sum.setup_seconds = elapsed();
@@ -731,17 +815,8 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   std::vector<at::Tensor> best;
   double best_score = -1;
   for (int it = 1; it <= o.max_iterations; ++it) {
-    const double f = owlqn ? owlqn->step() : lbfgs ? lbfgs->step() : epoch();
-    double gnorm = 0;  // of the pseudo-gradient with L1
-    if (owlqn) {
-      gnorm = owlqn->pseudo_gradient_norm();
-    } else if (lbfgs) {
-      gnorm = lbfgs->gradient_norm();
-    } else {
-      // In float64, so that only a gradient that is itself inf or NaN gives a non-finite norm.
-      for (auto& p : params) gnorm += fixed_order_dot(p.grad(), p.grad());
-      gnorm = std::sqrt(gnorm);
-    }
+    const double f = optimiser->step();
+    const double gnorm = optimiser->gradient_norm();
     if (!std::isfinite(f) || !std::isfinite(gnorm))
       throw Error("training diverged at iteration " + std::to_string(it) + ": the objective (" + show(f) +
                   ") or its gradient (norm " + show(gnorm) + ") is not finite" +
