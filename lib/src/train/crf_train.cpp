@@ -469,14 +469,8 @@ class CrfObjective {
   CrfObjective(CrfTagger& model, std::vector<at::Tensor> params, double c2, double total_tokens,
                const DistributedContext* group, std::optional<BlockedObjective> blocked,
                std::vector<EncodedBatch> batches, std::vector<Minibatch> minibatches)
-      : model_(model),
-        params_(std::move(params)),
-        c2_(c2),
-        total_tokens_(total_tokens),
-        group_(group),
-        blocked_(std::move(blocked)),
-        batches_(std::move(batches)),
-        minibatches_(std::move(minibatches)) {}
+      : model_(model), params_(std::move(params)), c2_(c2), total_tokens_(total_tokens), group_(group),
+        blocked_(std::move(blocked)), batches_(std::move(batches)), minibatches_(std::move(minibatches)) {}
 
   const std::vector<at::Tensor>& params() const { return params_; }
 
@@ -619,7 +613,8 @@ class MinibatchDriver : public CrfOptimiser {
 };
 
 std::unique_ptr<CrfOptimiser> make_optimiser(const CrfTrainOptions& o, CrfObjective& f, std::mt19937_64& rng) {
-  if (o.algorithm != CrfAlgorithm::Lbfgs) return std::make_unique<MinibatchDriver>(f, o.algorithm, o.learning_rate, rng);
+  if (o.algorithm != CrfAlgorithm::Lbfgs)
+    return std::make_unique<MinibatchDriver>(f, o.algorithm, o.learning_rate, rng);
   if (o.c1 > 0) return std::make_unique<OwlQnDriver>(f, o.c1);
   return std::make_unique<LbfgsDriver>(f);
 }
