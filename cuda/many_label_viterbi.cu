@@ -1,17 +1,20 @@
 // Viterbi for chains with many labels (K past what cuda/chain_fused.cu keeps in shared memory), the max-semiring
-// counterpart of cuda/scaled_chain_forward.cu: each step reads the transitions W from memory once for the batch (the
-// blocks of every group of kViterbiGroup sequences that use one tile of W run side by side and share it through L2).
+// counterpart of cuda/scaled_chain_forward.cu and laid out as it is: each step reads the transitions W from memory
+// once for the batch (the blocks of every group of kGroup sequences that use one tile of W run side by side and share
+// it through L2), and records only the step's max-semiring messages, not which row reached each maximum.
 //
 // Sequences run longest first, so that at each step the ones still running are a prefix of that order and only they
-// are launched (padding costs nothing). Per step t ≥ 1, two launches:
-// - viterbi_step_kernel: a block takes kThreads·kVec columns and a span of rows of W for up to kViterbiGroup
-//   sequences; each thread owns kVec columns and keeps, for every sequence, the best
-//   (alpha_{t-1}[i] − max alpha_{t-1}) + W[i][j] over the span's rows i and its first row reaching it; it writes one
-//   (value, row) per span, sequence and column.
-// - viterbi_finish_kernel: merges the spans in row order, adds the emission, records the back-pointer [B,T,K] int32,
-//   and writes per-block maxima that the next step reduces to max alpha_t; at a sequence's last position it also
-//   keeps alpha apart.
-// Then viterbi_end_kernel adds the end scores, picks the best last label and follows the back-pointers.
+// are launched (padding costs nothing). Per step t ≥ 1, two launches, programmatic dependents of each other on sm_90:
+// - viterbi_step_kernel: a block takes a tile of columns and a span of rows of W for up to kGroup sequences; each
+//   lane owns 16 bytes of columns and keeps, for every sequence, max_i (alpha_{t-1}[i] − max alpha_{t-1}) + W[i][j]
+//   over its warp's rows (loaded asynchronously, kStages rows in flight); the warps merge in shared memory and the
+//   block writes one maximum per (span, sequence, column).
+// - viterbi_finish_kernel: the largest of the spans' maxima plus the emission is alpha_t, kept for every step
+//   ([S,B,K]); it also writes per-block maxima that the next step reduces to max alpha_t.
+// Then viterbi_backtrace_kernel adds the end scores, picks the best last label, and walks back: the label before y at
+// position u is the first row i reaching max_i (alpha_{u-1}[i] − max alpha_{u-1}) + W[i][y], recomputed from the kept
+// messages with the same additions as the step (so the same maximum, exactly): one column of W per position of the
+// path instead of a back-pointer per (position, label) written at every step.
 //
 // Every message is rebased by its largest entry before the next step, the offsets summed in float64, exactly as the
 // CPU recursion (lib/src/crf/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32
@@ -20,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_pipeline.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,6 +32,7 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/streamed_chain.cuh"
 #include "trellis/semiring/semiring.h"
 
@@ -35,159 +40,197 @@ namespace trellis::cuda {
 namespace {
 
 using namespace streamed;
-constexpr int kFinishCols = kThreads;
+constexpr int kFinishCols = kThreads;  // columns per block of the finish kernel (one per thread)
+constexpr int kStages = 16;            // rows of W in flight per lane
+constexpr double kL2KeepShare = 0.3;   // of L2's size, for rows of W kept there from step to step
+constexpr int kBacktraceThreads = 1024, kBacktraceWarps = kBacktraceThreads / 32;
 
 template <class T>
-constexpr int kBlockCols = kThreads* kVec<T>;  // a thread's 16 bytes of each row
-// Rows of W a thread loads before using them, and a chunk of the max.
-template <class T>
-constexpr int kRowsInFlight = 4;
-// Sequences per pass over W: a thread keeps a running maximum and its chunk for each of them and kVec columns, and at
-// 8 these, the two chunks of rows in flight and the rest fit 128 registers, so two blocks share an SM (16 warps to hide
-// the loads' latency; at 16 sequences one block took every register). The groups of a batch share each tile of W
-// through L2 (the grid's fastest index), so the smaller group costs no extra reads from memory.
-constexpr int kViterbiGroup = 8;
+constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
 
+// Programmatic dependent launch (sm_90), as in cuda/scaled_chain_forward.cu: each kernel lets the next one start as
+// soon as all its blocks run, and waits for the previous one's results only where it reads them.
+__device__ __forceinline__ void allow_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Row stride of the rebased messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
+// vector so that the transposing stores spread over the banks.
+template <class T, int NB>
+constexpr int v_stride() {
+  return NB < kVec<T> ? NB : NB + kVec<T>;
+}
+
+// Shared memory of a step block, in elements: the lanes' rings of W rows in flight, whose space the warps' maxima
+// reuse for the merge, then the rebased messages of the block's rows.
+template <class T, int NB>
+__host__ __device__ std::size_t step_smem_elements(int rows) {
+  static_assert(NB <= kStages, "the merge reuses the rings");
+  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
+}
+
+// step_max [B]: this step's max alpha_{t-1} per sequence (0 for an all -inf message), which the backtrace subtracts
+// again; offset [B] sums them.
 template <class T, int NB>
 __global__ void __launch_bounds__(kThreads, 2)
     viterbi_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
-                        const T* __restrict__ W, double* __restrict__ offset, T* __restrict__ part_val,
-                        int* __restrict__ part_arg, int active, int K, int rows, bool vector_rows) {
+                        const T* __restrict__ W, double* __restrict__ offset, T* __restrict__ step_max,
+                        T* __restrict__ partial, int B, int K, int rows, bool vector_rows, bool reverse,
+                        int keep_permille) {
+  constexpr int kStride = v_stride<T, NB>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* v = reinterpret_cast<T*>(smem_raw);  // [rows][NB]: alpha_{t-1} − its max, this block's rows
+  T* ring = reinterpret_cast<T*>(smem_raw);   // [kWarps][kStages][kCols]: each lane's 16 bytes of rows in flight,
+                                              // then [kWarps][NB][kCols] for the merge
+  T* v = ring + kWarps * kStages * kCols<T>;  // [rows][kStride]
   __shared__ T m[NB];
   // Sequence groups are the grid's fastest index: the blocks of every group that read one tile of W run side by side,
-  // so the tile comes from memory once per step and from L2 for the other groups.
-  const int b0 = blockIdx.x * NB, nb = min(NB, active - b0);
-  const int k0 = blockIdx.z * rows, n = min(K, k0 + rows) - k0;
-  const int col = blockIdx.y * kBlockCols<T> + threadIdx.x * kVec<T>;
+  // so a batch of several groups reads the tile from memory once per step and from L2 for the other groups.
+  const int b0 = blockIdx.x * NB, nb = min(NB, B - b0);
+  const int c0 = blockIdx.y * kCols<T>, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = c0 + lane * kVec<T>;
+  // This warp's rows are k0 + warp + i·kWarps; each lane copies its 16 bytes of them into its own ring slots
+  // asynchronously (no registers held while in flight, and no lane reads another's slot).
+  const int my_rows = n > warp ? (n - warp + kWarps - 1) / kWarps : 0;
+  const bool streamed = vector_rows && col < K;
+  T* slots = ring + (warp * kStages) * kCols<T> + lane * kVec<T>;
+  const T* src = W + int64_t(k0 + warp) * K + col;  // row i is src + i·kWarps·K
+  const int64_t src_step = int64_t(kWarps) * K;
+  // Every other step walks the rows backwards: it starts on the rows the previous step read last, still in L2.
+  const auto row = [&](int i) { return reverse ? my_rows - 1 - i : i; };
+  // The first `keep` rows of the span are loaded with L2's evict-last policy and the others with evict-first, so
+  // that those rows stay in L2 for the next step while the others stream through.
+  const int keep = my_rows * keep_permille / 1000;
+  uint64_t keep_policy, stream_policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream_policy));
+  const auto fetch = [&](int i, int slot) {
+    if (streamed && i < my_rows) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots + slot * kCols<T>));
+      const uint64_t policy = row(i) < keep ? keep_policy : stream_policy;
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
+                   "l"(src + row(i) * src_step), "l"(policy)
+                   : "memory");
+    }
+    __pipeline_commit();
+  };
+  allow_next_launch();
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) fetch(i, i);  // in flight while the previous step finishes
+  wait_for_previous();
   if (threadIdx.x < NB) {
     T mb = T(0);
     if (int(threadIdx.x) < nb) {
       const int b = b0 + threadIdx.x;
       mb = row_max(block_max, max_blocks, b);
-      if (blockIdx.y == 0 && blockIdx.z == 0) offset[b] += double(mb);  // one block per sequence group
+      if (blockIdx.y == 0 && blockIdx.z == 0) {  // one block per sequence group
+        offset[b] += double(mb);
+        step_max[b] = mb;
+      }
     }
     m[threadIdx.x] = mb;
   }
-  __syncthreads();
-  // Consecutive threads read consecutive rows of one sequence's message (coalesced), several loads in flight each.
-#pragma unroll 4
-  for (int e = threadIdx.x; e < n * NB; e += kThreads) {
-    const int b = e / n, k = e % n;
-    v[k * NB + b] = b < nb ? alpha[int64_t(b0 + b) * K + k0 + k] - m[b] : T(0);
+  // The rebased messages of this block's rows: a thread's NB loads of a row are in flight together.
+  for (int pass = 0; pass * kThreads < n; ++pass) {
+    const int k = pass * kThreads + threadIdx.x;
+    T a[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) a[b] = k < n && b < nb ? alpha[int64_t(b0 + b) * K + k0 + k] : T(0);
+    if (pass == 0) __syncthreads();  // m is written
+    if (k < n)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) v[k * kStride + b] = b < nb ? a[b] - m[b] : T(0);
   }
   __syncthreads();
-  if (col >= K) return;
-  // Per chunk of kRowsInFlight rows, only the chunk's maximum is compared with the best so far (two instructions a
-  // term instead of four); the chunk that first reached the best is kept, and its first row reaching it is found at
-  // the end by recomputing the same sums. So the row is the lowest one reaching the maximum, as MaxSemiring's
-  // accumulator picks it (the first term when all are -inf).
   T best[NB][kVec<T>];
-  int chunk[NB][kVec<T>];
 #pragma unroll
   for (int b = 0; b < NB; ++b)
 #pragma unroll
-    for (int c = 0; c < kVec<T>; ++c) {
-      best[b][c] = neg_inf<T>();
-      chunk[b][c] = 0;
+    for (int c = 0; c < kVec<T>; ++c) best[b][c] = neg_inf<T>();
+  const auto max_row = [&](const T* p, int i) {
+    const T* vk = v + (warp + row(i) * kWarps) * kStride;
+    T vr[NB];
+    if constexpr (NB % kVec<T> == 0) {
+#pragma unroll
+      for (int q = 0; q < NB / kVec<T>; ++q)
+        *reinterpret_cast<Vec<T>*>(vr + q * kVec<T>) = reinterpret_cast<const Vec<T>*>(vk)[q];
+    } else {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) vr[b] = vk[b];
     }
-  // Two chunks of rows in registers: the next chunk's loads are in flight while this one's terms are computed.
-  const auto load = [&](T(&p)[kRowsInFlight<T>][kVec<T>], int i0) {
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight<T>; ++u) {
-      const int k = i0 + u;
-      const T* row = W + int64_t(k0 + k) * K + col;
-      if (k >= n) {  // past the span: no term
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
-        for (int c = 0; c < kVec<T>; ++c) p[u][c] = neg_inf<T>();
-      } else if (vector_rows) {
-        *reinterpret_cast<Vec<T>*>(p[u]) = __ldg(reinterpret_cast<const Vec<T>*>(row));
-      } else {
+      for (int c = 0; c < kVec<T>; ++c) best[b][c] = max(best[b][c], vr[b] + p[c]);
+  };
+  if (streamed) {
+    for (int i0 = 0; i0 < my_rows; i0 += kStages) {
 #pragma unroll
-        for (int c = 0; c < kVec<T>; ++c) p[u][c] = col + c < K ? __ldg(row + c) : neg_inf<T>();
+      for (int u = 0; u < kStages; ++u) {  // unrolled over the ring: slot numbers are constants
+        const int i = i0 + u;
+        if (i >= my_rows) break;
+        fetch(i + kStages - 1, (u + kStages - 1) % kStages);
+        __pipeline_wait_prior(kStages - 1);  // row i has landed
+        const Vec<T> p = *reinterpret_cast<const Vec<T>*>(slots + u * kCols<T>);
+        max_row(reinterpret_cast<const T*>(&p), i);
       }
     }
-  };
-  const auto use = [&](const T(&p)[kRowsInFlight<T>][kVec<T>], int i0) {
+  } else if (col < K) {  // rows not 16-byte aligned: element loads
+    for (int i = 0; i < my_rows; ++i) {
+      const int64_t k = k0 + warp + row(i) * kWarps;
+      T p[kVec<T>];
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      if (b >= nb) break;  // a group's last, partial share of the sequences costs only its own
-      T a[kRowsInFlight<T>];
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight<T>; ++u) a[u] = v[min(i0 + u, n - 1) * NB + b];
-#pragma unroll
-      for (int c = 0; c < kVec<T>; ++c) {
-        T m = a[0] + p[0][c];
-#pragma unroll
-        for (int u = 1; u < kRowsInFlight<T>; ++u) m = max(m, a[u] + p[u][c]);
-        if (m > best[b][c]) {
-          best[b][c] = m;
-          chunk[b][c] = i0;
-        }
-      }
+      for (int c = 0; c < kVec<T>; ++c) p[c] = col + c < K ? __ldg(W + k * K + col + c) : neg_inf<T>();
+      max_row(p, i);
     }
-  };
-  T first[kRowsInFlight<T>][kVec<T>], second[kRowsInFlight<T>][kVec<T>];
-  load(first, 0);
-  for (int i0 = 0; i0 < n; i0 += 2 * kRowsInFlight<T>) {
-    load(second, i0 + kRowsInFlight<T>);
-    use(first, i0);
-    load(first, i0 + 2 * kRowsInFlight<T>);
-    if (i0 + kRowsInFlight<T> < n) use(second, i0 + kRowsInFlight<T>);
   }
+  __pipeline_wait_prior(0);
+  __syncthreads();  // the rings are read no more: their memory takes the warps' maxima
+  T* red = ring;
 #pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    if (b >= nb) break;
-    const int64_t out = (int64_t(blockIdx.z) * active + b0 + b) * K + col;
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
-    for (int c = 0; c < kVec<T>; ++c) {
-      if (col + c >= K) continue;
-      const int i0 = chunk[b][c];
-      int arg = k0 + i0;
-      for (int k = i0; k < min(n, i0 + kRowsInFlight<T>); ++k)
-        if (v[k * NB + b] + __ldg(W + int64_t(k0 + k) * K + col + c) == best[b][c]) {
-          arg = k0 + k;
-          break;
-        }
-      part_val[out + c] = best[b][c];
-      part_arg[out + c] = arg;
-    }
+    for (int c = 0; c < kVec<T>; ++c) red[(warp * NB + b) * kCols<T> + lane * kVec<T> + c] = best[b][c];
+  __syncthreads();
+  for (int e = threadIdx.x; e < NB * kCols<T>; e += kThreads) {
+    const int b = e / kCols<T>, j = c0 + e % kCols<T>;
+    if (b >= nb || j >= K) continue;
+    T s = red[e];
+    for (int w = 1; w < kWarps; ++w) s = max(s, red[w * NB * kCols<T> + e]);
+    partial[(int64_t(blockIdx.z) * B + b0 + b) * K + j] = s;
   }
 }
 
-// alpha_t [b, j] from the spans' partial maxima (t ≥ 1) or the start scores (t = 0); one thread per (b, j), b in the
+// alpha_t [b, j] from the spans' maxima (t ≥ 1) or the start scores (t = 0); one thread per (b, j), b in the
 // longest-first order (sequence order[b] of the batch).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    viterbi_finish_kernel(const T* __restrict__ part_val, const int* __restrict__ part_arg, int splits,
-                          const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ order,
-                          const int64_t* __restrict__ len, T* __restrict__ alpha_next, T* __restrict__ block_max_next,
-                          T* __restrict__ last, int* __restrict__ back, int active, int Tn, int K, int t) {
+    viterbi_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ start,
+                          const T* __restrict__ E, const int64_t* __restrict__ order, T* __restrict__ alpha_next,
+                          T* __restrict__ block_max_next, int B, int Tn, int K, int t) {
   __shared__ T scratch[kWarps];
+  allow_next_launch();
+  // What no kernel of the chain writes is read before waiting for the step kernel.
   const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  const T e = j < K ? E[(order[b] * Tn + t) * K + j] : T(0);
+  wait_for_previous();
   T a = neg_inf<T>();
   if (j < K) {
-    const int64_t row = int64_t(b) * K, sequence = order[b];
-    const T e = E[(sequence * Tn + t) * K + j];
     if (t == 0) {
       a = start[j] + e;
     } else {
-      T best = part_val[row + j];
-      int arg = part_arg[row + j];
-      for (int q = 1; q < splits; ++q) {  // spans in row order: a tie keeps the lower row
-        const int64_t at = (int64_t(q) * active + b) * K + j;
-        const T s = part_val[at];
-        if (s > best) {
-          best = s;
-          arg = part_arg[at];
-        }
-      }
+      T best = partial[int64_t(b) * K + j];
+      for (int q = 1; q < splits; ++q) best = max(best, partial[(int64_t(q) * B + b) * K + j]);
       a = best + e;
-      back[(int64_t(b) * Tn + t) * K + j] = arg;
     }
-    alpha_next[row + j] = a;
-    if (t == len[sequence] - 1) last[row + j] = a;
+    alpha_next[int64_t(b) * K + j] = a;
   }
   write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
 }
@@ -201,62 +244,89 @@ __device__ void keep_better(T& value, int& label, T other_value, int other_label
   }
 }
 
-// One block per sequence (longest-first order): score = offset + max alpha + max_j (alpha_j − max alpha + end_j) for
-// the last alpha, and the backtrace.
+// The block's best (value, label) of the candidates its threads hold, in every thread. `values` and `labels` are
+// [kBacktraceWarps] in shared memory, written before the call's one barrier and read after it.
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    viterbi_end_kernel(const T* __restrict__ last, const T* __restrict__ end, const int* __restrict__ back,
-                       const int64_t* __restrict__ order, const int64_t* __restrict__ len,
-                       const double* __restrict__ offset, T* __restrict__ score, int64_t* __restrict__ path, int Tn,
-                       int K) {
-  __shared__ T values[kWarps];
-  __shared__ int labels[kWarps];
-  const int b = blockIdx.x;
-  const T* alpha = last + int64_t(b) * K;
-  T m = neg_inf<T>();
-  for (int j = threadIdx.x; j < K; j += kThreads) m = max(m, alpha[j]);
-  for (int offset_lanes = 16; offset_lanes > 0; offset_lanes >>= 1)
-    m = max(m, __shfl_xor_sync(0xffffffffu, m, offset_lanes));
-  if (threadIdx.x % 32 == 0) values[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = values[0];
-  for (int w = 1; w < kWarps; ++w) m = max(m, values[w]);
-  if (isinf(m)) m = T(0);  // as the CPU's rebase of an all -inf message
-  __syncthreads();         // values is reused below
-  T best = neg_inf<T>();
-  int label = -1;
-  for (int j = threadIdx.x; j < K; j += kThreads) {
-    const T s = (alpha[j] - m) + end[j];
-    if (s > best || label < 0) {
-      best = s;
-      label = j;
-    }
-  }
-  for (int offset_lanes = 16; offset_lanes > 0; offset_lanes >>= 1) {
-    const T other = __shfl_xor_sync(0xffffffffu, best, offset_lanes);
-    const int other_label = __shfl_xor_sync(0xffffffffu, label, offset_lanes);
-    keep_better(best, label, other, other_label);
+__device__ void block_best(T& value, int& label, T* values, int* labels) {
+  for (int lanes = 16; lanes > 0; lanes >>= 1) {
+    const T other = __shfl_xor_sync(0xffffffffu, value, lanes);
+    const int other_label = __shfl_xor_sync(0xffffffffu, label, lanes);
+    keep_better(value, label, other, other_label);
   }
   if (threadIdx.x % 32 == 0) {
-    values[threadIdx.x / 32] = best;
+    values[threadIdx.x / 32] = value;
     labels[threadIdx.x / 32] = label;
   }
   __syncthreads();
+  value = values[0];
+  label = labels[0];
+  for (int w = 1; w < kBacktraceWarps; ++w) keep_better(value, label, values[w], labels[w]);
+}
+
+// One block per sequence (longest-first order): score = offset + max alpha + max_j (alpha_j − max alpha + end_j) for
+// the last alpha, then the backtrace through the kept messages alphas [S,B,K] and the steps' maxima step_max [S,B].
+template <class T>
+__global__ void __launch_bounds__(kBacktraceThreads)
+    viterbi_backtrace_kernel(const T* __restrict__ alphas, const T* __restrict__ step_max, const T* __restrict__ W,
+                             const T* __restrict__ end, const int64_t* __restrict__ order,
+                             const int64_t* __restrict__ len, const double* __restrict__ offset, T* __restrict__ score,
+                             int64_t* __restrict__ path, int B, int Tn, int K) {
+  __shared__ T values[2][kBacktraceWarps];
+  __shared__ int labels[2][kBacktraceWarps];
+  const int b = blockIdx.x;
   const int64_t sequence = order[b];
   const int L = static_cast<int>(len[sequence]);
   int64_t* p = path + sequence * Tn;
-  for (int u = L + threadIdx.x; u < Tn; u += kThreads) p[u] = -1;
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < kWarps; ++w) keep_better(best, label, values[w], labels[w]);
-  score[sequence] = static_cast<T>(offset[b] + double(m) + double(best));
-  int y = label;
-  p[L - 1] = y;
-  for (int u = L - 1; u >= 1; --u) p[u - 1] = y = back[(int64_t(b) * Tn + u) * K + y];
+  for (int u = L + threadIdx.x; u < Tn; u += kBacktraceThreads) p[u] = -1;
+  // The reductions alternate two sets of shared slots, so that the one barrier in each separates a set's writes from
+  // its reads and from its next writes.
+  int set = 0;
+  const T* alpha = alphas + (int64_t(L - 1) * B + b) * K;
+  T m = neg_inf<T>();
+  for (int j = threadIdx.x; j < K; j += kBacktraceThreads) m = max(m, alpha[j]);
+  int unused = 0;
+  block_best(m, unused, values[set], labels[set]);  // labels 0 everywhere: the largest value
+  set ^= 1;
+  if (isinf(m)) m = T(0);  // as the CPU's rebase of an all -inf message
+  T best = neg_inf<T>();
+  int y = -1;
+  for (int j = threadIdx.x; j < K; j += kBacktraceThreads) {
+    const T s = (alpha[j] - m) + end[j];
+    if (s > best || y < 0) {
+      best = s;
+      y = j;
+    }
+  }
+  block_best(best, y, values[set], labels[set]);
+  set ^= 1;
+  if (threadIdx.x == 0) {
+    score[sequence] = static_cast<T>(offset[b] + double(m) + double(best));
+    p[L - 1] = y;
+  }
+  // Position u's label y came from the first row i reaching the step's maximum.
+  for (int u = L - 1; u >= 1; --u) {
+    const T* previous = alphas + (int64_t(u - 1) * B + b) * K;
+    const T mu = step_max[int64_t(u) * B + b];
+    const T* column = W + y;
+    T top = neg_inf<T>();
+    int arg = -1;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < K; i += kBacktraceThreads) {
+      const T s = (previous[i] - mu) + column[int64_t(i) * K];
+      if (s > top || arg < 0) {
+        top = s;
+        arg = i;
+      }
+    }
+    block_best(top, arg, values[set], labels[set]);
+    set ^= 1;
+    y = arg;
+    if (threadIdx.x == 0) p[u - 1] = y;
+  }
 }
 
-// The step grid: sequence groups × column tiles × row spans. Enough spans to give every SM a block or two, but few
-// enough that the partial maxima written per step stay a small share of W's bytes, and long enough spans that the
-// messages of a span fit in shared memory.
+// The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
+// allows (fewer maxima to merge and write), and short enough that the grid fills every SM's block slots.
 struct StepPlan {
   int rows, splits;
   std::size_t smem;
@@ -264,13 +334,28 @@ struct StepPlan {
 
 template <class T, int NB>
 StepPlan plan_step(int64_t B, int64_t K, int sms) {
-  const int64_t max_rows = (96 << 10) / (NB * sizeof(T));
-  const int64_t tiles = grid_dim(K, kBlockCols<T>) * grid_dim(B, NB);
-  const int64_t wanted = grid_dim(2 * sms, tiles);
-  const int64_t most = std::max<int64_t>(1, K / (4 * NB));
-  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::min(wanted, most));
-  const int rows = static_cast<int>(grid_dim(K, splits));
-  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * std::size_t(rows) * NB};
+  const auto kernel = viterbi_step_kernel<T, NB>;
+  const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
+  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)),
+        "many-label Viterbi step: shared memory");
+  int per_sm = 1;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem),
+        "many-label Viterbi: occupancy");
+  const int64_t tiles = grid_dim(K, kCols<T>) * grid_dim(B, NB);
+  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
+  int rows = static_cast<int>(grid_dim(K, splits));
+  rows = (rows + kWarps - 1) / kWarps * kWarps;
+  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
+}
+
+// Launches kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in
+// the stream where asked.
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
+                      Args... args) {
+  const LaunchShape shape{grid, dim3(kThreads), smem, stream, /*cluster=*/0, /*dependent=*/pdl};
+  check(launch_kernel(kernel, shape, static_cast<Params>(args)...), "many-label Viterbi kernel launch");
 }
 
 }  // namespace
@@ -283,69 +368,56 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(emissions.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int sms = prop->multiProcessorCount;
+  const bool pdl = prop->major >= 9;
   const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
+  // Rows of W (a share of L2's size) that the step kernel asks L2 to keep across steps, as the streamed forward does.
+  const int keep_permille =
+      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(transitions.nbytes())));
   // Longest first: the sequences running at step t are the first running(t) of this order.
   const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
   const at::Tensor order = order_host.to(emissions.device());
   const int64_t* sorted = sorted_host.data_ptr<int64_t>();
+  const int64_t steps = sorted[0];
   const auto running = [&](int64_t t) {
     return std::upper_bound(sorted, sorted + B, t, [](int64_t u, int64_t length) { return length <= u; }) - sorted;
   };
-  at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
+  // Every step's messages [S,B,K] (rows of sequences past their end not written) and maxima [S,B].
+  const at::Tensor alphas = at::empty({steps, B, K}, emissions.options());
+  const at::Tensor step_max = at::empty({steps, B}, emissions.options());
   at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
-  const at::Tensor last = at::empty({B, K}, emissions.options());
   const at::Tensor offset = at::zeros({B}, emissions.options().dtype(at::kDouble));
-  const at::Tensor back = at::empty({B, Tn, K}, emissions.options().dtype(at::kInt));
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "many_label_viterbi_cuda", [&] {
     using T = scalar_t;
-    with_group<kViterbiGroup>(B, [&](auto group) {
+    with_group(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
-      // One plan per count of running sequence groups; the partial maxima [splits, running, K] fit the largest.
-      const int64_t groups = grid_dim(B, NB);
-      std::vector<StepPlan> plans;
-      int64_t partial_elements = 0;
-      std::size_t smem = 0;
-      for (int64_t g = 1; g <= groups; ++g) {
-        const int64_t n = std::min(B, g * NB);
-        plans.push_back(plan_step<T, NB>(n, K, sms));
-        partial_elements = std::max<int64_t>(partial_elements, plans.back().splits * n * K);
-        smem = std::max(smem, plans.back().smem);
-      }
-      check(cudaFuncSetAttribute(viterbi_step_kernel<T, NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem)),
-            "many-label Viterbi step: shared memory");
-      const at::Tensor part_val = at::empty({partial_elements}, emissions.options());
-      const at::Tensor part_arg = at::empty({partial_elements}, emissions.options().dtype(at::kInt));
-      const int64_t* len = lengths.data_ptr<int64_t>();
+      const StepPlan plan = plan_step<T, NB>(B, K, sms);
+      const at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
+      const T *W = transitions.data_ptr<T>(), *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
+      const int64_t* ord = order.data_ptr<int64_t>();
+      T* kept = alphas.data_ptr<T>();
       // Rows as 16-byte vectors where each row starts on a vector boundary.
-      const bool vector_rows =
-          K % kVec<T> == 0 && reinterpret_cast<std::uintptr_t>(transitions.data_ptr<T>()) % sizeof(Vec<T>) == 0;
-      int splits = 1;
-      for (int64_t t = 0; t < sorted[0]; ++t) {
+      const bool vector_rows = K % kVec<T> == 0 && reinterpret_cast<std::uintptr_t>(W) % sizeof(Vec<T>) == 0;
+      for (int64_t t = 0; t < steps; ++t) {
         const int active = static_cast<int>(running(t));
+        T* current = kept + t * B * K;
         if (t > 0) {
-          const StepPlan& plan = plans[grid_dim(active, NB) - 1];
-          splits = plan.splits;
-          viterbi_step_kernel<T, NB>
-              <<<dim3(grid_dim(active, NB), grid_dim(K, kBlockCols<T>), splits), kThreads, plan.smem, stream>>>(
-                  alpha.data_ptr<T>(), block_max.data_ptr<T>(), finish_blocks, transitions.data_ptr<T>(),
-                  offset.data_ptr<double>(), part_val.data_ptr<T>(), part_arg.data_ptr<int>(), active, int(K),
-                  plan.rows, vector_rows);
-          check_launch("many-label Viterbi step");
+          const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<T>), plan.splits);
+          launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, current - B * K,
+                           block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
+                           step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), int(K), plan.rows,
+                           vector_rows, t % 2 == 0, keep_permille);
         }
-        viterbi_finish_kernel<T><<<dim3(finish_blocks, active), kThreads, 0, stream>>>(
-            part_val.data_ptr<T>(), part_arg.data_ptr<int>(), splits, start.data_ptr<T>(), emissions.data_ptr<T>(),
-            order.data_ptr<int64_t>(), len, next.data_ptr<T>(), next_max.data_ptr<T>(), last.data_ptr<T>(),
-            back.data_ptr<int>(), active, int(Tn), int(K), int(t));
-        check_launch("many-label Viterbi finish");
-        std::swap(alpha, next);
+        launch_dependent(viterbi_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
+                         partial.data_ptr<T>(), plan.splits, st, E, ord, current, next_max.data_ptr<T>(), int(B),
+                         int(Tn), int(K), int(t));
         std::swap(block_max, next_max);
       }
-      viterbi_end_kernel<T><<<B, kThreads, 0, stream>>>(last.data_ptr<T>(), end.data_ptr<T>(), back.data_ptr<int>(),
-                                                        order.data_ptr<int64_t>(), len, offset.data_ptr<double>(),
-                                                        score.data_ptr<T>(), path.data_ptr<int64_t>(), int(Tn), int(K));
-      check_launch("many-label Viterbi end");
+      viterbi_backtrace_kernel<T><<<B, kBacktraceThreads, 0, stream>>>(
+          kept, step_max.data_ptr<T>(), W, end.data_ptr<T>(), ord, lengths.data_ptr<int64_t>(),
+          offset.data_ptr<double>(), score.data_ptr<T>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
+      check_launch("many-label Viterbi backtrace");
     });
   });
 }
