@@ -86,6 +86,10 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& opti
   }
 }
 
+po::typed_value<std::string>* device_value(c10::Device& device) {
+  return parsed_value(device, [](const std::string& text) { return parse_device(text); })->default_value("cpu");
+}
+
 double parse_number(const std::string& text, const std::string& option) {
   std::size_t used = 0;
   const double value = leading_number(text, &used);
@@ -133,8 +137,8 @@ po::options_description tag_options(TagArguments& a) {
       "probability", po::bool_switch(&a.with_probability), "print '@probability P' before each sentence")(
       "kbest,n", po::value(&a.kbest)->default_value(0),
       "the N most probable label sequences of each sentence, each after a line '@kbest RANK PROBABILITY'")(
-      "device", po::value(&a.device)->default_value("cpu"), "cpu or cuda")(
-      "timing", po::bool_switch(&a.timing), "print load and tagging times and tokens/s to stderr");
+      "device", device_value(a.device), "cpu, cuda or cuda:N")("timing", po::bool_switch(&a.timing),
+                                                               "print load and tagging times and tokens/s to stderr");
   return desc;
 }
 

@@ -11,6 +11,7 @@
 #include "trellis/io/chunk_eval.h"
 #include "trellis/io/conll.h"
 #include "trellis/crf/crf_tagger.h"
+#include "trellis/device.h"
 #include "trellis/train/crf_train.h"
 
 namespace trellis::cli {
@@ -24,6 +25,16 @@ std::string fixed(double v, int digits);
 
 // "512M", "2G", "100k" or a plain byte count.
 int64_t parse_bytes(const std::string& text);
+
+// An option read as text that `parse` (a library parse_* function, whose Error names the option) turns into `target`
+// once the command line is parsed; its default, if any, is given as text too.
+template <class T, class Parse>
+boost::program_options::typed_value<std::string>* parsed_value(T& target, Parse parse) {
+  return boost::program_options::value<std::string>()->notifier(
+      [&target, parse](const std::string& text) { target = parse(text); });
+}
+// --device: "cpu" by default, else cuda or cuda:N (parse_device).
+boost::program_options::typed_value<std::string>* device_value(c10::Device& device);
 
 // "1,2" or "-1": a comma-separated list of integers; `option` names the option in the error.
 std::vector<int> parse_int_list(const std::string& text, const std::string& option);
@@ -43,7 +54,8 @@ void write_output(const std::string& path, const std::function<void(std::ostream
 
 // The options of `crf tag`, for feature and neural models alike.
 struct TagArguments {
-  std::string model_path, input, output, device;
+  std::string model_path, input, output;
+  c10::Device device = c10::kCPU;
   bool with_marginals = false, with_probability = false, timing = false;
   int64_t kbest = 0;
 };

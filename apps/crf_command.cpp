@@ -69,8 +69,8 @@ int train(const std::vector<std::string>& args) {
       "stop when the objective improves by less than this fraction over 10 iterations")(
       "early-stopping", po::value(&o.early_stopping)->default_value(0),
       "stop after N iterations without a better dev score (0: off)")(
-      "device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")(
-      "threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")(
+      "device", device_value(o.device), "cpu, cuda or cuda:N")("threads", po::value(&o.threads)->default_value(0),
+                                                               "CPU threads (0: all)")(
       "seed", po::value(&o.seed)->default_value(0), "random seed")(
       "encoder", po::value<std::string>()->default_value("none"),
       "none: this feature CRF; bilstm or cnn: a neural tagger (trellis crf train --encoder bilstm --help)");

@@ -57,7 +57,7 @@ int train(const std::vector<std::string>& args) {
                                                "training data: CoNLL columns, a blank line between sentences")(
       "dev", po::value(&dev_path), "development data, scored after every epoch (early stopping, best model kept)")(
       "model,m", po::value(&model_path)->required(), "where to write the model")(
-      "encoder", po::value(&o.encoder)->required(),
+      "encoder", parsed_value(o.encoder, parse_sentence_encoder)->required(),
       "bilstm, cnn (stacked dilated convolutions), or none (the feature CRF)")(
       "label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")(
       "input-columns", po::value(&input_columns),
@@ -80,9 +80,10 @@ int train(const std::vector<std::string>& args) {
       "char-dim", po::value(&o.char_dim)->default_value(o.char_dim),
       "character embedding size (0: no character representation)")(
       "char-filters", po::value(&o.char_filters)->default_value(o.char_filters),
-      "character CNN filters, or BiLSTM units per direction")("char-encoder",
-                                                              po::value(&o.char_encoder)->default_value(o.char_encoder),
-                                                              "cnn or bilstm: the characters' representation")(
+      "character CNN filters, or BiLSTM units per direction")(
+      "char-encoder",
+      parsed_value(o.char_encoder, parse_char_encoder)->default_value(char_encoder_name(o.char_encoder)),
+      "cnn or bilstm: the characters' representation")(
       "feature-dim", po::value(&o.feature_dim)->default_value(o.feature_dim),
       "embedding size of the word shape and of each extra input column")(
       "hidden", po::value(&o.hidden)->default_value(o.hidden),
@@ -99,9 +100,9 @@ int train(const std::vector<std::string>& args) {
       "min-freq", po::value(&o.min_feature_count)->default_value(1),
       "hybrid: drop sparse features seen fewer times in training")(
       "c2", po::value(&o.c2)->default_value(1.0),
-      "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")(
-      "device", po::value(&o.device)->default_value("cpu"), "cpu or cuda")(
-      "precision", po::value(&o.precision)->default_value("auto"),
+      "hybrid: L2 coefficient of the sparse weights (c2*|w|^2 over the training set)")("device", device_value(o.device),
+                                                                                       "cpu, cuda or cuda:N")(
+      "precision", parsed_value(o.precision, parse_encoder_precision)->default_value("auto"),
       "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")(
       "threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")(
       "seed", po::value(&o.seed)->default_value(0), "random seed (the same seed on the CPU gives the same model)");
@@ -170,14 +171,14 @@ int train(const std::vector<std::string>& args) {
 
 int tag(const std::vector<std::string>& args) {
   TagArguments a;
-  std::string precision;
+  EncoderPrecision precision = EncoderPrecision::Auto;
   po::options_description desc = tag_options(a);
-  desc.add_options()("precision", po::value(&precision)->default_value("auto"),
+  desc.add_options()("precision", parsed_value(precision, parse_encoder_precision)->default_value("auto"),
                      "neural models: auto (bf16 encoder on CUDA), bf16 or fp32");
   if (int rc = parse_tag_arguments(args, desc, a); rc >= 0) return rc;
   const auto t0 = Clock::now();
   NeuralTagger model = NeuralTagger::load(a.model_path);
-  model.to(at::Device(a.device), precision);
+  model.to(a.device, precision);
   const double load_seconds = seconds_since(t0);
   const ConllCorpus corpus = read_input(a.input);
   const std::vector<TokenRows> rows = model_inputs(model.layout().project(corpus), model.input_columns());
@@ -204,18 +205,21 @@ int tag(const std::vector<std::string>& args) {
 }
 
 int eval(const std::vector<std::string>& args) {
-  std::string model_path, gold_path, device, precision;
+  std::string model_path, gold_path;
+  c10::Device device = c10::kCPU;
+  EncoderPrecision precision = EncoderPrecision::Auto;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")("model,m", po::value(&model_path)->required(),
                                                "neural model to tag --gold with")(
       "gold", po::value(&gold_path)->required(), "gold CoNLL file in the model's training layout (see crf dump)")(
-      "device", po::value(&device)->default_value("cpu"), "cpu or cuda")(
-      "precision", po::value(&precision)->default_value("auto"), "auto (bf16 encoder on CUDA), bf16 or fp32");
+      "device", device_value(device), "cpu, cuda or cuda:N")(
+      "precision", parsed_value(precision, parse_encoder_precision)->default_value("auto"),
+      "auto (bf16 encoder on CUDA), bf16 or fp32");
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm, "usage: trellis crf eval --model FILE --gold FILE", nullptr); rc >= 0)
     return rc;
   NeuralTagger model = NeuralTagger::load(model_path);
-  model.to(at::Device(device), precision);
+  model.to(device, precision);
   const LabeledSentences gold = gold_sentences(model.layout(), gold_path);
   print_evaluation(score_tagged(gold, model.tag(pointers(gold.inputs)),
                                 [&](const std::string& label) { return model.label_id(label) >= 0; }));

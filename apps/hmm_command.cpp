@@ -38,7 +38,7 @@ struct RunFlags {
   HMMRunOptions run;
   std::string precision, budget;
   void add(po::options_description& desc) {
-    desc.add_options()("device", po::value(&run.device)->default_value("cpu"), "cpu or cuda")(
+    desc.add_options()("device", device_value(run.device), "cpu, cuda or cuda:N")(
         "threads", po::value(&run.threads)->default_value(0), "CPU threads (0: all)")(
         "precision", po::value(&precision)->default_value("float64"), "float64 or float32")(
         "memory-budget", po::value(&budget)->default_value("1G"),

@@ -15,6 +15,7 @@
 #include "commands.h"
 #include "trellis/io/atomic_file.h"
 #include "trellis/error.h"
+#include "trellis/device.h"
 #include "trellis/crf/linear_chain_crf.h"
 #include "trellis/head/linear_cross_entropy.h"
 #include "trellis/semiring/semiring_ops.h"
@@ -359,8 +360,8 @@ int bench_main(const std::vector<std::string>& args) {
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")("what", po::value(&what)->default_value("all"),
                                                "semiring, crf, hmm, head or all")(
-      "device", po::value(&device)->default_value("cpu"), "cpu or cuda")("json", po::value(&json),
-                                                                         "also write the rows as JSON to this file")(
+      "device", po::value(&device)->default_value("cpu"), "cpu, cuda or cuda:N")(
+      "json", po::value(&json), "also write the rows as JSON to this file")(
       "repeats", po::value(&repeats)->default_value(10), "timed runs per row (the median is reported)");
   po::positional_options_description pos;
   pos.add("what", 1);
@@ -384,7 +385,7 @@ int bench_main(const std::vector<std::string>& args) {
     std::cerr << "trellis bench: unknown workload '" << what << "'\n" << usage << "\n";
     return 2;
   }
-  Bench b{at::Device(device), std::max(1, repeats), "cpu", {}};
+  Bench b{parse_device(device), std::max(1, repeats), "cpu", {}};
   if (b.device.is_cuda()) {
 #if TRELLIS_WITH_CUDA
     b.device_name = at::cuda::getDeviceProperties(b.device.index() < 0 ? 0 : b.device.index())->name;

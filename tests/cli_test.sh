@@ -36,6 +36,10 @@ expect_error "foreign model" "is not a Trellis CRF model" out2.txt \
 head -c 200 model.crf >truncated.crf
 expect_error "truncated model" "corrupt model file" out3.txt "$trellis" crf tag --model truncated.crf train.txt -o out3.txt
 expect_error "unknown option" "unrecognised option" m7.crf "$trellis" crf train --train train.txt --model m7.crf --bogus
+expect_error "unknown device" "--device must be cpu, cuda or cuda:N, not 'gpu'" m7.crf \
+  "$trellis" crf train --train train.txt --model m7.crf --device gpu
+expect_error "unknown tagging device" "--device must be cpu, cuda or cuda:N, not 'mps'" out.txt \
+  "$trellis" crf tag --model model.crf train.txt --device mps -o out.txt
 
 # k-best: two alternatives per sentence, the first one the Viterbi labels.
 "$trellis" crf tag --model model.crf train.txt --kbest 2 -o kbest.txt && [ "$(grep -c '^@kbest' kbest.txt)" = 4 ] &&

@@ -283,7 +283,7 @@ TEST(HMMCuda, StreamedInferenceAndEmMatchCpu) {
   HMMDataset d(data);
   HMMRunOptions cpu, gpu;
   cpu.memory_budget = gpu.memory_budget = 200000;  // several batches
-  gpu.device = "cuda";
+  gpu.device = c10::kCUDA;
   const InferSummary x = infer_dataset(model, d, a, true, cpu), y = infer_dataset(model, d, b, true, gpu);
   EXPECT_NEAR(x.log_likelihood, y.log_likelihood, 1e-8 * std::abs(x.log_likelihood));
   const LabelAccuracy p = score_predictions(d, a), q = score_predictions(d, b);

@@ -58,7 +58,7 @@ NeuralTaggerOptions small_options() {
   o.word_dim = 16;
   o.char_dim = 8;
   o.char_filters = 8;
-  o.char_encoder = "cnn";
+  o.char_encoder = CharEncoder::Cnn;
   o.feature_dim = 4;
   o.hidden = 16;
   o.layers = 1;
@@ -289,7 +289,9 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
     change(o);
     return error_of([&] { train_neural_tagger(train, nullptr, nullptr, o); });
   };
-  EXPECT_NE(message([](auto& o) { o.encoder = "rnn"; }).find("--encoder must be bilstm, cnn or none, not 'rnn'"),
+  EXPECT_NE(error_of([] { parse_sentence_encoder("rnn"); }).find("--encoder must be bilstm, cnn or none, not 'rnn'"),
+            std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.encoder = static_cast<SentenceEncoder>(7); }).find("which is no SentenceEncoder"),
             std::string::npos);
   EXPECT_NE(message([](auto& o) { o.dropout = 1.5; }).find("--dropout must be in [0, 1), not 1.5"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.dropout = std::nan(""); }).find("--dropout must be in [0, 1), not nan"),
@@ -298,16 +300,22 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
   EXPECT_NE(message([](auto& o) { o.learning_rate = -1; }).find("--lr must be a finite number > 0, not -1"),
             std::string::npos);
   EXPECT_NE(message([](auto& o) { o.lr_decay = 0; }).find("--lr-decay must be in (0, 1], not 0"), std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.char_encoder = "gru"; }).find("--char-encoder must be cnn or bilstm, not 'gru'"),
+  EXPECT_NE(error_of([] { parse_char_encoder("gru"); }).find("--char-encoder must be cnn or bilstm, not 'gru'"),
             std::string::npos);
   EXPECT_NE(message([](auto& o) { o.c2 = -1; }).find("--c2 must be a finite number >= 0, not -1"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.hidden = 0; }).find("--hidden must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.layers = 0; }).find("--layers must be at least 1, not 0"), std::string::npos);
   EXPECT_NE(message([](auto& o) { o.batch_size = 0; }).find("--batch-size must be at least 1, not 0"),
             std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.precision = "fp8"; }).find("--precision must be auto, bf16 or fp32, not 'fp8'"),
+  EXPECT_NE(error_of([] { parse_encoder_precision("fp8"); }).find("--precision must be auto, bf16 or fp32, not 'fp8'"),
             std::string::npos);
-  EXPECT_NE(message([](auto& o) { o.precision = "bf16"; }).find("--precision bf16 needs --device cuda"),
+  EXPECT_EQ(parse_encoder_precision("bf16"), EncoderPrecision::Bf16);
+  EXPECT_EQ(parse_device("cuda:1"), c10::Device(c10::kCUDA, 1));
+  EXPECT_NE(error_of([] { parse_device("gpu"); }).find("--device must be cpu, cuda or cuda:N, not 'gpu'"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { parse_device("meta"); }).find("--device must be cpu, cuda or cuda:N, not 'meta'"),
+            std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.precision = EncoderPrecision::Bf16; }).find("--precision bf16 needs --device cuda"),
             std::string::npos);
   EXPECT_NE(
       message([](auto& o) { o.pretrained_embeddings = temp_path("no-such-vectors.txt"); }).find("no-such-vectors.txt"),
@@ -325,8 +333,8 @@ TEST(NeuralTagger, BadOptionsAreErrorsNamingTheFlag) {
 TEST(NeuralTagger, CnnEncoderCharacterBiLstmAndHybridFeaturesTrainAndRoundTrip) {
   const LabeledSentences train = toy_corpus(100, 1, "train"), dev = toy_corpus(30, 2, "dev");
   NeuralTaggerOptions o = small_options();
-  o.encoder = "cnn";
-  o.char_encoder = "bilstm";
+  o.encoder = SentenceEncoder::Cnn;
+  o.char_encoder = CharEncoder::BiLstm;
   o.layers = 2;
   o.epochs = 4;
   NeuralTrainSummary sum;
@@ -422,8 +430,8 @@ TEST(NeuralTagger, CudaAgreesWithTheCpu) {
   const std::string path = temp_path("cuda.ncrf");
   trained_model().save(path);
   NeuralTagger cpu = NeuralTagger::load(path), gpu = NeuralTagger::load(path), gpu_bf16 = NeuralTagger::load(path);
-  gpu.to(at::Device("cuda"), "fp32");
-  gpu_bf16.to(at::Device("cuda"), "bf16");
+  gpu.to(at::kCUDA, EncoderPrecision::Fp32);
+  gpu_bf16.to(at::kCUDA, EncoderPrecision::Bf16);
   const LabeledSentences test = toy_corpus(200, 4, "test");
   const auto a = cpu.tag(pointers(test), true), b = gpu.tag(pointers(test), true), c = gpu_bf16.tag(pointers(test));
   // cuDNN may run float32 convolutions and RNNs in TF32: near-ties may decode differently, marginals differ slightly.
@@ -440,13 +448,13 @@ TEST(NeuralTagger, CudaAgreesWithTheCpu) {
   EXPECT_GE(same_bf16, tokens * 98 / 100);
   // And training on CUDA learns as on the CPU.
   NeuralTaggerOptions o = small_options();
-  o.device = "cuda";
+  o.device = c10::kCUDA;
   NeuralTrainSummary sum;
   const LabeledSentences train = toy_corpus(150, 1, "train"), dev = toy_corpus(60, 2, "dev");
-  for (const char* precision : {"fp32", "bf16"}) {
+  for (const EncoderPrecision precision : {EncoderPrecision::Fp32, EncoderPrecision::Bf16}) {
     o.precision = precision;
     train_neural_tagger(train, &dev, nullptr, o, {}, &sum);
-    EXPECT_GT(*sum.best_dev_accuracy, 90) << precision;
+    EXPECT_GT(*sum.best_dev_accuracy, 90) << encoder_precision_name(precision);
   }
   std::remove(path.c_str());
 }

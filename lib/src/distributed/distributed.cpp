@@ -80,8 +80,9 @@ DistributedContext::~DistributedContext() = default;
 DistributedContext::DistributedContext(DistributedContext&&) noexcept = default;
 DistributedContext& DistributedContext::operator=(DistributedContext&&) noexcept = default;
 
-DistributedContext DistributedContext::from_environment(const std::string& device, std::chrono::milliseconds timeout) {
-  if (device != "cpu" && device != "cuda") throw Error("device must be cpu or cuda, not '" + device + "'");
+DistributedContext DistributedContext::from_environment(c10::Device device, std::chrono::milliseconds timeout) {
+  if (!device.is_cpu() && !device.is_cuda())
+    throw Error("a process group runs on the CPU or CUDA, not " + device.str());
   DistributedContext ctx;
   ctx.timeout_ = timeout.count() > 0 ? timeout : timeout_from_environment();
   if (!env("WORLD_SIZE")) return ctx;  // not launched by torchrun: one process
@@ -104,7 +105,7 @@ DistributedContext DistributedContext::from_environment(const std::string& devic
   Impl& impl = *ctx.impl_;
   try {
     impl.store = c10::make_intrusive<c10d::PrefixStore>("trellis/", c10::make_intrusive<c10d::TCPStore>(*host, so));
-    if (device == "cpu") {
+    if (device.is_cpu()) {
       impl.group = make_gloo_process_group(impl.store, rank, world, ctx.timeout_);
       impl.backend = "gloo";
     } else {

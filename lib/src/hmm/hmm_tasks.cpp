@@ -31,13 +31,13 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 at::TensorOptions run_options(const HMMRunOptions& o) {
-  if (o.device != "cpu" && o.device != "cuda") throw Error("device must be cpu or cuda, not '" + o.device + "'");
-  if (o.device == "cuda" && !at::hasCUDA()) throw Error("--device cuda: no CUDA device is available");
+  if (!o.device.is_cpu() && !o.device.is_cuda()) throw Error("--device must be cpu or cuda, not " + o.device.str());
+  if (o.device.is_cuda() && !at::hasCUDA()) throw Error("--device " + o.device.str() + ": no CUDA device is available");
   if (o.dtype != at::kFloat && o.dtype != at::kDouble) throw Error("HMM computations run in float32 or float64");
   if (o.threads < 0) throw Error("--threads must be >= 0 (0: LibTorch's default), not " + std::to_string(o.threads));
   if (o.memory_budget < 1) throw Error("--memory-budget must be at least 1 byte");
   if (o.threads > 0) at::set_num_threads(o.threads);
-  return at::TensorOptions().dtype(o.dtype).device(at::Device(o.device));
+  return at::TensorOptions().dtype(o.dtype).device(o.device);
 }
 
 int64_t states_of(const HMMModelFile& m) {

@@ -755,7 +755,7 @@ CrfTagger train_crf(const LabeledSentences& train, const LabeledSentences* dev,
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   check_options(o);
   start_training(train, o.threads);
-  const at::Device device(o.device);
+  const at::Device device = o.device;
   // Starting CUDA (0.1-0.2 s) overlaps the feature pass on the CPU.
   std::future<void> device_ready = std::async(std::launch::async, [device] {
     if (!device.is_cpu()) at::empty({0}, at::TensorOptions().device(device));

@@ -133,8 +133,8 @@ class Vocabulary {
 // The network.
 
 struct Architecture {
-  std::string encoder;
-  std::string char_encoder;  // "cnn" or "bilstm"
+  SentenceEncoder encoder = SentenceEncoder::BiLstm;
+  CharEncoder char_encoder = CharEncoder::BiLstm;
   int64_t words = 0, word_dim = 0, chars = 0, char_dim = 0, char_filters = 0, shapes = 0, feature_dim = 0;
   std::vector<int64_t> extra;                                // vocabulary size of each extra input column
   int64_t hidden = 0, layers = 0, labels = 0, features = 0;  // features: hybrid sparse features (0: none)
@@ -225,7 +225,7 @@ class NetworkImpl : public torch::nn::Module {
       char_embedding = register_module(
           "char_embedding", torch::nn::Embedding(torch::nn::EmbeddingOptions(a.chars, a.char_dim).padding_idx(kPad)));
       uniform_rows(char_embedding);
-      if (a.char_encoder == "bilstm") {
+      if (a.char_encoder == CharEncoder::BiLstm) {
         char_lstm = register_module(
             "char_lstm",
             torch::nn::LSTM(torch::nn::LSTMOptions(a.char_dim, a.char_filters).bidirectional(true).batch_first(true)));
@@ -237,7 +237,7 @@ class NetworkImpl : public torch::nn::Module {
       }
     }
     int64_t encoded = 2 * a.hidden;
-    if (a.encoder == "bilstm") {
+    if (a.encoder == SentenceEncoder::BiLstm) {
       lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(input, a.hidden)
                                                          .num_layers(a.layers)
                                                          .bidirectional(true)
@@ -697,21 +697,22 @@ struct NeuralTagger::Impl {
     return out;
   }
 
-  void move_to(const at::Device& d, const std::string& precision) {
-    if (precision != "auto" && precision != "bf16" && precision != "fp32")
-      throw Error("--precision must be auto, bf16 or fp32, not '" + precision + "'");
-    if (precision == "bf16" && !d.is_cuda()) throw Error("--precision bf16 needs --device cuda (the CPU runs fp32)");
+  void move_to(const at::Device& d, EncoderPrecision precision) {
+    encoder_precision_name(precision);  // a value outside the enumeration is an Error
+    if (precision == EncoderPrecision::Bf16 && !d.is_cuda())
+      throw Error("--precision bf16 needs --device cuda (the CPU runs fp32)");
     net->to(d);
     device = d;
-    bf16 = d.is_cuda() && precision != "fp32";
+    bf16 = d.is_cuda() && precision != EncoderPrecision::Fp32;
   }
 
   std::string hyperparameters() const {
     std::ostringstream s;
-    s << "encoder=" << options.encoder << "\nword_dim=" << options.word_dim << "\nchar_dim=" << options.char_dim
-      << "\nchar_filters=" << options.char_filters << "\nchar_encoder=" << options.char_encoder
-      << "\nfeature_dim=" << options.feature_dim << "\nhidden=" << options.hidden << "\nlayers=" << options.layers
-      << "\ndropout=" << show(options.dropout) << "\nscheme=" << scheme << "\n";
+    s << "encoder=" << sentence_encoder_name(options.encoder) << "\nword_dim=" << options.word_dim
+      << "\nchar_dim=" << options.char_dim << "\nchar_filters=" << options.char_filters
+      << "\nchar_encoder=" << char_encoder_name(options.char_encoder) << "\nfeature_dim=" << options.feature_dim
+      << "\nhidden=" << options.hidden << "\nlayers=" << options.layers << "\ndropout=" << show(options.dropout)
+      << "\nscheme=" << scheme << "\n";
     return s.str();
   }
 };
@@ -733,8 +734,10 @@ std::string chunk_scheme(const std::vector<std::string>& labels) {
 }
 
 void check_options(const NeuralTaggerOptions& o) {
-  if (o.encoder != "bilstm" && o.encoder != "cnn")
-    throw Error("--encoder must be bilstm, cnn or none, not '" + o.encoder + "'");
+  // Values outside the enumerations are Errors.
+  sentence_encoder_name(o.encoder);
+  char_encoder_name(o.char_encoder);
+  encoder_precision_name(o.precision);
   const auto at_least = [](int64_t v, int64_t least, const char* flag) {
     if (v < least)
       throw Error(std::string(flag) + " must be at least " + std::to_string(least) + ", not " + std::to_string(v));
@@ -745,13 +748,12 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.word_dim, 0, "--embedding-dim");
   at_least(o.char_dim, 0, "--char-dim");
   if (o.char_dim > 0) at_least(o.char_filters, 1, "--char-filters");
-  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm")
-    throw Error("--char-encoder must be cnn or bilstm, not '" + o.char_encoder + "'");
   at_least(o.feature_dim, 1, "--feature-dim");
   at_least(o.hidden, 1, "--hidden");
   at_least(o.layers, 1, "--layers");
-  if (o.encoder == "bilstm" && o.layers > 8) throw Error("--layers must be at most 8, not " + std::to_string(o.layers));
-  if (o.encoder == "cnn" && o.layers > 16)
+  if (o.encoder == SentenceEncoder::BiLstm && o.layers > 8)
+    throw Error("--layers must be at most 8, not " + std::to_string(o.layers));
+  if (o.encoder == SentenceEncoder::Cnn && o.layers > 16)
     throw Error("--layers must be at most 16 for --encoder cnn, not " + std::to_string(o.layers));
   probability(o.dropout, "--dropout");
   if (!std::isfinite(o.word_dropout) || o.word_dropout < 0)
@@ -772,8 +774,6 @@ void check_options(const NeuralTaggerOptions& o) {
   at_least(o.threads, 0, "--threads");
   at_least(o.min_feature_count, 1, "--min-freq");
   if (!std::isfinite(o.c2) || o.c2 < 0) throw Error("--c2 must be a finite number >= 0, not " + show(o.c2));
-  if (o.precision != "auto" && o.precision != "bf16" && o.precision != "fp32")
-    throw Error("--precision must be auto, bf16 or fp32, not '" + o.precision + "'");
 }
 
 // Scales the gradients so that their joint norm is at most max_norm, as torch::nn::utils::clip_grad_norm_ does, but
@@ -861,6 +861,49 @@ std::vector<std::pair<std::string, std::vector<float>>> read_embeddings(const st
 
 }  // namespace
 
+SentenceEncoder parse_sentence_encoder(const std::string& name) {
+  for (const SentenceEncoder e : {SentenceEncoder::BiLstm, SentenceEncoder::Cnn})
+    if (name == sentence_encoder_name(e)) return e;
+  throw Error("--encoder must be bilstm, cnn or none, not '" + name + "'");
+}
+
+CharEncoder parse_char_encoder(const std::string& name) {
+  for (const CharEncoder e : {CharEncoder::BiLstm, CharEncoder::Cnn})
+    if (name == char_encoder_name(e)) return e;
+  throw Error("--char-encoder must be cnn or bilstm, not '" + name + "'");
+}
+
+EncoderPrecision parse_encoder_precision(const std::string& name) {
+  for (const EncoderPrecision p : {EncoderPrecision::Auto, EncoderPrecision::Bf16, EncoderPrecision::Fp32})
+    if (name == encoder_precision_name(p)) return p;
+  throw Error("--precision must be auto, bf16 or fp32, not '" + name + "'");
+}
+
+const char* sentence_encoder_name(SentenceEncoder encoder) {
+  switch (encoder) {
+    case SentenceEncoder::BiLstm: return "bilstm";
+    case SentenceEncoder::Cnn: return "cnn";
+  }
+  throw Error("the encoder holds " + std::to_string(static_cast<int>(encoder)) + ", which is no SentenceEncoder");
+}
+
+const char* char_encoder_name(CharEncoder encoder) {
+  switch (encoder) {
+    case CharEncoder::BiLstm: return "bilstm";
+    case CharEncoder::Cnn: return "cnn";
+  }
+  throw Error("the character encoder holds " + std::to_string(static_cast<int>(encoder)) + ", which is no CharEncoder");
+}
+
+const char* encoder_precision_name(EncoderPrecision precision) {
+  switch (precision) {
+    case EncoderPrecision::Auto: return "auto";
+    case EncoderPrecision::Bf16: return "bf16";
+    case EncoderPrecision::Fp32: return "fp32";
+  }
+  throw Error("the precision holds " + std::to_string(static_cast<int>(precision)) + ", which is no EncoderPrecision");
+}
+
 NeuralTagger::NeuralTagger(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NeuralTagger::NeuralTagger(NeuralTagger&&) noexcept = default;
 NeuralTagger& NeuralTagger::operator=(NeuralTagger&&) noexcept = default;
@@ -890,14 +933,15 @@ std::string NeuralTagger::describe() const {
   const Impl& m = *impl_;
   const NeuralTaggerOptions& o = m.options;
   std::ostringstream s;
-  s << "encoder: " << o.encoder << " (" << o.layers << (o.encoder == "bilstm" ? " layers of " : " dilated blocks of ")
-    << (o.encoder == "bilstm" ? o.hidden : 2 * o.hidden)
-    << (o.encoder == "bilstm" ? " units per direction" : " channels") << ", dropout " << o.dropout << ")\n";
+  const bool lstm = o.encoder == SentenceEncoder::BiLstm;
+  s << "encoder: " << sentence_encoder_name(o.encoder) << " (" << o.layers
+    << (lstm ? " layers of " : " dilated blocks of ") << (lstm ? o.hidden : 2 * o.hidden)
+    << (lstm ? " units per direction" : " channels") << ", dropout " << o.dropout << ")\n";
   s << "inputs: words " << m.words.size() << " x " << o.word_dim << ", shapes " << m.shapes.size() << " x "
     << o.feature_dim;
   if (o.char_dim > 0)
     s << ", characters " << m.chars.size() << " x " << o.char_dim
-      << (o.char_encoder == "bilstm" ? " -> BiLSTM 2 x " : " -> CNN ") << o.char_filters;
+      << (o.char_encoder == CharEncoder::BiLstm ? " -> BiLSTM 2 x " : " -> CNN ") << o.char_filters;
   for (std::size_t c = 0; c < m.extra.size(); ++c)
     s << ", input column " << c + 1 << " " << m.extra[c].size() << " x " << o.feature_dim;
   s << "\n";
@@ -906,7 +950,7 @@ std::string NeuralTagger::describe() const {
   return s.str();
 }
 
-void NeuralTagger::to(const at::Device& device, const std::string& precision) { impl_->move_to(device, precision); }
+void NeuralTagger::to(const at::Device& device, EncoderPrecision precision) { impl_->move_to(device, precision); }
 
 std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences,
                                               bool with_marginals) const {
@@ -1007,14 +1051,16 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
     return static_cast<int64_t>(x);
   };
   NeuralTaggerOptions& o = m->options;
-  o.encoder = text("encoder");
-  if (o.encoder != "bilstm" && o.encoder != "cnn") r.corrupt("encoder '" + o.encoder + "'");
+  const std::string encoder = text("encoder");
+  if (encoder != "bilstm" && encoder != "cnn") r.corrupt("encoder '" + encoder + "'");
+  o.encoder = parse_sentence_encoder(encoder);
   constexpr int64_t kMaxDim = int64_t{1} << 16;
   o.word_dim = integer("word_dim", 1, kMaxDim);
   o.char_dim = integer("char_dim", 0, kMaxDim);
   o.char_filters = integer("char_filters", o.char_dim > 0 ? 1 : 0, kMaxDim);
-  o.char_encoder = text("char_encoder");
-  if (o.char_encoder != "cnn" && o.char_encoder != "bilstm") r.corrupt("character encoder '" + o.char_encoder + "'");
+  const std::string char_encoder = text("char_encoder");
+  if (char_encoder != "cnn" && char_encoder != "bilstm") r.corrupt("character encoder '" + char_encoder + "'");
+  o.char_encoder = parse_char_encoder(char_encoder);
   o.feature_dim = integer("feature_dim", 1, kMaxDim);
   o.hidden = integer("hidden", 1, kMaxDim);
   o.layers = integer("layers", 1, 16);
@@ -1104,7 +1150,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
   const auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   check_options(o);
   start_training(train, o.threads);
-  const at::Device device(o.device);
+  const at::Device device = o.device;
   at::manual_seed(o.seed);  // the CPU generator and every CUDA one
   std::mt19937_64 rng(o.seed);
 
@@ -1307,7 +1353,7 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     sum.seconds_to_best = elapsed();
   }
   m->net->eval();
-  m->move_to(at::kCPU, "auto");
+  m->move_to(at::kCPU, EncoderPrecision::Auto);
   m->word_counts.clear();
   sum.seconds = elapsed();
   if (summary) *summary = sum;

@@ -10,6 +10,7 @@
 // rank's progress instead (wait_for_all, await). docs/distributed.md describes the launch and the protocol.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
@@ -33,11 +34,11 @@ class DistributedContext {
  public:
   // A single process (rank 0 of 1).
   DistributedContext();
-  // From torchrun's environment. `device` ("cpu" or "cuda") picks the backend: Gloo for cpu, NCCL for cuda (on the
+  // From torchrun's environment. `device`'s type picks the backend: Gloo for the CPU, NCCL for CUDA (on the
   // GPU LOCAL_RANK, made the current device). The group exists whenever WORLD_SIZE is set, world size 1 included (a
   // one-process torchrun job goes through the same collectives). timeout: 0 reads TRELLIS_DIST_TIMEOUT (seconds), else
   // 300 s.
-  static DistributedContext from_environment(const std::string& device,
+  static DistributedContext from_environment(c10::Device device,
                                              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   ~DistributedContext();
   // Moves the process group; the moved-from object is left without one.

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "trellis/device.h"
 #include "trellis/distributed/distributed.h"
 #include "trellis/hmm/hmm_io.h"
 #include "trellis/io/vocabulary.h"
@@ -17,7 +18,7 @@ namespace trellis {
 
 // How the dataset commands run: device, precision, memory, threads and processes.
 struct HMMRunOptions {
-  std::string device = "cpu";                // "cpu" or "cuda"
+  c10::Device device = c10::kCPU;            // the CPU or a CUDA device
   at::ScalarType dtype = at::kDouble;        // precision of the computation (the model is kept in float64)
   int64_t memory_budget = int64_t(1) << 30;  // bytes for one batch's working tensors
   int threads = 0;                           // CPU threads (0: LibTorch's default)

@@ -8,6 +8,7 @@
 
 #include "trellis/io/conll.h"
 #include "trellis/crf/crf_tagger.h"
+#include "trellis/device.h"
 #include "trellis/distributed/distributed.h"
 
 namespace trellis {
@@ -52,10 +53,10 @@ struct CrfTrainOptions {
   int min_feature_count = 1;  // features seen fewer times in training are dropped
   // Which (feature, label) pairs get a weight: all of them, or those seen in the training data (CRFsuite's default).
   FeaturePairs feature_pairs = FeaturePairs::All;
-  std::string device = "cpu";  // "cpu" or "cuda" (or "cuda:N"): where the weights and batches live
-  int threads = 0;             // CPU threads; 0 keeps LibTorch's default
-  int early_stopping = 0;      // with a dev set: stop after this many iterations without a better dev score (0: never)
-  uint64_t seed = 0;           // minibatch partition and epoch order
+  c10::Device device = c10::kCPU;  // where the weights and batches live (parse_device reads "cpu", "cuda", "cuda:N")
+  int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
+  int early_stopping = 0;  // with a dev set: stop after this many iterations without a better dev score (0: never)
+  uint64_t seed = 0;       // minibatch partition and epoch order
   // Data parallelism (docs/distributed.md): with a process group every rank reads the whole training set and builds
   // the same feature dictionary; lbfgs sums the objective and gradient of each rank's share (training_share) over
   // the ranks at every evaluation, the minibatch algorithms split every minibatch over the ranks and sum its

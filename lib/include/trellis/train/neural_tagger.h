@@ -21,19 +21,35 @@
 
 namespace trellis {
 
+// The sentence encoder under the emissions: a BiLSTM, or a stack of dilated convolutions.
+enum class SentenceEncoder { BiLstm, Cnn };
+// The character representation: a BiLSTM's last states in both directions, or the max over a convolution.
+enum class CharEncoder { BiLstm, Cnn };
+// The encoder's arithmetic: Auto (bf16 on CUDA, fp32 on the CPU), Bf16 (CUDA only) or Fp32. The CRF is fp32 always.
+enum class EncoderPrecision { Auto, Bf16, Fp32 };
+// From and to the names the command line and model files use. A name outside the list is an Error naming the option
+// (--encoder: "bilstm" or "cnn"; --char-encoder: "bilstm" or "cnn"; --precision: "auto", "bf16" or "fp32"); a value
+// outside the enumeration is an Error too.
+SentenceEncoder parse_sentence_encoder(const std::string& name);
+CharEncoder parse_char_encoder(const std::string& name);
+EncoderPrecision parse_encoder_precision(const std::string& name);
+const char* sentence_encoder_name(SentenceEncoder encoder);
+const char* char_encoder_name(CharEncoder encoder);
+const char* encoder_precision_name(EncoderPrecision precision);
+
 // The neural tagger's architecture and how train_neural_tagger trains it.
 struct NeuralTaggerOptions {
-  std::string encoder = "bilstm";       // "bilstm" or "cnn" (a stack of dilated convolutions)
-  int64_t word_dim = 0;                 // word embedding size; 0: the pretrained vectors' size, or 100 without them
-  int64_t char_dim = 50;                // character embedding size (0: no character representation)
-  int64_t char_filters = 100;           // char CNN filters, or char BiLSTM units per direction
-  std::string char_encoder = "bilstm";  // "bilstm" (last states of both directions) or "cnn" (max over a convolution)
-  int64_t feature_dim = 20;             // embedding size of the word shape and of each extra input column
-  int64_t hidden = 200;                 // BiLSTM units per direction; convolution channels are twice this
-  int64_t layers = 2;                   // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
-  double dropout = 0.33;                // on the token inputs, between layers and before the emissions
-  double word_dropout = 0.25;           // a training word seen c times becomes unknown with probability a/(a+c)
-  std::string pretrained_embeddings;    // word2vec/GloVe text file ("" for none); its words join the vocabulary
+  SentenceEncoder encoder = SentenceEncoder::BiLstm;
+  int64_t word_dim = 0;        // word embedding size; 0: the pretrained vectors' size, or 100 without them
+  int64_t char_dim = 50;       // character embedding size (0: no character representation)
+  int64_t char_filters = 100;  // char CNN filters, or char BiLSTM units per direction
+  CharEncoder char_encoder = CharEncoder::BiLstm;
+  int64_t feature_dim = 20;           // embedding size of the word shape and of each extra input column
+  int64_t hidden = 200;               // BiLSTM units per direction; convolution channels are twice this
+  int64_t layers = 2;                 // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
+  double dropout = 0.33;              // on the token inputs, between layers and before the emissions
+  double word_dropout = 0.25;         // a training word seen c times becomes unknown with probability a/(a+c)
+  std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;              // passes over the training set at most
   std::size_t batch_size = 64;  // sentences per minibatch (of similar lengths)
@@ -42,14 +58,14 @@ struct NeuralTaggerOptions {
   // Decay per step of an exponential moving average of the weights (Polyak averaging), which is what the dev set
   // scores and the model keeps (0: off, the weights themselves).
   double average = 0.999;
-  double lr_decay = 0.95;      // the learning rate is multiplied by this after every epoch
-  double clip = 5.0;           // gradient norm clipping (0: off)
-  int patience = 8;            // with a dev set: stop after this many epochs without a better dev score (0: never)
-  uint64_t seed = 0;           // initialisation, dropout, batches: a CPU run with the same seed gives the same model
-  std::string device = "cpu";  // "cpu" or "cuda" (or "cuda:N"): where the model trains
-  std::string precision = "auto";  // "auto" (bf16 encoder on CUDA, fp32 on CPU), "bf16" or "fp32"; the CRF is fp32
-  int threads = 0;                 // CPU threads; 0 keeps LibTorch's default
-  int min_feature_count = 1;       // hybrid: sparse features seen fewer times in training are dropped
+  double lr_decay = 0.95;  // the learning rate is multiplied by this after every epoch
+  double clip = 5.0;       // gradient norm clipping (0: off)
+  int patience = 8;        // with a dev set: stop after this many epochs without a better dev score (0: never)
+  uint64_t seed = 0;       // initialisation, dropout, batches: a CPU run with the same seed gives the same model
+  c10::Device device = c10::kCPU;  // where the model trains
+  EncoderPrecision precision = EncoderPrecision::Auto;
+  int threads = 0;            // CPU threads; 0 keeps LibTorch's default
+  int min_feature_count = 1;  // hybrid: sparse features seen fewer times in training are dropped
   double c2 = 1.0;  // hybrid: L2 on the sparse weights, c2·‖w‖² over the training set (as the feature CRF)
 };
 
@@ -103,8 +119,8 @@ class NeuralTagger {
   std::string describe() const;                // architecture, vocabulary and parameter counts, one line each
   std::size_t num_parameters() const;          // the model's parameters
 
-  // Moves the model to `device`; precision as in NeuralTaggerOptions ("auto": bf16 encoder on CUDA).
-  void to(const at::Device& device, const std::string& precision = "auto");
+  // Moves the model to `device`, its encoder computing in `precision` (Bf16 needs a CUDA device).
+  void to(const at::Device& device, EncoderPrecision precision = EncoderPrecision::Auto);
 
   // As CrfTagger's: Viterbi labels, with marginals and the sequence's probability when asked for; the k best
   // sequences with their probabilities. Sentences hold the input columns only.
