@@ -17,39 +17,31 @@
 #include "cuda/launch.cuh"
 #include "cuda/linear_head.h"
 #include "cuda/linear_lse_sm90.h"
+#include "lib/src/head/head_maths.h"
 
 namespace trellis::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+namespace hm = trellis::head_maths;  // the loss gradient and the (max, sum) merge, shared with the CPU path
 
-// One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), with the row's factors
-// p_weight = g·(1 + 2·z_loss·lse), shift = g·ε/V and hit = g·(1-ε).
-template <class Acc>
-__device__ __forceinline__ Acc logit_gradient(Acc zv, Acc l, Acc p_weight, Acc shift, Acc hit, bool target,
-                                              Acc softcap) {
-  Acc d = p_weight * exp(zv - l) - shift - (target ? hit : Acc(0));
-  if (softcap > 0) {
-    const Acc u = zv / softcap;
-    d *= 1 - u * u;
-  }
-  return d;
-}
+constexpr int kThreads = 256;
 
 // z and dz may be one array (not restrict): each thread reads its element before writing it.
 template <class Acc, class Out>
 __global__ void logit_gradient_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ lse,
                                       const Acc* __restrict__ g, const int64_t* __restrict__ targets, Out* dz,
-                                      int64_t dz_stride, int64_t rows, int64_t cols, int64_t first, Acc smooth,
-                                      Acc target_weight, Acc z_loss2, Acc softcap) {
+                                      int64_t dz_stride, int64_t rows, int64_t cols, int64_t first,
+                                      hm::LossTerms<Acc> terms, Acc softcap) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const Acc l = lse[r], gr = g[r];
-    const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
+    const Acc l = lse[r];
+    const hm::RowGradient<Acc> row = hm::row_gradient(g[r], l, terms);
     const int64_t t = targets[r] - first;
     const Acc* zr = z + r * z_stride;
     Out* dr = dz + r * dz_stride;
-    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < cols; v += int64_t(gridDim.x) * kThreads)
-      dr[v] = static_cast<Out>(logit_gradient(zr[v], l, p_weight, shift, hit, v == t, softcap));
+    for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < cols; v += int64_t(gridDim.x) * kThreads) {
+      const Acc zv = zr[v];
+      dr[v] = static_cast<Out>(hm::logit_gradient(exp(zv - l), zv, row, v == t, softcap));
+    }
   }
 }
 
@@ -80,7 +72,7 @@ __global__ void __launch_bounds__(kThreads)
     logit_gradient_in_place_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ g,
                                    const int64_t* __restrict__ targets, Out* dz, int64_t dz_stride,
                                    Acc* __restrict__ lse, bool form_lse, int64_t V, int64_t first, int64_t slice,
-                                   Acc smooth, Acc target_weight, Acc z_loss2, Acc softcap) {
+                                   hm::LossTerms<Acc> terms, Acc softcap) {
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char raw_smem[];
   Acc* zs = reinterpret_cast<Acc*>(raw_smem);
@@ -121,26 +113,25 @@ __global__ void __launch_bounds__(kThreads)
     s = block_reduce(s, sum_op, scratch);
     if (threadIdx.x == 0) slice_stats[0] = m, slice_stats[1] = s;
     cluster.sync();
-    Acc M = -INFINITY, S = 0;
-    for (unsigned q = 0; q < cluster.num_blocks(); ++q) M = max_op(M, cluster.map_shared_rank(slice_stats, q)[0]);
-    if (M != -INFINITY)
-      for (unsigned q = 0; q < cluster.num_blocks(); ++q) {
-        const Acc* peer = cluster.map_shared_rank(slice_stats, q);
-        S += peer[1] * exp(peer[0] - M);
-      }
+    hm::MaxSum<Acc> row{-INFINITY, 0};
+    for (unsigned q = 0; q < cluster.num_blocks(); ++q) {
+      const Acc* peer = cluster.map_shared_rank(slice_stats, q);
+      row = hm::merge(row, {peer[0], peer[1]});
+    }
     cluster.sync();  // no block leaves while a peer may still read its statistics
-    l = M + log(S);
+    l = row.log_sum_exp();
     if (rank == 0 && threadIdx.x == 0) lse[r] = l;
   } else {
     cluster.sync();  // every slice of the row is on chip before any of its gradient overwrites it
     l = lse[r];
   }
-  const Acc gr = g[r];
-  const Acc p_weight = gr * (1 + z_loss2 * l), shift = gr * smooth, hit = gr * target_weight;
+  const hm::RowGradient<Acc> row = hm::row_gradient(g[r], l, terms);
   const int64_t t = targets[r] - first - c0;
   Out* dr = dz + r * dz_stride + c0;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads)
-    dr[i] = static_cast<Out>(logit_gradient(zs[i], l, p_weight, shift, hit, i == t, softcap));
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const Acc zv = zs[i];
+    dr[i] = static_cast<Out>(hm::logit_gradient(exp(zv - l), zv, row, i == t, softcap));
+  }
 }
 
 // Calls launch(Acc{}, Out{}) with z's accumulation type (double for float64 logits, else float) and dz's type.
@@ -166,11 +157,10 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
   dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
     using Acc = decltype(acc_zero);
     using Out = decltype(out_zero);
-    logit_gradient_kernel<Acc, Out>
-        <<<grid, kThreads, 0, stream>>>(z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(),
-                                        targets.data_ptr<int64_t>(), dz.data_ptr<Out>(), dz.stride(0), rows, cols,
-                                        columns.first, Acc(label_smoothing / static_cast<double>(columns.vocabulary)),
-                                        Acc(1 - label_smoothing), Acc(2 * z_loss), Acc(softcap));
+    logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
+        z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(),
+        dz.data_ptr<Out>(), dz.stride(0), rows, cols, columns.first,
+        hm::loss_terms<Acc>(label_smoothing, z_loss, columns.vocabulary), Acc(softcap));
   });
   check_launch("linear_head_logit_gradient");
 }
@@ -202,8 +192,7 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
       check(launch_kernel(kernel, shape, z.data_ptr<Acc>() + r0 * z.stride(0), z.stride(0), g.data_ptr<Acc>() + r0,
                           targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0),
                           lse.data_ptr<Acc>() + r0, form_lse, cols, columns.first, slice,
-                          Acc(label_smoothing / static_cast<double>(columns.vocabulary)), Acc(1 - label_smoothing),
-                          Acc(2 * z_loss), Acc(softcap)),
+                          hm::loss_terms<Acc>(label_smoothing, z_loss, columns.vocabulary), Acc(softcap)),
             "linear head: logit gradient kernel");
     }
   });
@@ -255,9 +244,7 @@ bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, 
   grad.lse = lse.data_ptr<float>();
   grad.g = g.data_ptr<float>();
   grad.target_offset = columns.first;
-  grad.smooth = static_cast<float>(label_smoothing / static_cast<double>(columns.vocabulary));
-  grad.target_weight = static_cast<float>(1 - label_smoothing);
-  grad.z_loss2 = static_cast<float>(2 * z_loss);
+  grad.terms = head_maths::loss_terms<float>(label_smoothing, z_loss, columns.vocabulary);
   check(sm90::linear_logit_gradient(a, grad, at::cuda::getCurrentCUDAStream(x.get_device())),
         "fused linear logit gradient kernel");
   return true;
@@ -289,7 +276,8 @@ bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::T
   const at::Tensor sum_exp = pairs.select(1, 1);
   out.lse = pairs.select(1, 0) + sum_exp.log();
   // Both pair sets saw the same maxima, so their ratio is Σ softmax·z.
-  if (want_sums) out.expected_logit = pz_pairs.view(at::kFloat).view({N, 2}).select(1, 1) / sum_exp;
+  if (want_sums)
+    out.expected_logit = head_maths::expected_logit(pz_pairs.view(at::kFloat).view({N, 2}).select(1, 1), sum_exp);
   return true;
 }
 

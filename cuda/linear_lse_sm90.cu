@@ -7,6 +7,7 @@
 // the block-stats merge (m1,s1)+(m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)).
 #include "cuda/linear_lse_sm90.h"
 #include "cuda/launch.cuh"
+#include "lib/src/head/head_maths.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -23,6 +24,8 @@
 
 namespace trellis::cuda::sm90 {
 namespace {
+
+namespace hm = trellis::head_maths;  // the loss gradient and the (max, sum) merge, shared with the CPU path
 
 constexpr int kBlockRows = 128;  // two consumer warpgroups of 64 rows
 constexpr int kBlockCols = 256;  // one m64n256k16 wgmma per warpgroup and k-step
@@ -179,19 +182,14 @@ struct RowStats {
   float m = -INFINITY, s = 0.f, pz = 0.f, sum = 0.f;
 };
 
-// Rescale factor e^(from − to) for a running sum kept relative to `from`, when the reference moves to `to` ≥ from.
-__device__ __forceinline__ float rescale(float from, float to) {
-  return to == -INFINITY ? 0.f : exp2f((from - to) * kLog2e);
-}
-
 __device__ __forceinline__ RowStats merge(const RowStats& a, const RowStats& b) {
-  RowStats r;
-  r.m = fmaxf(a.m, b.m);
-  const float ea = rescale(a.m, r.m), eb = rescale(b.m, r.m);
-  r.s = a.s * ea + b.s * eb;
-  r.pz = a.pz * ea + b.pz * eb;
-  r.sum = a.sum + b.sum;
-  return r;
+  const hm::Rebase<float> r = hm::rebase(a.m, b.m);
+  RowStats out;
+  out.m = r.max;
+  out.s = hm::rebased_sum(r, a.s, b.s);
+  out.pz = hm::rebased_sum(r, a.pz, b.pz);
+  out.sum = a.sum + b.sum;
+  return out;
 }
 
 // Merges (m, v) into a row's global pair packed as two floats in 64 bits: (M, v·e^(m−M) + V·e^(m_old−M)).
@@ -201,10 +199,9 @@ __device__ __forceinline__ void merge_global(unsigned long long* slot, float m, 
     expected = seen;
     const float old_m = __uint_as_float(static_cast<unsigned>(expected));
     const float old_v = __uint_as_float(static_cast<unsigned>(expected >> 32));
-    const float M = fmaxf(old_m, m);
-    const float merged = old_v * rescale(old_m, M) + v * rescale(m, M);
+    const hm::MaxSum<float> merged = hm::merge(hm::MaxSum<float>{old_m, old_v}, {m, v});
     const unsigned long long packed =
-        (static_cast<unsigned long long>(__float_as_uint(merged)) << 32) | __float_as_uint(M);
+        (static_cast<unsigned long long>(__float_as_uint(merged.sum)) << 32) | __float_as_uint(merged.max);
     seen = atomicCAS(slot, expected, packed);
   } while (seen != expected);
 }
@@ -257,7 +254,7 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
 #pragma unroll
       for (int j = 0; j < 2; ++j) mx[c % kLanes] = fmaxf(mx[c % kLanes], d[4 * c + 2 * h + j]);
     const float m = fmaxf(st[h].m, fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])));
-    const float scale = rescale(st[h].m, m);
+    const float scale = hm::rescale(st[h].m, m);
     const float ref = m == -INFINITY ? 0.f : m * kLog2e;
     float s[kLanes] = {}, pz[kLanes] = {}, sum[kLanes] = {};
 #pragma unroll
@@ -298,9 +295,10 @@ struct Store<__half> {
   static __device__ __forceinline__ __half one(float a) { return __float2half_rn(a); }
 };
 
-// One row's factors of the loss gradient: g·(1 + 2·z_loss·lse), g·ε/V, g·(1-ε), and lse·log2(e).
+// One row's factors of the loss gradient (head_maths.h), and lse·log2(e) for its exponentials.
 struct RowGradient {
-  float p_weight = 0.f, shift = 0.f, hit = 0.f, ref = 0.f;
+  hm::RowGradient<float> factors{0.f, 0.f, 0.f};
+  float ref = 0.f;
 };
 
 // The thread's accumulator entry of row h (0, 1) at tile column (col & ~6) + quad_col, given col & ~6 = 8c + j: the
@@ -315,15 +313,9 @@ __device__ __forceinline__ float held_entry(const float (&d)[128], int h, int lo
   return z;
 }
 
-// One logit's gradient: g·(p·(1 + 2·z_loss·lse) - ε/V - (1-ε)·[target]) · (1 - (z/c)²), p = e^(z - lse).
+// One logit's gradient (head_maths.h's), with p = e^(z - lse) from the special-function unit.
 __device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target, float softcap) {
-  float g = fmaf(rg.p_weight, fast_exp2(fmaf(z, kLog2e, -rg.ref)), -rg.shift);
-  if (target) g -= rg.hit;
-  if (softcap > 0.f) {
-    const float u = z / softcap;
-    g *= 1.f - u * u;
-  }
-  return g;
+  return hm::logit_gradient(fast_exp2(fmaf(z, kLog2e, -rg.ref)), z, rg.factors, target, softcap);
 }
 
 // Writes a finished tile's loss gradient to the thread's two rows of dz (columns at or past V are not written). Pairs
@@ -459,8 +451,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (rows[h] >= N) continue;
-          const float l = grad.lse[rows[h]], g = grad.g[rows[h]];
-          rg[h] = {g * (1.f + grad.z_loss2 * l), g * grad.smooth, g * grad.target_weight, l * kLog2e};
+          const float l = grad.lse[rows[h]];
+          rg[h] = {hm::row_gradient(grad.g[rows[h]], l, grad.terms), l * kLog2e};
           target[h] -= grad.target_offset;  // the chunk's own column
         }
       }

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "lib/src/head/head_maths.h"
+
 namespace trellis::cuda::sm90 {
 
 enum class HalfType { bfloat16, float16 };
@@ -29,14 +31,14 @@ struct LinearLseArgs {
 // The gradient mode: instead of statistics, each tile's loss gradient (the logits' columns [0, V) of the weight rows
 // given) is written to dz in x's type:
 //   dz[r, v] = g[r]·(p·(1 + z_loss2·lse[r]) - smooth - target_weight·[v = targets[r] - target_offset]) · (1 - (z/c)²),
-// p = e^(z - lse[r]), c the softcap when > 0. targets are required.
+// p = e^(z - lse[r]), c the softcap when > 0 (head_maths::logit_gradient). targets are required.
 struct LogitGradientArgs {
   void* dz = nullptr;  // [N, V] with row stride dz_stride (elements), unit column stride
   int64_t dz_stride = 0;
-  const float* lse = nullptr;  // [N]
-  const float* g = nullptr;    // [N]: the upstream weight of each row's loss, 0 for ignored rows
-  int64_t target_offset = 0;   // the vocabulary column of the weight's first row
-  float smooth = 0.f, target_weight = 1.f, z_loss2 = 0.f;  // ε / (whole vocabulary), 1 - ε, 2·z_loss
+  const float* lse = nullptr;          // [N]
+  const float* g = nullptr;            // [N]: the upstream weight of each row's loss, 0 for ignored rows
+  int64_t target_offset = 0;           // the vocabulary column of the weight's first row
+  head_maths::LossTerms<float> terms;  // ε / (whole vocabulary), 1 - ε, 2·z_loss
 };
 
 // Whether the kernel can run on this device (compute capability 9.0 and a driver with tensor maps).

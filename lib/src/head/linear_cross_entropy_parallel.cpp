@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "lib/src/head/head_maths.h"
 #include "lib/src/head/head_slice.h"
 #include "lib/src/io/message.h"
 #include "trellis/error.h"
@@ -239,7 +240,7 @@ ParallelHeadRows head_statistics_forward(const at::Tensor& x, const at::Tensor& 
   rows.lse = whole.lse;
   if (targets.defined())
     rows.logprobs = (whole.target_logit - whole.lse) * (targets.reshape({-1}) != head.ignore_index);
-  if (with_entropy) rows.entropy = whole.lse - whole.expected_logit;  // H = lse − Σ p·z
+  if (with_entropy) rows.entropy = head_maths::entropy(whole.lse, whole.expected_logit);
   rows.slice_share = (mine.lse - whole.lse).exp();
   if (with_entropy) rows.slice_expected_logit_excess = mine.expected_logit - whole.expected_logit;
   return rows;
@@ -344,11 +345,9 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     stats = merge(slice.group, mine, true, smoothing, false);
     f.lse = stats.lse;
   }
-  // The single-device loss, from the whole vocabulary's statistics: lse − (1−ε)·z_t − ε·mean z + z_loss·lse².
-  at::Tensor rows = stats.lse - (1 - loss.label_smoothing) * stats.target_logit;
-  if (smoothing) rows = rows - (loss.label_smoothing / static_cast<double>(slice.vocabulary)) * stats.logit_sum;
-  if (loss.z_loss != 0) rows = rows + loss.z_loss * stats.lse * stats.lse;
-  rows = rows * valid;
+  // The single-device loss, from the whole vocabulary's statistics.
+  const auto terms = head_maths::loss_terms<double>(loss.label_smoothing, loss.z_loss, slice.vocabulary);
+  const at::Tensor rows = head_maths::row_loss(stats.lse, stats.target_logit, stats.logit_sum, terms) * valid;
   if (loss.reduction == Reduction::none) f.loss = rows.view(row_shape(x));
   else if (loss.reduction == Reduction::sum) f.loss = rows.sum();
   else f.loss = rows.sum() / valid.sum();  // NaN when every target is ignored, as on one device

@@ -1,0 +1,149 @@
+// The LLM head's formulas, written once for its three implementations: the CPU path (lib/src/head/), the slab
+// kernels (cuda/linear_head.cu) and the fused Hopper kernel (cuda/linear_lse_sm90.cu). No LibTorch, so that nvcc device
+// code includes it; at::Tensor is only declared, for the overloads that let the row formulas take a whole column of
+// rows at once (lib/src/head/head_maths.cpp defines them).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+// By its path from the project root: the sm_90a object library (cuda/CMakeLists.txt) has no lib/include.
+#include "lib/include/trellis/semiring/semiring.h"  // TRELLIS_HD, exp_, neg_inf
+
+namespace at {
+class Tensor;
+}
+
+namespace trellis::head_maths {
+
+// ---- A row's log-sum-exp in parts ----
+// Kernels and chunked passes see a row's logits a tile or chunk at a time and keep (m, s) = (the largest logit seen,
+// Σ e^(z − m) over the logits seen); two such pairs merge as
+//   (m1,s1) + (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
+// and so does any other sum kept relative to the same maximum (Σ e^(z − m)·z, the entropy's).
+
+TRELLIS_HD float max_of(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return std::fmax(a, b);
+#endif
+}
+TRELLIS_HD double max_of(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return fmax(a, b);
+#else
+  return std::fmax(a, b);
+#endif
+}
+at::Tensor max_of(const at::Tensor& a, const at::Tensor& b);
+
+// e^(from − to): the factor that moves a sum kept relative to `from` onto a reference `to` ≥ from; 0 when to is −inf
+// (nothing seen yet: −inf − (−inf) would make NaN).
+template <class T>
+TRELLIS_HD T rescale(T from, T to) {
+  return to == neg_inf<T>() ? T(0) : exp_(from - to);
+}
+at::Tensor rescale(const at::Tensor& from, const at::Tensor& to);
+
+// The common maximum of two partial pairs and each one's factor onto it.
+template <class T>
+struct Rebase {
+  T max, first, second;  // M, e^(m1−M), e^(m2−M)
+};
+template <class T>
+TRELLIS_HD Rebase<T> rebase(const T& m1, const T& m2) {
+  const T M = max_of(m1, m2);
+  return {M, rescale(m1, M), rescale(m2, M)};
+}
+// s1·e^(m1−M) + s2·e^(m2−M): a sum of the first pair and one of the second, merged.
+template <class T>
+TRELLIS_HD T rebased_sum(const Rebase<T>& r, const T& s1, const T& s2) {
+  return s1 * r.first + s2 * r.second;
+}
+
+// A row's (max, Σ e^(z − max)) and its merge; log_sum_exp() is the row's log Σ e^z (−inf for no logits).
+template <class T>
+struct MaxSum {
+  T max, sum;
+  TRELLIS_HD T log_sum_exp() const { return max + log_(sum); }
+};
+template <class T>
+TRELLIS_HD MaxSum<T> merge(const MaxSum<T>& a, const MaxSum<T>& b) {
+  const Rebase<T> r = rebase(a.max, b.max);
+  return {r.max, rebased_sum(r, a.sum, b.sum)};
+}
+
+// ---- The loss and its gradient with respect to the logits ----
+// Per row: loss = lse − (1−ε)·z_t − (ε/V)·Σ_v z_v + z_loss·lse² (0 for ignored rows), and for a row weight g (the
+// upstream gradient; 0 for ignored rows)
+//   dL/dz_v = g·(p_v·(1 + 2·z_loss·lse) − ε/V − (1−ε)·[v = t]) · (1 − (z_v/c)²  when the soft-cap c > 0),
+// p_v = e^(z_v − lse), z the soft-capped logit.
+
+// The loss options as the formulas use them, in the type T of the computation.
+template <class T>
+struct LossTerms {
+  T smooth = T(0);         // ε / V, V the whole vocabulary's size
+  T target_weight = T(1);  // 1 − ε
+  T z_loss2 = T(0);        // 2·z_loss
+};
+// Formed in double, then rounded to T once.
+template <class T>
+LossTerms<T> loss_terms(double label_smoothing, double z_loss, int64_t vocabulary) {
+  return {T(label_smoothing / static_cast<double>(vocabulary)), T(1 - label_smoothing), T(2 * z_loss)};
+}
+
+// A row's loss from its statistics (tensors of rows or one row's numbers): lse, the target's logit, and Σ_v z_v
+// (read only with label smoothing).
+template <class T, class U>
+T row_loss(const T& lse, const T& target_logit, const T& logit_sum, const LossTerms<U>& terms) {
+  T loss = lse - terms.target_weight * target_logit;
+  if (terms.smooth != 0) loss = loss - terms.smooth * logit_sum;
+  if (terms.z_loss2 != 0) loss = loss + (terms.z_loss2 / 2) * lse * lse;
+  return loss;
+}
+
+// A row's factors of its logits' gradients: g·(1 + 2·z_loss·lse), g·ε/V and g·(1−ε).
+template <class T>
+struct RowGradient {
+  T p_weight, shift, hit;
+};
+template <class T>
+TRELLIS_HD RowGradient<T> row_gradient(T g, T lse, const LossTerms<T>& terms) {
+  return {g * (T(1) + terms.z_loss2 * lse), g * terms.smooth, g * terms.target_weight};
+}
+
+// The soft-cap's derivative at a capped logit z: d(c·tanh(u/c))/du = 1 − (z/c)².
+template <class T>
+TRELLIS_HD T softcap_derivative(T z, T softcap) {
+  const T u = z / softcap;
+  return T(1) - u * u;
+}
+
+// One logit's gradient, given its probability p = e^(z − lse) (each implementation forms the exponential its own
+// way); target: whether this column is the row's target; softcap ≤ 0 for none.
+template <class T>
+TRELLIS_HD T logit_gradient(T p, T z, const RowGradient<T>& row, bool target, T softcap) {
+  T d = row.p_weight * p - row.shift;
+  if (target) d -= row.hit;
+  if (softcap > 0) d *= softcap_derivative(z, softcap);
+  return d;
+}
+
+// ---- The entropy ----
+// Σ_v p_v·z_v from the two sums kept relative to one maximum, Σ e^(z−m)·z and Σ e^(z−m).
+template <class T>
+T expected_logit(const T& weighted_sum, const T& sum) {
+  return weighted_sum / sum;
+}
+// H = −Σ_v p_v·log p_v = lse − Σ_v p_v·z_v.
+template <class T>
+T entropy(const T& lse, const T& expected) {
+  return lse - expected;
+}
+// dH/dz_v = −p_v·(log p_v + H).
+template <class T>
+T entropy_logit_gradient(const T& p, const T& log_p, const T& entropy) {
+  return -(p * (log_p + entropy));
+}
+
+}  // namespace trellis::head_maths

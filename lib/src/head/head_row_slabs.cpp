@@ -1,0 +1,163 @@
+// The row-slab routes: rows `chunk_bytes` of logits at a time against the whole vocabulary (one GEMM into the
+// accumulation type), the statistics the results need (log-sum-exp through the tree-reduced kernel, target logits by
+// gathers, Σ z, Σ p·z), and for training the slab's loss gradient, which two more GEMMs turn into dx rows (complete
+// per slab) and a dW accumulation. The same code runs on CPU and CUDA tensors.
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+#include "cuda/linear_head.h"  // the kernels, or the stubs of a build without nvcc (cuda/no_kernels.cpp)
+#include "lib/src/head/head_maths.h"
+#include "lib/src/head/head_routes.h"
+#include "trellis/semiring/semiring_ops.h"
+
+namespace trellis::head_detail {
+namespace {
+
+// Statistics of one slab of logits.
+SlabStats slab_stats(const Head& h, const at::Tensor& z, int64_t r0, bool want_sum, bool want_expected) {
+  SlabStats s;
+  s.lse = trellis::logsumexp(z, 1);
+  target_and_sum(h, z, r0, 0, want_sum, s);
+  if (want_expected) s.expected_logit = ((z - s.lse.unsqueeze(1)).exp() * z).sum(1);
+  return s;
+}
+
+}  // namespace
+
+SlabStats slab_row_stats(const Head& h, bool want_sum, bool want_expected) {
+  std::vector<SlabStats> slabs;
+  for (int64_t r0 = 0; r0 < h.rows(); r0 += h.rows_per_slab)
+    slabs.push_back(
+        slab_stats(h, slab_logits(h, r0, std::min(h.rows_per_slab, h.rows() - r0)), r0, want_sum, want_expected));
+  const auto join = [&](at::Tensor SlabStats::*field) {
+    if (slabs.empty()) return at::empty({0}, h.x.options().dtype(h.acc));
+    if (!(slabs[0].*field).defined()) return at::Tensor();
+    std::vector<at::Tensor> parts;
+    for (const SlabStats& s : slabs) parts.push_back(s.*field);
+    return at::cat(parts);
+  };
+  SlabStats all;
+  all.lse = join(&SlabStats::lse);
+  all.target_logit = join(&SlabStats::target_logit);
+  all.logit_sum = join(&SlabStats::logit_sum);
+  all.expected_logit = join(&SlabStats::expected_logit);
+  return all;
+}
+
+namespace {
+
+// The gradients a slab loop fills: dx rows (written by their slab), dW (written by the first slab, then added to) and
+// the bias (summed in the accumulation type).
+Gradients empty_gradients(const Head& h, std::array<bool, 3> want) {
+  Gradients out;
+  if (want[0]) out.x = at::empty_like(h.x);
+  // dW collects one GEMM per slab in the weight's own type (cuBLAS adds each float32 product to it before rounding),
+  // so training needs no float32 copy of W's size; slabs are large, so few roundings.
+  if (want[1]) out.weight = h.rows() ? at::empty_like(h.weight) : at::zeros_like(h.weight);
+  if (want[2]) out.bias = at::zeros({h.vocabulary()}, h.x.options().dtype(h.acc));
+  return out;
+}
+
+// A slab's logit gradient dz [n, V] (rows [r0, r0 + n), in the input type) into the gradients: dx rows = dz·W,
+// dW += dzᵀ·x, bias += Σ dz.
+void add_slab_gradients(const Head& h, const at::Tensor& dz, int64_t r0, std::array<bool, 3> want, Gradients& out) {
+  const int64_t n = dz.size(0);
+  if (want[0]) {
+    at::Tensor dx = out.x.narrow(0, r0, n);
+    at::mm_out(dx, dz, h.weight);
+  }
+  if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
+  else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
+  if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
+}
+
+}  // namespace
+
+Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, const LossOptions& o,
+                         std::array<bool, 3> want, at::Tensor* loss, const head_slice::Merge* merge,
+                         SlabStats* merged) {
+  const int64_t N = h.rows();
+  Gradients out = empty_gradients(h, want);
+  std::vector<SlabStats> merged_slabs;
+  for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, N - r0);
+    at::Tensor z = slab_logits(h, r0, n);
+    at::Tensor slab_lse, dz;
+    if (lse.defined()) {
+      slab_lse = lse.narrow(0, r0, n);
+    } else if (merge) {
+      merged_slabs.push_back((*merge)(slab_stats(h, z, r0, o.label_smoothing != 0, false)));
+      slab_lse = merged_slabs.back().lse;
+    } else {
+      SlabStats s;
+      if (loss) target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
+      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
+      // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
+      // inputs) instead of a second slab-sized buffer.
+      if (z.is_cuda()) {
+        at::Tensor row_lse = at::empty({n}, z.options());
+        at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
+        if (cuda::linear_head_logit_gradient_in_place(z, g.narrow(0, r0, n).contiguous(),
+                                                      h.targets.narrow(0, r0, n).contiguous(),
+                                                      {0, h.smoothing_vocabulary()}, o.label_smoothing, o.z_loss,
+                                                      h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
+          s.lse = row_lse, dz = d;
+      }
+      if (!s.lse.defined()) s.lse = trellis::logsumexp(z, 1);
+      slab_lse = s.lse;
+      if (loss)
+        loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
+    }
+    if (!dz.defined()) dz = logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o);
+    add_slab_gradients(h, dz, r0, want, out);
+  }
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  if (merged) {
+    const auto join = [&](at::Tensor SlabStats::*field) {
+      std::vector<at::Tensor> parts;
+      for (const SlabStats& m : merged_slabs)
+        if ((m.*field).defined()) parts.push_back(m.*field);
+      return parts.empty() ? at::Tensor() : at::cat(parts);
+    };
+    merged->lse = join(&SlabStats::lse);
+    merged->target_logit = join(&SlabStats::target_logit);
+    merged->logit_sum = join(&SlabStats::logit_sum);
+  }
+  return out;
+}
+
+// The logits formed again a slab at a time. For one row, d lse/dz_v = p_v, d log p(t)/dz_v = [v = t] - p_v and dH/dz_v
+// = -p_v·(log p_v + H) (head_maths::entropy_logit_gradient).
+Gradients statistics_gradients(const Head& h, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                               std::array<bool, 3> want) {
+  Gradients out = empty_gradients(h, want);
+  const at::Tensor valid = h.targets.defined() ? valid_targets(h.targets, h.ignore_index) : at::Tensor();
+  for (int64_t r0 = 0; r0 < h.rows(); r0 += h.rows_per_slab) {
+    const int64_t n = std::min(h.rows_per_slab, h.rows() - r0);
+    at::Tensor z = slab_logits(h, r0, n);
+    const at::Tensor lse = trellis::logsumexp(z, 1).unsqueeze(1);
+    at::Tensor log_p = z - lse, p = log_p.exp();
+    at::Tensor row_b = b.defined() ? b.narrow(0, r0, n) * valid.narrow(0, r0, n) : at::Tensor();
+    at::Tensor p_weight = at::zeros({n}, z.options());
+    if (a.defined()) p_weight += a.narrow(0, r0, n);
+    if (row_b.defined()) p_weight -= row_b;
+    at::Tensor dz = p * p_weight.unsqueeze(1);
+    if (c.defined()) {
+      const at::Tensor entropy = -(p * log_p).sum(1, true);
+      dz += head_maths::entropy_logit_gradient(p, log_p, entropy) * c.narrow(0, r0, n).unsqueeze(1);
+    }
+    if (row_b.defined()) {
+      const auto [column, hit] = target_columns(h, h.targets.narrow(0, r0, n), 0, z.size(1));
+      dz.scatter_add_(1, column.unsqueeze(1), (row_b * hit).unsqueeze(1));
+    }
+    // head_maths::softcap_derivative, 1 - (z/c)², in z's own memory.
+    if (h.softcap) dz.mul_(z.div_(*h.softcap).square_().neg_().add_(1));
+    add_slab_gradients(h, dz.to(h.x.scalar_type()), r0, want, out);
+  }
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
+  return out;
+}
+
+}  // namespace trellis::head_detail
