@@ -10,10 +10,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -301,6 +306,14 @@ class H5Output {
     if (failure_.error) fail(std::strerror(failure_.error));
   }
 
+  // Starts the disk writes of what the file holds so far without waiting for them, so that the flush in commit() has
+  // less left to do. A failure shows there.
+  void start_writeback() const {
+    void* handle = nullptr;
+    if (H5Fget_vfd_handle(file_, H5P_DEFAULT, &handle) >= 0 && handle)
+      ::sync_file_range(*static_cast<const int*>(handle), 0, 0, SYNC_FILE_RANGE_WRITE);
+  }
+
   void commit() {
     write_void([&] { root_.close(); });
     if (H5Fclose(std::exchange(file_, H5I_INVALID_HID)) < 0) fail(hdf5_cause());
@@ -462,13 +475,14 @@ void write_doubles(H5::Group& file, const std::string& name, const at::Tensor& t
       .write(c.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
 }
 
-// The rows of a padded batch [B,T,...] within each sequence's length, on the CPU. They are picked on the batch's
-// device, so only they cross to the host (at thousands of states, the posteriors of a batch are gigabytes).
-at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths) {
+// The rows of a padded batch [B,T,...] within each sequence's length, on the CPU, as `type`. They are picked and
+// converted on the batch's device, so only they cross to the host, once (at thousands of states, the posteriors of a
+// batch are gigabytes).
+at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths, at::ScalarType type) {
   const at::Tensor l = lengths.to(padded.device(), at::kLong);
   const at::Tensor mask = at::arange(padded.size(1), l.options()).unsqueeze(0) < l.unsqueeze(1);
   const at::Tensor rows = padded.detach().reshape({padded.size(0) * padded.size(1), -1});
-  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).cpu().contiguous();
+  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).to(type).cpu().contiguous();
 }
 
 // A gzip level, 0 (none) to 9, checked before any file is made.
@@ -478,18 +492,28 @@ int gzip_level(int level, const char* what) {
   return level;
 }
 
+// Chunk size of uncompressed wide datasets (the posteriors): 4 times HDF5's default chunk cache of 1 MiB.
+constexpr hsize_t kDirectChunkBytes = hsize_t(4) << 20;
+
 // A dataset of rows [n, width...] that grows as rows are appended.
 class Appendable {
  public:
-  // deflate: gzip level 1-9, 0 for none.
-  Appendable(H5::Group& file, const std::string& name, const H5::PredType& file_type, hsize_t width, int deflate)
+  // deflate: gzip level 1-9, 0 for none. Uncompressed rows of `expected_rows` (the rows the file will hold, 0: not
+  // known) come in chunks of up to kDirectChunkBytes: larger than HDF5's chunk cache, so that their writes go from the
+  // caller's buffer to the file without a copy through the cache, and never filled first (every row gets written).
+  Appendable(H5::Group& file, const std::string& name, const H5::PredType& file_type, hsize_t width, int deflate,
+             hsize_t expected_rows = 0)
       : width_(width) {
     const int rank = width ? 2 : 1;
     const hsize_t dims[2] = {0, width}, max[2] = {H5S_UNLIMITED, width};
     const hsize_t row_bytes = std::max<hsize_t>(1, width) * file_type.getSize();
-    const hsize_t chunk[2] = {std::max<hsize_t>(1, (1 << 20) / row_bytes), width};
+    const bool direct = deflate == 0 && expected_rows > 0;
+    const hsize_t chunk_rows = direct ? std::min(expected_rows, std::max<hsize_t>(1, kDirectChunkBytes / row_bytes))
+                                      : std::max<hsize_t>(1, (1 << 20) / row_bytes);
+    const hsize_t chunk[2] = {chunk_rows, width};
     H5::DSetCreatPropList props;
     props.setChunk(rank, chunk);
+    if (direct) props.setFillTime(H5D_FILL_TIME_NEVER);
     if (deflate > 0) {
       props.setShuffle();
       props.setDeflate(deflate);
@@ -932,8 +956,8 @@ void HMMDatasetWriter::append(const at::Tensor& observations, const at::Tensor& 
     throw Error(w.out.path() + ": labels must be given with every batch, or never");
   const at::Tensor l = lengths.cpu().to(at::kLong);
   if ((l < 1).any().item<bool>()) throw Error(w.out.path() + ": empty sequences cannot be written");
-  const at::Tensor rows = unpad(observations, l);
-  const at::Tensor label_rows = w.labels ? unpad(labels, l) : at::Tensor();
+  const at::Tensor rows = unpad(observations, l, observations.scalar_type());
+  const at::Tensor label_rows = w.labels ? unpad(labels, l, labels.scalar_type()) : at::Tensor();
   // Ids are stored as int32.
   for (const at::Tensor* ids : {w.features ? nullptr : &rows, w.labels ? &label_rows : nullptr})
     if (ids && ids->numel() && (ids->min().item<int64_t>() < 0 || ids->max().item<int64_t>() > INT32_MAX))
@@ -955,11 +979,98 @@ void HMMDatasetWriter::commit() {
   w.out.commit();
 }
 
+// Bytes of posteriors per HDF5 write: HDF5's library lock is held for one write, so that a read of the dataset on
+// another thread waits for one slice at most.
+constexpr int64_t kPosteriorSliceBytes = int64_t(64) << 20;
+
 struct HMMInferenceWriter::Impl {
+  // One batch as it goes to the file: host tensors in the file's types.
+  struct Batch {
+    at::Tensor log_likelihood, viterbi, states, labels, posteriors;
+  };
+
   H5Output out;
   Appendable log_likelihood, viterbi, states;
   std::unique_ptr<Appendable> posteriors, labels;
   at::Tensor state_labels;
+  // With posteriors (and an HDF5 built thread-safe), batches are written on a thread of their own while the caller
+  // computes the next: one batch waits at most while another is written, so two batches' host copies at most.
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::optional<Batch> waiting;
+  bool writing = false, closing = false;
+  std::exception_ptr failure;  // the first failed write's Error
+  std::thread writer;
+
+  // A batch's results on the host in the file's types: log-likelihoods and Viterbi scores (float64), the paths' states
+  // and labels (int32) and the posteriors (float32), without the padding.
+  Batch host_batch(const at::Tensor& ll, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,
+                   const at::Tensor& lengths, const at::Tensor& nodes) const {
+    Batch b;
+    b.log_likelihood = ll.detach().cpu().to(at::kDouble).contiguous();
+    b.viterbi = viterbi_log_prob.detach().cpu().to(at::kDouble).contiguous();
+    const at::Tensor path = unpad(paths, lengths, at::kLong).squeeze(1);
+    b.states = path.to(at::kInt);
+    if (labels) b.labels = state_labels.index_select(0, path).to(at::kInt);
+    if (posteriors) b.posteriors = unpad(nodes, lengths, at::kFloat);
+    return b;
+  }
+
+  void write(const Batch& b) {
+    out.write_void([&] {
+      log_likelihood.append(b.log_likelihood);
+      viterbi.append(b.viterbi);
+      states.append(b.states);
+      if (labels) labels->append(b.labels);
+      if (posteriors) {
+        const int64_t rows = b.posteriors.size(0);
+        const int64_t slice = std::max<int64_t>(
+            1, kPosteriorSliceBytes / std::max<int64_t>(1, b.posteriors.stride(0) * b.posteriors.element_size()));
+        for (int64_t r = 0; r < rows; r += slice)
+          posteriors->append(b.posteriors.slice(0, r, std::min(rows, r + slice)));
+      }
+    });
+    out.start_writeback();
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      changed.wait(lock, [&] { return closing || waiting; });
+      if (!waiting) return;
+      std::optional<Batch> batch = std::exchange(waiting, std::nullopt);
+      writing = true;
+      const bool failed = failure != nullptr;
+      lock.unlock();
+      std::exception_ptr error;
+      if (!failed) {
+        try {
+          write(*batch);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      batch.reset();  // the host copy goes before the next batch's comes
+      lock.lock();
+      writing = false;
+      if (error && !failure) failure = error;
+      changed.notify_all();
+    }
+  }
+
+  // Stops the writer thread: after the batches given so far are written (finish) or after the one being written.
+  void stop(bool finish) {
+    if (!writer.joinable()) return;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (finish) changed.wait(lock, [&] { return !waiting && !writing; });
+      waiting.reset();
+      closing = true;
+    }
+    changed.notify_all();
+    writer.join();
+  }
+  ~Impl() { stop(/*finish=*/false); }
 
   Impl(const std::string& path, const std::vector<int64_t>& offsets, int64_t k, bool with_posteriors,
        const std::vector<int64_t>& state_label_ids, int posteriors_compression)
@@ -971,12 +1082,16 @@ struct HMMInferenceWriter::Impl {
       write_int64s(out.root(), "offsets", offsets);
       if (with_posteriors)
         posteriors =
-            std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k, posteriors_compression);
+            std::make_unique<Appendable>(out.root(), "posteriors", H5::PredType::IEEE_F32LE, k, posteriors_compression,
+                                         static_cast<hsize_t>(offsets.empty() ? 0 : offsets.back()));
       if (!state_label_ids.empty()) {
         labels = std::make_unique<Appendable>(out.root(), "labels", H5::PredType::STD_I32LE, 0, 0);
         state_labels = at::tensor(state_label_ids, at::kLong);
       }
     });
+    hbool_t thread_safe = false;
+    if (with_posteriors && H5is_library_threadsafe(&thread_safe) >= 0 && thread_safe)
+      writer = std::thread([this] { run(); });
   }
 };
 
@@ -992,17 +1107,29 @@ void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tens
   Impl& w = *impl_;
   if ((w.posteriors != nullptr) != posteriors.defined())
     throw Error(w.out.path() + ": posteriors must be given with every batch, or never");
-  w.out.write_void([&] {
-    w.log_likelihood.append(log_likelihood.detach().cpu().to(at::kDouble));
-    w.viterbi.append(viterbi_log_prob.detach().cpu().to(at::kDouble));
-    const at::Tensor path = unpad(paths, lengths).squeeze(1);
-    w.states.append(path.to(at::kInt));
-    if (w.labels) w.labels->append(w.state_labels.index_select(0, path).to(at::kInt));
-    if (w.posteriors) w.posteriors->append(unpad(posteriors.detach().to(at::kFloat), lengths));
-  });
+  if (!w.writer.joinable()) {
+    w.write(w.host_batch(log_likelihood, viterbi_log_prob, paths, lengths, posteriors));
+    return;
+  }
+  {
+    std::unique_lock<std::mutex> lock(w.mutex);
+    w.changed.wait(lock, [&] { return w.failure || !w.waiting; });
+    if (w.failure) std::rethrow_exception(w.failure);
+  }
+  Impl::Batch batch = w.host_batch(log_likelihood, viterbi_log_prob, paths, lengths, posteriors);
+  {
+    const std::lock_guard<std::mutex> lock(w.mutex);
+    w.waiting = std::move(batch);
+  }
+  w.changed.notify_all();
 }
 
-void HMMInferenceWriter::commit() { impl_->out.commit(); }
+void HMMInferenceWriter::commit() {
+  Impl& w = *impl_;
+  w.stop(/*finish=*/true);
+  if (w.failure) std::rethrow_exception(w.failure);
+  w.out.commit();
+}
 
 // ---- evaluation ----
 
