@@ -64,17 +64,32 @@ rm -f stale.h5.tmp.$live
 
 # ---- SIGTERM and SIGINT while the output is being written: no temporary left, the old output intact ----
 "$trellis" hmm sample -m cat.h5 -o long.h5 -n 20000 -l 300 --seed 3 2>/dev/null || fail "sample a long dataset"
-# run_until_temporary OUTPUT COMMAND...: starts COMMAND in the background and returns once OUTPUT's temporary exists.
+# A background job of this shell starts with SIGINT ignored until the command installs its handler, so a signal is
+# sent only once the command shows it is running (its handler is installed first thing), however loaded the machine.
+# wait_for PID COMMAND...: polls COMMAND while process PID lives, up to 300 s; fails if PID ends first or time runs out.
+wait_for() {
+  local pid=$1
+  shift
+  for _ in $(seq 3000); do
+    "$@" && return 0
+    kill -0 "$pid" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+# run_until_temporary OUTPUT COMMAND...: starts COMMAND in the background (its pid in $pid) and returns once OUTPUT's
+# temporary exists (fails if it never does).
 run_until_temporary() {
   local output=$1
   shift
   "$@" >/dev/null 2>&1 &
   pid=$!
-  for _ in $(seq 400); do ls "$output".tmp.$pid >/dev/null 2>&1 && return; sleep 0.05; done
+  wait_for $pid ls "$output".tmp.$pid >/dev/null 2>&1
 }
 for sig in TERM INT; do
   cp inf.h5 sig.h5
-  run_until_temporary sig.h5 "$trellis" hmm infer -m cat.h5 -d long.h5 -o sig.h5 --posteriors --memory-budget 20M --threads 1
+  run_until_temporary sig.h5 "$trellis" hmm infer -m cat.h5 -d long.h5 -o sig.h5 --posteriors --memory-budget 20M --threads 1 ||
+    fail "SIG$sig during infer: the run ended or wrote no temporary before the signal"
   kill -$sig $pid
   wait $pid
   rc=$?
@@ -82,9 +97,10 @@ for sig in TERM INT; do
     fail "SIG$sig during infer: rc $rc; old output changed or temporary left: $(ls sig.h5* 2>/dev/null)"
   # fit writes its model only at the end: signalled during EM.
   cp cat.h5 sigfit.h5
-  "$trellis" hmm fit -d long.h5 -o sigfit.h5 --states 40 --max-iterations 50 --tolerance 0 --threads 1 >/dev/null 2>&1 &
+  "$trellis" hmm fit -d long.h5 -o sigfit.h5 --states 40 --max-iterations 50 --tolerance 0 --threads 1 >/dev/null \
+    2>fit.stderr &
   pid=$!
-  sleep 1
+  wait_for $pid grep -q '^data:' fit.stderr || fail "SIG$sig during fit: the run ended before it printed its data line"
   kill -$sig $pid
   wait $pid
   rc=$?
@@ -92,7 +108,8 @@ for sig in TERM INT; do
     fail "SIG$sig during fit: rc $rc; old model changed or temporary left: $(ls sigfit.h5* 2>/dev/null)"
 done
 # SIGKILL leaves its temporary; the next run writing the same output removes it.
-run_until_temporary kill.h5 "$trellis" hmm infer -m cat.h5 -d long.h5 -o kill.h5 --posteriors --memory-budget 20M --threads 1
+run_until_temporary kill.h5 "$trellis" hmm infer -m cat.h5 -d long.h5 -o kill.h5 --posteriors --memory-budget 20M --threads 1 ||
+  fail "SIGKILL during infer: the run ended or wrote no temporary before the signal"
 kill -KILL $pid
 wait $pid 2>/dev/null
 ls kill.h5.tmp.$pid >/dev/null 2>&1 || fail "SIGKILL left no temporary (the test did not kill a run that was writing)"
