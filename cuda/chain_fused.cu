@@ -14,6 +14,7 @@
 
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
+#include "lib/src/semiring/backpointers.h"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -41,13 +42,8 @@ Layout layout(int64_t B, int64_t K) {
 // Merges the accumulators of the R lanes of a label (all lanes of the warp take part).
 template <class S, class T>
 __device__ typename S::template Accumulator<T> merge_lanes(typename S::template Accumulator<T> acc, int R) {
-  for (int offset = R / 2; offset > 0; offset /= 2) {
-    typename S::template Accumulator<T> other = acc;
-    other.max = __shfl_xor_sync(0xffffffffu, acc.max, offset);
-    if constexpr (S::kIsMax) other.index = __shfl_xor_sync(0xffffffffu, acc.index, offset);
-    else other.sum = __shfl_xor_sync(0xffffffffu, acc.sum, offset);
-    acc.merge(other);
-  }
+  for (int offset = R / 2; offset > 0; offset /= 2)
+    acc.merge(acc.transformed([&](auto field) { return __shfl_xor_sync(0xffffffffu, field, offset); }));
   return acc;
 }
 
@@ -141,8 +137,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
         largest = fmax(largest, ps[i]);
         return S::times(ps[i], w[i * ld(K) + j]);
       });
-      if constexpr (S::kIsMax)
-        if (acc.index >= 0) acc.index = r + acc.index * R;  // the lane's k-th term is label r + k·R
+      acc.renumber(r, R);  // the lane's k-th term is label r + k·R
     }
     acc = merge_lanes<S, T>(acc, R);
     largest = max_lanes(largest, R);
@@ -158,7 +153,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
         pre[o] = acc.value();
         alpha[o] = a;
       }
-      if constexpr (S::kIsMax) arg[o] = acc.arg();
+      S::Backpointers::store(arg, o, acc.arg());
     }
     __syncthreads();
     if (active && r == 0) ps[j] = a;
@@ -182,7 +177,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     // A sequence with a length or tag out of range scores NaN, and so do its gradients (through frame_score).
     score[b] = bad ? nan : static_cast<T>(z);
     frame_score[b] = bad ? nan : acc.value();
-    if constexpr (S::kIsMax) end_arg[b] = acc.arg();
+    S::Backpointers::store(end_arg, b, acc.arg());
   }
 }
 
@@ -198,7 +193,7 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   T* gw = w + K * ld(K);                              // [spb][K][ld]
   T* adj = gw + spb * K * ld(K);                      // [spb][K]
   T* res = adj + spb * K;                             // [spb][K]: the ⊕ results at step t
-  int* best = reinterpret_cast<int*>(res + spb * K);  // [spb][K]: their argmax (MaxSemiring)
+  int* best = reinterpret_cast<int*>(res + spb * K);  // [spb][K]: their back-pointers (where S records them)
   __shared__ int block_len;
   // This thread works for label i (row i of the transitions' gradient) with lanes r of R: columns j = r, r+R, ...
   const int s = threadIdx.x / tps, i = threadIdx.x % tps / R, r = threadIdx.x % R;
@@ -220,10 +215,11 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const T g = G ? G[b < B ? b : 0] : T(1);
   const T gb = b < B ? (isnan(score[b]) ? T(NAN) : tags ? -g : g) : T(0);
   const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
+  using BP = typename S::Backpointers;
   T g_end = T(0);
   if (owner) {
     for (int t = L; t < Tn; ++t) g_em[at_pos(t)] = T(0);  // padding
-    const T a = gb * S::weight(S::times(alpha[at_pos(L - 1)], end[i]), score[b], i, S::kIsMax ? end_arg[b] : -1);
+    const T a = gb * S::weight(S::times(alpha[at_pos(L - 1)], end[i]), score[b], i, BP::load(end_arg, b));
     as[i] = a;
     g_em[at_pos(L - 1)] = a;
     g_end = a;
@@ -233,17 +229,17 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   // What step t reads from global memory (pre and arg at t, alpha at t-1) is loaded one step ahead.
   T pre_next = owner && L >= 2 ? pre[at_pos(L - 1)] : T(0);
   T alpha_next = lane && L >= 2 ? alpha[at_pos(L - 2)] : T(0);
-  int arg_next = S::kIsMax && owner && L >= 2 ? static_cast<int>(arg[at_pos(L - 1)]) : -1;
+  int arg_next = owner && L >= 2 ? static_cast<int>(BP::load(arg, at_pos(L - 1))) : -1;
   for (int t = Lmax - 1; t >= 1; --t) {
     const bool active = lane && t < L;
     T ai = T(0);
     if (active) {
       if (r == 0) {
         rs[i] = pre_next;
-        if constexpr (S::kIsMax) bs[i] = arg_next;
+        BP::store(bs, i, arg_next);
         if (t >= 2) {
           pre_next = pre[at_pos(t - 1)];
-          if constexpr (S::kIsMax) arg_next = static_cast<int>(arg[at_pos(t - 1)]);
+          arg_next = static_cast<int>(BP::load(arg, at_pos(t - 1)));
         }
       }
       ai = alpha_next;
@@ -259,15 +255,15 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
       T part0 = T(0), part1 = T(0);
       int j = r;
       for (; j + R < K; j += 2 * R) {
-        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
-        const T c1 = as[j + R] * S::weight(S::times(ai, wi[j + R]), rs[j + R], i, S::kIsMax ? bs[j + R] : -1);
+        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, BP::load(bs, j));
+        const T c1 = as[j + R] * S::weight(S::times(ai, wi[j + R]), rs[j + R], i, BP::load(bs, j + R));
         gwi[j] += c0;
         gwi[j + R] += c1;
         part0 += c0;
         part1 += c1;
       }
       if (j < K) {
-        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, S::kIsMax ? bs[j] : -1);
+        const T c0 = as[j] * S::weight(S::times(ai, wi[j]), rs[j], i, BP::load(bs, j));
         gwi[j] += c0;
         part0 += c0;
       }
@@ -346,12 +342,6 @@ __global__ void chain_backtrace_kernel(const int64_t* __restrict__ arg, const in
   for (int t = L - 1; t >= 1; --t) p[t - 1] = y = arg[(static_cast<int64_t>(b) * Tn + t) * K + y];
 }
 
-// A tensor's data, or nullptr for an undefined one.
-template <class T>
-const T* optional_data(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t bytes) {
   if (bytes > 48 * 1024)
@@ -368,81 +358,67 @@ bool chain_supported(int64_t K, at::ScalarType dtype) {
 }
 
 template <class S>
-void chain_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
-                   const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre,
-                   at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score,
-                   at::Tensor& loglik) {
-  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
+void chain_forward(const ChainInputs& in, ChainRecord& record) {
+  const int64_t B = in.emissions.size(0), Tn = in.emissions.size(1), K = in.emissions.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "chain_forward_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES(in.emissions.scalar_type(), "chain_forward_cuda", [&] {
     const std::size_t smem = forward_smem<scalar_t>(K, l.spb);
     auto kernel = chain_forward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
-        em.data_ptr<scalar_t>(), trans.data_ptr<scalar_t>(), start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
-        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr,
-        alpha.defined() ? alpha.data_ptr<scalar_t>() : nullptr, alpha.defined() ? pre.data_ptr<scalar_t>() : nullptr,
-        S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr,
-        score.data_ptr<scalar_t>(), frame_score.data_ptr<scalar_t>(),
-        tags.numel() ? loglik.data_ptr<scalar_t>() : nullptr, int(B), int(Tn), int(K), l.R, l.tps, l.spb);
+        in.emissions.data_ptr<scalar_t>(), in.transitions.data_ptr<scalar_t>(), in.start.data_ptr<scalar_t>(),
+        in.end.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(in.lengths), detail::data_or_null<int64_t>(in.tags),
+        detail::data_or_null<scalar_t>(record.alpha), detail::data_or_null<scalar_t>(record.pre),
+        detail::data_or_null<int64_t>(record.arg), detail::data_or_null<int64_t>(record.end_arg),
+        record.score.data_ptr<scalar_t>(), record.frame_score.data_ptr<scalar_t>(),
+        detail::data_or_null<scalar_t>(record.loglik), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_forward");
 }
 
 template <class S>
-void chain_backward(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                    const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
-                    const at::Tensor& end_arg, const at::Tensor& score, at::Tensor& g_em, at::Tensor& g_trans,
-                    at::Tensor& g_start, at::Tensor& g_end) {
-  const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
+void chain_backward(const at::Tensor& grad, const ChainInputs& in, const ChainRecord& record, ChainGradients& grads) {
+  const int64_t B = record.alpha.size(0), Tn = record.alpha.size(1), K = record.alpha.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
   // Per-block partial gradients, one row each: [K*K transitions | K start | K end], summed in one reduction.
-  at::Tensor part = at::empty({l.blocks, K * K + 2 * K}, alpha.options());
-  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_cuda", [&] {
+  at::Tensor part = at::empty({l.blocks, K * K + 2 * K}, record.alpha.options());
+  AT_DISPATCH_FLOATING_TYPES(record.alpha.scalar_type(), "chain_backward_cuda", [&] {
     const std::size_t smem = backward_smem<scalar_t>(K, l.spb);
     auto kernel = chain_backward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
-        optional_data<scalar_t>(grad), trans.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(),
-        optional_data<int64_t>(lengths), tags.numel() ? tags.data_ptr<int64_t>() : nullptr, alpha.data_ptr<scalar_t>(),
-        pre.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr,
-        S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr, score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
-        part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
+        detail::data_or_null<scalar_t>(grad), in.transitions.data_ptr<scalar_t>(), in.end.data_ptr<scalar_t>(),
+        detail::data_or_null<int64_t>(in.lengths), detail::data_or_null<int64_t>(in.tags),
+        record.alpha.data_ptr<scalar_t>(), record.pre.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(record.arg),
+        detail::data_or_null<int64_t>(record.end_arg), record.frame_score.data_ptr<scalar_t>(),
+        grads.emissions.data_ptr<scalar_t>(), part.data_ptr<scalar_t>(), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_backward");
   const int64_t n = K * K + 2 * K;
-  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "chain_backward_partials_cuda", [&] {
-    sum_partials_kernel<<<grid_dim(n, 128), 128, 0, stream>>>(part.data_ptr<scalar_t>(), l.blocks, int(K),
-                                                              g_trans.data_ptr<scalar_t>(),
-                                                              g_start.data_ptr<scalar_t>(), g_end.data_ptr<scalar_t>());
+  AT_DISPATCH_FLOATING_TYPES(record.alpha.scalar_type(), "chain_backward_partials_cuda", [&] {
+    sum_partials_kernel<<<grid_dim(n, 128), 128, 0, stream>>>(
+        part.data_ptr<scalar_t>(), l.blocks, int(K), grads.transitions.data_ptr<scalar_t>(),
+        grads.start.data_ptr<scalar_t>(), grads.end.data_ptr<scalar_t>());
   });
   check_launch("chain_backward partials");
 }
 
-void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths,
-                     const at::Tensor& score, at::Tensor& path) {
-  const int64_t B = arg.size(0), Tn = arg.size(1), K = arg.size(2);
+void chain_backtrace(const ChainRecord& record, const at::Tensor& lengths, at::Tensor& path) {
+  const int64_t B = record.arg.size(0), Tn = record.arg.size(1), K = record.arg.size(2);
   if (B == 0) return;
-  AT_DISPATCH_FLOATING_TYPES(score.scalar_type(), "chain_backtrace_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES(record.score.scalar_type(), "chain_backtrace_cuda", [&] {
     chain_backtrace_kernel<<<grid_dim(B, 128), 128, 0, at::cuda::getCurrentCUDAStream()>>>(
-        arg.data_ptr<int64_t>(), end_arg.data_ptr<int64_t>(), optional_data<int64_t>(lengths),
-        score.data_ptr<scalar_t>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
+        record.arg.data_ptr<int64_t>(), record.end_arg.data_ptr<int64_t>(), detail::data_or_null<int64_t>(lengths),
+        record.score.data_ptr<scalar_t>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
   });
   check_launch("chain_backtrace");
 }
 
-#define TRELLIS_INSTANTIATE(S)                                                                                 \
-  template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,   \
-                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,  \
-                                 at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);                          \
-  template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,  \
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,  \
-                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, \
-                                  at::Tensor&);
-TRELLIS_INSTANTIATE(LogSemiring)
-TRELLIS_INSTANTIATE(MaxSemiring)
-#undef TRELLIS_INSTANTIATE
+template void chain_forward<LogSemiring>(const ChainInputs&, ChainRecord&);
+template void chain_forward<MaxSemiring>(const ChainInputs&, ChainRecord&);
+template void chain_backward<LogSemiring>(const at::Tensor&, const ChainInputs&, const ChainRecord&, ChainGradients&);
+template void chain_backward<MaxSemiring>(const at::Tensor&, const ChainInputs&, const ChainRecord&, ChainGradients&);
 
 }  // namespace trellis::cuda

@@ -20,6 +20,7 @@
 #include "cuda/chain_kernels.h"
 #include "cuda/cuda_check.h"
 #include "cuda/launch.cuh"
+#include "lib/src/semiring/backpointers.h"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -361,45 +362,43 @@ bool scaled_chain_crf_supported(int64_t K, at::ScalarType dtype) {
   return dtype == at::kDouble ? make_plan<double>(K).C > 0 : make_plan<float>(K).C > 0;
 }
 
-void scaled_chain_crf_forward(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& scaled,
-                              const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& end,
-                              const at::Tensor& lengths, const at::Tensor& tags, double threshold, at::Tensor& alpha,
-                              at::Tensor& pre, at::Tensor& score, at::Tensor& loglik) {
+void scaled_chain_crf_forward(const ChainInputs& in, const ScaledTransitions& w, ChainRecord& record) {
+  const at::Tensor& em = in.emissions;
   const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(em.device());
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "scaled_chain_crf_forward", [&] {
     const Plan p = make_plan<scalar_t>(K);
     launch(scaled_chain_forward_kernel<scalar_t>, p, int(B), "scaled_chain_crf_forward", em.data_ptr<scalar_t>(),
-           trans.data_ptr<scalar_t>(), scaled.data_ptr<scalar_t>(), colmax.data_ptr<scalar_t>(),
-           start.data_ptr<scalar_t>(), end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
-           tags.numel() ? tags.data_ptr<int64_t>() : static_cast<int64_t*>(nullptr), alpha.data_ptr<scalar_t>(),
-           pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(),
-           tags.numel() ? loglik.data_ptr<scalar_t>() : static_cast<scalar_t*>(nullptr),
-           chain_of(p, B, Tn, K, threshold));
+           in.transitions.data_ptr<scalar_t>(), w.scaled.data_ptr<scalar_t>(), w.colmax.data_ptr<scalar_t>(),
+           in.start.data_ptr<scalar_t>(), in.end.data_ptr<scalar_t>(), in.lengths.data_ptr<int64_t>(),
+           detail::data_or_null<int64_t>(in.tags), record.alpha.data_ptr<scalar_t>(), record.pre.data_ptr<scalar_t>(),
+           record.score.data_ptr<scalar_t>(), detail::data_or_null<scalar_t>(record.loglik),
+           chain_of(p, B, Tn, K, w.threshold));
   });
 }
 
-void scaled_chain_crf_backward(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& scaled,
-                               const at::Tensor& colmax, const at::Tensor& end, const at::Tensor& lengths,
-                               const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre,
-                               const at::Tensor& score, double threshold, at::Tensor& g_em, at::Tensor& g_trans,
-                               at::Tensor& g_start, at::Tensor& g_end) {
+void scaled_chain_crf_backward(const at::Tensor& grad, const ChainInputs& in, const ScaledTransitions& w,
+                               const ChainRecord& record, ChainGradients& grads) {
+  const at::Tensor &alpha = record.alpha, &lengths = in.lengths, &tags = in.tags;
   const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
   const c10::cuda::CUDAGuard guard(alpha.device());
-  at::Tensor V = at::zeros_like(alpha), Q = at::zeros_like(alpha), g_exact = at::zeros_like(trans);
+  at::Tensor V = at::zeros_like(alpha), Q = at::zeros_like(alpha), g_exact = at::zeros_like(in.transitions);
+  at::Tensor& g_em = grads.emissions;
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "scaled_chain_crf_backward", [&] {
       const Plan p = make_plan<scalar_t>(K);
       launch(scaled_chain_backward_kernel<scalar_t>, p, int(B), "scaled_chain_crf_backward", grad.data_ptr<scalar_t>(),
-             trans.data_ptr<scalar_t>(), scaled.data_ptr<scalar_t>(), colmax.data_ptr<scalar_t>(),
-             end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0, alpha.data_ptr<scalar_t>(),
-             pre.data_ptr<scalar_t>(), score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(), V.data_ptr<scalar_t>(),
-             Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(), chain_of(p, B, Tn, K, threshold));
+             in.transitions.data_ptr<scalar_t>(), w.scaled.data_ptr<scalar_t>(), w.colmax.data_ptr<scalar_t>(),
+             in.end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0, alpha.data_ptr<scalar_t>(),
+             record.pre.data_ptr<scalar_t>(), record.frame_score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
+             V.data_ptr<scalar_t>(), Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(),
+             chain_of(p, B, Tn, K, w.threshold));
     });
   }
   // Σ over sequences and steps of v_i·P_ij·q_j: one GEMM over the saved vectors, then the elementwise factor P.
-  g_trans = at::mm(V.view({B * Tn, K}).t(), Q.view({B * Tn, K})).mul_(scaled).add_(g_exact);
+  at::Tensor& g_trans = grads.transitions;
+  g_trans = at::mm(V.view({B * Tn, K}).t(), Q.view({B * Tn, K})).mul_(w.scaled).add_(g_exact);
   const at::Tensor mask = at::arange(Tn, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
   if (tags.numel()) {  // the tagged sequence's score was subtracted: its indicators, weighted by G
     const at::Tensor y = tags.masked_fill(~mask, 0);
@@ -408,8 +407,8 @@ void scaled_chain_crf_backward(const at::Tensor& grad, const at::Tensor& trans, 
     if (Tn > 1) g_trans.index_put_({y.slice(1, 0, -1), y.slice(1, 1)}, coef.slice(1, 1), /*accumulate=*/true);
   }
   // The start's adjoint is alpha_0's, the end's alpha's at the last position (both include the gold indicators).
-  g_start = g_em.select(1, 0).sum(0);
-  g_end = g_em.gather(1, (lengths - 1).view({B, 1, 1}).expand({B, 1, K})).squeeze(1).sum(0);
+  grads.start = g_em.select(1, 0).sum(0);
+  grads.end = g_em.gather(1, (lengths - 1).view({B, 1, 1}).expand({B, 1, K})).squeeze(1).sum(0);
 }
 
 }  // namespace trellis::cuda

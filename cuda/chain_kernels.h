@@ -1,8 +1,7 @@
 // Launchers of the linear-chain kernels: the fused ones (cuda/chain_fused.cu, and cuda/chain_fused_scaled.cu for many
 // labels), the streamed forward (cuda/scaled_chain_forward.cu) and the many-label Viterbi (cuda/many_label_viterbi.cu).
-// Tensors are contiguous CUDA tensors of one dtype (lengths int64; chain_forward, chain_backward and chain_backtrace
-// also take undefined lengths: every sequence T long); outputs are preallocated by the caller. See
-// lib/src/crf/chain_fused.h for the semantics.
+// Tensors are contiguous CUDA tensors of one dtype (lengths, tags and back-pointers int64); outputs are preallocated by
+// the caller. See lib/src/crf/chain_fused.h for the semantics.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -10,53 +9,69 @@
 
 namespace trellis::cuda {
 
+// A batch of linear chains: emissions [B,T,K], transitions [K,K], start [K] and end [K] of one floating dtype, lengths
+// [B] int64 (undefined: every sequence T long; chain_forward, chain_backward and chain_backtrace take that, the
+// many-label kernels do not) and tags [B,T] int64 (empty: none). The CPU loops of lib/src/crf/chain_fused.cpp take the
+// same.
+struct ChainInputs {
+  at::Tensor emissions, transitions, start, end, lengths, tags;
+};
+
+// What a fused forward pass writes (preallocated by the caller) and its backward pass reads: alpha [B,T,K] (each step
+// minus the largest entry of the step before) and pre [B,T,K] (the ⊕ before the emission is added, in the previous
+// alpha's frame); the back-pointers arg [B,T,K] and end_arg [B] (int64; undefined where the semiring records none, see
+// S::Backpointers); score [B], frame_score [B] (the score in the last alpha's frame) and loglik [B] (with tags: the
+// tagged sequences' log-likelihoods; otherwise empty).
+struct ChainRecord {
+  at::Tensor alpha, pre, arg, end_arg, score, frame_score, loglik;
+};
+
+// The gradients of a fused backward pass: emissions [B,T,K], transitions [K,K], start [K] and end [K].
+struct ChainGradients {
+  at::Tensor emissions, transitions, start, end;
+};
+
 // Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared
 // memory).
 bool chain_supported(int64_t K, at::ScalarType dtype);
 
-// Fills alpha [B,T,K] (each step minus the largest entry of the step before), pre [B,T,K] (the ⊕ before the emission is
-// added, in the previous alpha's frame; alpha and pre undefined: not recorded, for Viterbi alone), arg [B,T,K] and
-// end_arg [B] (MaxSemiring only; int64), score [B], frame_score [B] (the score in the last alpha's frame) and, where
-// tags [B,T] is not empty, loglik [B]: the tagged sequences' log-likelihoods. Lengths and tags need not have been
+// Fills the record (alpha and pre undefined: not written, for Viterbi alone). Lengths and tags need not have been
 // checked on the host: a sequence whose length is outside [1, T] or whose tags (within its length) are outside [0, K)
 // gets NaN as score, frame_score and loglik.
 template <class S>
-void chain_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
-                   const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha,
-                   at::Tensor& pre, at::Tensor& arg, at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score,
-                   at::Tensor& loglik);
+void chain_forward(const ChainInputs& in, ChainRecord& record);
 
-// Given the gradient of the forward's output [B] (score, or loglik with tags; undefined: all ones) and the forward's
-// frame_score as `score`, fills grad_emissions [B,T,K] (zero at padding; NaN for a sequence the forward pass scored
-// NaN) and grad_transitions [K,K], grad_start [K] and grad_end [K] (preallocated, contiguous, each its own storage).
+// Given the gradient of the forward's output [B] (score, or loglik with tags; undefined: all ones), the inputs (all but
+// emissions and start are read) and the forward's record (its frame_score is the score the gradients start from),
+// fills grads: emissions (zero at padding; NaN for a sequence the forward pass scored NaN), transitions, start and end
+// (preallocated, contiguous, each its own storage).
 template <class S>
-void chain_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& end,
-                    const at::Tensor& lengths, const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre,
-                    const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& score,
-                    at::Tensor& grad_emissions, at::Tensor& grad_transitions, at::Tensor& grad_start,
-                    at::Tensor& grad_end);
+void chain_backward(const at::Tensor& grad_score, const ChainInputs& in, const ChainRecord& record,
+                    ChainGradients& grads);
 
-// Viterbi backtrace from MaxSemiring's forward record: path [B,T] int64 gets each sequence's best labels (following
-// arg from end_arg at the last position) and -1 at padding; a sequence whose best score is -inf (no label sequence
-// allowed) gets -1 everywhere. One thread per sequence.
-void chain_backtrace(const at::Tensor& arg, const at::Tensor& end_arg, const at::Tensor& lengths,
-                     const at::Tensor& score, at::Tensor& path);
+// Viterbi backtrace from MaxSemiring's forward record (arg, end_arg, score): path [B,T] int64 gets each sequence's best
+// labels (following arg from end_arg at the last position) and -1 at padding; a sequence whose best score is -inf (no
+// label sequence allowed) gets -1 everywhere. One thread per sequence.
+void chain_backtrace(const ChainRecord& record, const at::Tensor& lengths, at::Tensor& path);
+
+// The transitions W in scaled probability space: scaled = exp(W − colmax) [K,K], colmax [K] (0 for an all -inf column),
+// and the threshold below which a column's scaled sum may have lost terms to underflow (it is then computed exactly).
+struct ScaledTransitions {
+  at::Tensor scaled, colmax;
+  double threshold = 0;
+};
 
 // The fused LogSemiring chain for many labels (cuda/chain_fused_scaled.cu): whether it takes K labels of this dtype,
-// and the same forward and backward as chain_forward / chain_backward, given also the scaled transitions
-// exp(W − colmax) [K,K], colmax [K] and the underflow threshold below which a column is computed exactly.
+// and the same forward and backward as chain_forward / chain_backward, given also the scaled transitions (lengths
+// defined). The forward writes no frame_score (its alphas are in the score's own frame): the record's frame_score is to
+// be its score.
 bool scaled_chain_crf_supported(int64_t K, at::ScalarType dtype);
 
-void scaled_chain_crf_forward(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& scaled,
-                              const at::Tensor& colmax, const at::Tensor& start, const at::Tensor& end,
-                              const at::Tensor& lengths, const at::Tensor& tags, double threshold, at::Tensor& alpha,
-                              at::Tensor& pre, at::Tensor& score, at::Tensor& loglik);
+void scaled_chain_crf_forward(const ChainInputs& in, const ScaledTransitions& w, ChainRecord& record);
 
-void scaled_chain_crf_backward(const at::Tensor& grad_score, const at::Tensor& transitions, const at::Tensor& scaled,
-                               const at::Tensor& colmax, const at::Tensor& end, const at::Tensor& lengths,
-                               const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre,
-                               const at::Tensor& score, double threshold, at::Tensor& grad_emissions,
-                               at::Tensor& grad_transitions, at::Tensor& grad_start, at::Tensor& grad_end);
+// Sets grads' transitions, start and end to new tensors (fills their emissions).
+void scaled_chain_crf_backward(const at::Tensor& grad_score, const ChainInputs& in, const ScaledTransitions& w,
+                               const ChainRecord& record, ChainGradients& grads);
 
 // The streamed forward (cuda/scaled_chain_forward.cu): whether scaled_chain_forward takes B sequences of K labels
 // (few sequences: it streams the transitions once per step for every 16 of them, up to 32).

@@ -40,8 +40,7 @@ void semiring_reduce_forward(const at::Tensor&, at::Tensor&, at::Tensor&) {
   no_kernels("semiring_reduce_forward");
 }
 template <class S>
-void semiring_reduce_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              at::Tensor&) {
+void semiring_reduce_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {
   no_kernels("semiring_reduce_backward");
 }
 void log_matmul_fixup(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, double) {
@@ -51,30 +50,20 @@ void log_matmul_fixup(const at::Tensor&, const at::Tensor&, const at::Tensor&, a
 // cuda/chain_kernels.h
 bool chain_supported(int64_t, at::ScalarType) { return false; }
 template <class S>
-void chain_forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                   const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                   at::Tensor&) {
+void chain_forward(const ChainInputs&, ChainRecord&) {
   no_kernels("chain_forward");
 }
 template <class S>
-void chain_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&) {
+void chain_backward(const at::Tensor&, const ChainInputs&, const ChainRecord&, ChainGradients&) {
   no_kernels("chain_backward");
 }
-void chain_backtrace(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {
-  no_kernels("chain_backtrace");
-}
+void chain_backtrace(const ChainRecord&, const at::Tensor&, at::Tensor&) { no_kernels("chain_backtrace"); }
 bool scaled_chain_crf_supported(int64_t, at::ScalarType) { return false; }
-void scaled_chain_crf_forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                              at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&) {
+void scaled_chain_crf_forward(const ChainInputs&, const ScaledTransitions&, ChainRecord&) {
   no_kernels("scaled_chain_crf_forward");
 }
-void scaled_chain_crf_backward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, double, at::Tensor&, at::Tensor&, at::Tensor&,
-                               at::Tensor&) {
+void scaled_chain_crf_backward(const at::Tensor&, const ChainInputs&, const ScaledTransitions&, const ChainRecord&,
+                               ChainGradients&) {
   no_kernels("scaled_chain_crf_backward");
 }
 bool scaled_chain_supported(int64_t, int64_t) { return false; }
@@ -124,20 +113,15 @@ bool fused_linear_logit_gradient(const at::Tensor&, const at::Tensor&, const at:
   return false;
 }
 
-#define TRELLIS_SEMIRING_STUBS(S)                                                                                    \
-  template void semiring_matmul_forward<S>(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);         \
-  template void semiring_matmul_grad_left<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&,               \
-                                             const at::Tensor&, const at::Tensor&, at::Tensor&);                    \
-  template void semiring_reduce_forward<S>(const at::Tensor&, at::Tensor&, at::Tensor&);                            \
-  template void semiring_reduce_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&,                \
-                                            const at::Tensor&, at::Tensor&);                                        \
-  template void chain_forward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
-                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,       \
-                                 at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);                               \
-  template void chain_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,       \
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,       \
-                                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,      \
-                                  at::Tensor&);
+#define TRELLIS_SEMIRING_STUBS(S)                                                                           \
+  template void semiring_matmul_forward<S>(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&); \
+  template void semiring_matmul_grad_left<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&,       \
+                                             const at::Tensor&, const at::Tensor&, at::Tensor&);            \
+  template void semiring_reduce_forward<S>(const at::Tensor&, at::Tensor&, at::Tensor&);                    \
+  template void semiring_reduce_backward<S>(const at::Tensor&, const at::Tensor&, const at::Tensor&,        \
+                                            const at::Tensor&, at::Tensor&);                                \
+  template void chain_forward<S>(const ChainInputs&, ChainRecord&);                                         \
+  template void chain_backward<S>(const at::Tensor&, const ChainInputs&, const ChainRecord&, ChainGradients&);
 TRELLIS_SEMIRING_STUBS(LogSemiring)
 TRELLIS_SEMIRING_STUBS(MaxSemiring)
 

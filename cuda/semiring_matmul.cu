@@ -5,6 +5,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/semiring_kernels.h"
+#include "lib/src/semiring/backpointers.h"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -36,7 +37,7 @@ __global__ void matmul_forward_kernel(const T* __restrict__ A, const T* __restri
     if (i < M && j < N) {
       const int64_t o = (b * M + i) * int64_t(N) + j;
       C[o] = acc.value();
-      if constexpr (S::kIsMax) arg[o] = acc.arg();
+      S::Backpointers::store(arg, o, acc.arg());
     }
   }
 }
@@ -49,7 +50,9 @@ __global__ void matmul_grad_left_kernel(const T* __restrict__ G, const T* __rest
   __shared__ T Bs[kTile][kTile + 1];  // [k][j]
   __shared__ T Cs[kTile][kTile + 1];  // [i][j]
   __shared__ T Gs[kTile][kTile + 1];  // [i][j]
-  __shared__ int64_t Is[S::kIsMax ? kTile : 1][kTile + 1];
+  using BP = typename S::Backpointers;
+  constexpr int ld = kTile + 1;
+  __shared__ int64_t Is[BP::slots(kTile * ld)];  // [i][j], staged back-pointers (none: one unused slot)
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int i = blockIdx.y * kTile + ty, k = blockIdx.x * kTile + tx;
   const int kload = blockIdx.x * kTile + ty;  // B tile rows are loaded with ty as the k offset
@@ -63,13 +66,13 @@ __global__ void matmul_grad_left_kernel(const T* __restrict__ G, const T* __rest
       const bool in = i < M && j < N;
       Cs[ty][tx] = in ? C[o] : S::template zero<T>();
       Gs[ty][tx] = in ? G[o] : T(0);
-      if constexpr (S::kIsMax) Is[ty][tx] = in ? arg[o] : -1;
+      BP::store(Is, ty * ld + tx, in ? BP::load(arg, o) : -1);
       Bs[ty][tx] = (kload < K && j < N) ? Bb[int64_t(kload) * N + j] : S::template zero<T>();
       __syncthreads();
       const int jn = min(kTile, N - j0);
       for (int jj = 0; jj < jn; ++jj) {
         const T gij = Gs[ty][jj];
-        if (gij != T(0)) g += gij * S::weight(S::times(aik, Bs[tx][jj]), Cs[ty][jj], k, S::kIsMax ? Is[ty][jj] : -1);
+        if (gij != T(0)) g += gij * S::weight(S::times(aik, Bs[tx][jj]), Cs[ty][jj], k, BP::load(Is, ty * ld + jj));
       }
       __syncthreads();
     }
@@ -104,8 +107,8 @@ void semiring_matmul_forward(const at::Tensor& a, const at::Tensor& b, at::Tenso
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul_cuda", [&] {
     matmul_forward_kernel<S, scalar_t><<<batch_grid(N, M, batch), dim3(kTile, kTile), 0, stream>>>(
-        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-        S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, batch, int(M), int(K), int(N), sa, sb);
+        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(arg),
+        batch, int(M), int(K), int(N), sa, sb);
   });
   check_launch("semiring_matmul_forward");
 }
@@ -120,8 +123,7 @@ void semiring_matmul_grad_left(const at::Tensor& grad_c, const at::Tensor& a, co
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "semiring_matmul_grad_left_cuda", [&] {
     matmul_grad_left_kernel<S, scalar_t><<<batch_grid(K, M, batch), dim3(kTile, kTile), 0, stream>>>(
         grad_c.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-        S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, grad_a.data_ptr<scalar_t>(), batch, int(M), int(K), int(N), sa,
-        sb);
+        detail::data_or_null<int64_t>(arg), grad_a.data_ptr<scalar_t>(), batch, int(M), int(K), int(N), sa, sb);
   });
   check_launch("semiring_matmul_grad_left");
 }

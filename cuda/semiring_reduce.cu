@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/semiring_kernels.h"
+#include "lib/src/semiring/backpointers.h"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda {
@@ -36,7 +37,7 @@ __global__ void reduce_forward_kernel(const T* __restrict__ x, T* __restrict__ o
     const Acc total = Reduce(temp).Reduce(acc, MergeOp<S, T>());
     if (threadIdx.x == 0) {
       out[r] = total.value();
-      if constexpr (S::kIsMax) arg[r] = total.arg();
+      S::Backpointers::store(arg, r, total.arg());
     }
     __syncthreads();  // temp is reused by the next row
   }
@@ -47,7 +48,7 @@ __global__ void reduce_backward_kernel(const T* __restrict__ g, const T* __restr
                                        const int64_t* __restrict__ arg, T* __restrict__ gx, int64_t R, int64_t N) {
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < R * N; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e / N, n = e % N;
-    gx[e] = g[r] != T(0) ? g[r] * S::weight(x[e], out[r], n, S::kIsMax ? arg[r] : -1) : T(0);
+    gx[e] = g[r] != T(0) ? g[r] * S::weight(x[e], out[r], n, S::Backpointers::load(arg, r)) : T(0);
   }
 }
 
@@ -61,7 +62,7 @@ void semiring_reduce_forward(const at::Tensor& x, at::Tensor& out, at::Tensor& a
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(R, 65535));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "semiring_reduce_cuda", [&] {
     reduce_forward_kernel<S, scalar_t><<<blocks, kThreads, 0, stream>>>(
-        x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, R, N);
+        x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(arg), R, N);
   });
   check_launch("semiring_reduce_forward");
 }
@@ -76,7 +77,7 @@ void semiring_reduce_backward(const at::Tensor& grad_out, const at::Tensor& x, c
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "semiring_reduce_backward_cuda", [&] {
     reduce_backward_kernel<S, scalar_t><<<blocks, kThreads, 0, stream>>>(
         grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-        S::kIsMax ? arg.data_ptr<int64_t>() : nullptr, grad_x.data_ptr<scalar_t>(), R, N);
+        detail::data_or_null<int64_t>(arg), grad_x.data_ptr<scalar_t>(), R, N);
   });
   check_launch("semiring_reduce_backward");
 }

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "lib/src/semiring/backpointers.h"
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "trellis/semiring/semiring.h"
@@ -17,6 +18,9 @@
 namespace trellis::detail {
 namespace {
 
+using cuda::ChainGradients;
+using cuda::ChainInputs;
+using cuda::ChainRecord;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -27,26 +31,32 @@ class SemiringStep {
  public:
   SemiringStep(const T* w, const T* wt, int64_t k) : W_(w), Wt_(wt), K_(k) {}
 
-  void forward(const T* a, T* pre, int64_t* arg) {
+  // pre[j] and the back-pointer of each j, at arg[at + j].
+  void forward(const T* a, T* pre, int64_t* arg, int64_t at) {
     for (int64_t j = 0; j < K_; ++j) {
       const T* w = Wt_ + j * K_;
       const auto acc = S::template reduce<T>(K_, [&](int64_t i) { return S::times(a[i], w[i]); });
       pre[j] = acc.value();
-      if (arg) arg[j] = acc.arg();
+      S::Backpointers::store(arg, at + j, acc.arg());
     }
   }
 
   // Adds the adjoint of a (given adj, the adjoint of pre) to next, and the transitions' gradient to gw.
-  void backward(const T* a, const T* pre, const int64_t* arg, const T* adj, T* next, T* gw) {
+  void backward(const T* a, const T* pre, const int64_t* arg, int64_t at, const T* adj, T* next, T* gw) {
     for (int64_t j = 0; j < K_; ++j) {
       if (adj[j] == T(0)) continue;
+      const int64_t best = S::Backpointers::load(arg, at + j);
       for (int64_t i = 0; i < K_; ++i) {
-        const T c = adj[j] * S::weight(S::times(a[i], W_[i * K_ + j]), pre[j], i, arg ? arg[j] : -1);
+        const T c = adj[j] * S::weight(S::times(a[i], W_[i * K_ + j]), pre[j], i, best);
         next[i] += c;
         gw[i * K_ + j] += c;
       }
     }
   }
+
+  // Nothing to restore: this step runs the semirings without a scaled form (MaxSemiring), whose adjoints are
+  // indicators.
+  void restore_total(T*, T) const {}
 
  private:
   const T *W_, *Wt_;
@@ -64,7 +74,7 @@ class ScaledLogStep {
       : W_(w), P_(p), cmax_(colmax), K_(k), v_(k), s_(k), q_(k),
         log_threshold_(std::log(underflow_threshold(c10::CppTypeToScalarType<T>::value, k))) {}
 
-  void forward(const T* a, T* pre, int64_t*) {
+  void forward(const T* a, T* pre, int64_t*, int64_t) {
     const T m = scale(a);
     std::fill(s_.begin(), s_.end(), T(0));
     T* __restrict s = s_.data();
@@ -80,7 +90,7 @@ class ScaledLogStep {
     }
   }
 
-  void backward(const T* a, const T* pre, const int64_t*, const T* adj, T* next, T* gw) {
+  void backward(const T* a, const T* pre, const int64_t*, int64_t, const T* adj, T* next, T* gw) {
     const T m = scale(a);
     T* __restrict q = q_.data();
     for (int64_t j = 0; j < K_; ++j) {
@@ -112,6 +122,17 @@ class ScaledLogStep {
     }
   }
 
+  // adj is `total` times a position's marginals, which sum to one: restoring that total at each step keeps rounding
+  // from compounding over a long sequence (float32 drifts by 2e-4 over 1e5 steps otherwise).
+  void restore_total(T* adj, T total) const {
+    double sum = 0;
+    for (int64_t k = 0; k < K_; ++k) sum += adj[k];
+    if (sum != 0 && std::isfinite(sum)) {
+      const T scale = static_cast<T>(total / sum);
+      for (int64_t k = 0; k < K_; ++k) adj[k] *= scale;
+    }
+  }
+
  private:
   T scale(const T* a) {
     T m = -std::numeric_limits<T>::infinity();
@@ -132,17 +153,18 @@ class ScaledLogStep {
 template <class S, class T>
 struct StepFactory {
   explicit StepFactory(const at::Tensor& trans) : trans_(trans), K_(trans.size(0)) {
-    if constexpr (S::kIsMax) {
-      aux_ = trans.t().contiguous();
-    } else {
+    if constexpr (S::kHasScaledForm) {
       const ScaledRight r = scale_right(trans.unsqueeze(0));
       aux_ = r.scaled.squeeze(0).contiguous();
       colmax_ = r.colmax.flatten().contiguous();
+    } else {
+      aux_ = trans.t().contiguous();
     }
   }
   auto make() const {
-    if constexpr (S::kIsMax) return SemiringStep<S, T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), K_);
-    else return ScaledLogStep<T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), colmax_.data_ptr<T>(), K_);
+    if constexpr (S::kHasScaledForm)
+      return ScaledLogStep<T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), colmax_.data_ptr<T>(), K_);
+    else return SemiringStep<S, T>(trans_.data_ptr<T>(), aux_.data_ptr<T>(), K_);
   }
   at::Tensor trans_, aux_, colmax_;
   int64_t K_;
@@ -163,18 +185,16 @@ T rebase(T* a, int64_t K) {
 // its largest entry, the offsets summed in float64. The recursion and its reverse mode only take differences of
 // alpha_{t-1} and pre_t, which share an offset; frame_score is the score in the last alpha's frame, score the true one.
 template <class S, class T>
-void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
-                 const at::Tensor& lengths, const at::Tensor& tags, at::Tensor& alpha, at::Tensor& pre, at::Tensor& arg,
-                 at::Tensor& end_arg, at::Tensor& score, at::Tensor& frame_score, at::Tensor& loglik) {
-  const int64_t B = em.size(0), Tn = em.size(1), K = em.size(2);
-  const StepFactory<S, T> steps(trans);
-  const T *E = em.data_ptr<T>(), *St = start.data_ptr<T>(), *En = end.data_ptr<T>(), *W = trans.data_ptr<T>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
-  T *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(), *Z = score.data_ptr<T>(), *FZ = frame_score.data_ptr<T>();
-  T* LL = Y ? loglik.data_ptr<T>() : nullptr;
-  int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
-  int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
+void forward_cpu(const ChainInputs& in, ChainRecord& r) {
+  const int64_t B = in.emissions.size(0), Tn = in.emissions.size(1), K = in.emissions.size(2);
+  const StepFactory<S, T> steps(in.transitions);
+  const T *E = in.emissions.data_ptr<T>(), *St = in.start.data_ptr<T>(), *En = in.end.data_ptr<T>(),
+          *W = in.transitions.data_ptr<T>();
+  const int64_t* len = in.lengths.data_ptr<int64_t>();
+  const int64_t* Y = data_or_null<int64_t>(in.tags);
+  T *A = r.alpha.data_ptr<T>(), *P = r.pre.data_ptr<T>(), *Z = r.score.data_ptr<T>(), *FZ = r.frame_score.data_ptr<T>();
+  T* LL = Y ? r.loglik.data_ptr<T>() : nullptr;
+  int64_t *I = data_or_null<int64_t>(r.arg), *IE = data_or_null<int64_t>(r.end_arg);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     auto step = steps.make();
     for (int64_t b = b0; b < b1; ++b) {
@@ -187,7 +207,7 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
       }
       double offset = rebase(a, K);
       for (int64_t t = 1; t < L; ++t) {
-        step.forward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr);
+        step.forward(a + (t - 1) * K, p + t * K, I, off + t * K);
         for (int64_t j = 0; j < K; ++j) a[t * K + j] = S::times(p[t * K + j], e[t * K + j]);
         offset += rebase(a + t * K, K);
       }
@@ -196,7 +216,7 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
       FZ[b] = acc.value();
       const double z = offset + FZ[b];
       Z[b] = static_cast<T>(z);
-      if (IE) IE[b] = acc.arg();
+      S::Backpointers::store(IE, b, acc.arg());
       if (Y) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
         const int64_t* y = Y + b * Tn;
         double g = double(St[y[0]]) + e[y[0]] + En[y[L - 1]];
@@ -207,30 +227,28 @@ void forward_cpu(const at::Tensor& em, const at::Tensor& trans, const at::Tensor
   });
 }
 
-// Reverse mode of forward_cpu. adj holds ∂score/∂alpha_t for one sequence. The transitions' gradient is summed per
-// chunk of sequences, one buffer each, and the buffers are added in order at the end: no two threads write the same
-// memory, and as the chunks depend on B and K alone, any thread count gives the same bits.
+// Reverse mode of forward_cpu, from the record's frame_score. adj holds ∂score/∂alpha_t for one sequence. The
+// transitions' gradient is summed per chunk of sequences, one buffer each, and the buffers are added in order at the
+// end: no two threads write the same memory, and as the chunks depend on B and K alone, any thread count gives the same
+// bits.
 template <class S, class T>
-void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Tensor& end, const at::Tensor& lengths,
-                  const at::Tensor& tags, const at::Tensor& alpha, const at::Tensor& pre, const at::Tensor& arg,
-                  const at::Tensor& end_arg, const at::Tensor& frame_score, at::Tensor& g_em, at::Tensor& g_trans,
-                  at::Tensor& g_start, at::Tensor& g_end) {
-  const int64_t B = alpha.size(0), Tn = alpha.size(1), K = alpha.size(2);
+void backward_cpu(const at::Tensor& grad, const ChainInputs& in, const ChainRecord& r, ChainGradients& grads) {
+  const int64_t B = r.alpha.size(0), Tn = r.alpha.size(1), K = r.alpha.size(2);
   // At most 64 chunks, fewer when their K×K buffers would pass 64 MiB, but at least 4 (while B allows) so that large
   // K stays parallel.
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(B, 64));
   const int64_t chunks =
       std::clamp<int64_t>((int64_t(64) << 20) / (K * K * sizeof(T)), std::min<int64_t>(most, 4), most);
-  const StepFactory<S, T> steps(trans);
-  at::Tensor part_w = at::zeros({chunks, K, K}, alpha.options());
-  at::Tensor part_s = at::zeros({chunks, K}, alpha.options()), part_e = at::zeros({chunks, K}, alpha.options());
-  const T *G = grad.data_ptr<T>(), *En = end.data_ptr<T>(), *A = alpha.data_ptr<T>(), *P = pre.data_ptr<T>(),
-          *Z = frame_score.data_ptr<T>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const int64_t* Y = tags.numel() ? tags.data_ptr<int64_t>() : nullptr;
-  const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
-  const int64_t* IE = S::kIsMax ? end_arg.data_ptr<int64_t>() : nullptr;
-  T* GE = g_em.data_ptr<T>();
+  const StepFactory<S, T> steps(in.transitions);
+  const at::TensorOptions options = r.alpha.options();
+  at::Tensor part_w = at::zeros({chunks, K, K}, options);
+  at::Tensor part_s = at::zeros({chunks, K}, options), part_e = at::zeros({chunks, K}, options);
+  const T *G = grad.data_ptr<T>(), *En = in.end.data_ptr<T>(), *A = r.alpha.data_ptr<T>(), *P = r.pre.data_ptr<T>(),
+          *Z = r.frame_score.data_ptr<T>();
+  const int64_t* len = in.lengths.data_ptr<int64_t>();
+  const int64_t* Y = data_or_null<int64_t>(in.tags);
+  const int64_t *I = data_or_null<int64_t>(r.arg), *IE = data_or_null<int64_t>(r.end_arg);
+  T* GE = grads.emissions.data_ptr<T>();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     auto step = steps.make();
     std::vector<T> adj(K), next(K);
@@ -241,25 +259,17 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
         const T *a = A + off, *p = P + off;
         T* gem = GE + off;
         const T gb = Y ? -G[b] : G[b];  // with tags the output was gold − score
+        const int64_t best_end = S::Backpointers::load(IE, b);
         for (int64_t k = 0; k < K; ++k) {
-          adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, IE ? IE[b] : -1);
+          adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, best_end);
           ge[k] += adj[k];
         }
         for (int64_t t = L - 1; t >= 1; --t) {
           std::copy(adj.begin(), adj.end(), gem + t * K);
           std::fill(next.begin(), next.end(), T(0));
-          step.backward(a + (t - 1) * K, p + t * K, I ? I + off + t * K : nullptr, adj.data(), next.data(), gw);
+          step.backward(a + (t - 1) * K, p + t * K, I, off + t * K, adj.data(), next.data(), gw);
           std::swap(adj, next);
-          if constexpr (!S::kIsMax) {
-            // adj_t is gb times position t's marginals, which sum to one: restoring that total at each step keeps
-            // rounding from compounding over a long sequence (float32 drifts by 2e-4 over 1e5 steps otherwise).
-            double total = 0;
-            for (int64_t k = 0; k < K; ++k) total += adj[k];
-            if (total != 0 && std::isfinite(total)) {
-              const T scale = static_cast<T>(gb / total);
-              for (int64_t k = 0; k < K; ++k) adj[k] *= scale;
-            }
-          }
+          step.restore_total(adj.data(), gb);
         }
         for (int64_t k = 0; k < K; ++k) {
           gem[k] = adj[k];
@@ -277,9 +287,9 @@ void backward_cpu(const at::Tensor& grad, const at::Tensor& trans, const at::Ten
       }
     }
   });
-  g_trans.copy_(part_w.sum(0));
-  g_start.copy_(part_s.sum(0));
-  g_end.copy_(part_e.sum(0));
+  grads.transitions.copy_(part_w.sum(0));
+  grads.start.copy_(part_s.sum(0));
+  grads.end.copy_(part_e.sum(0));
 }
 
 // Which kernels run the fused chain: the CPU loops, the CUDA kernels with the transitions in one block's shared memory,
@@ -290,7 +300,7 @@ template <class S>
 Backend backend(const at::Tensor& em) {
   if (!em.is_cuda()) return Backend::kCpu;
   if (cuda::chain_supported(em.size(2), em.scalar_type())) return Backend::kCudaShared;
-  if (!S::kIsMax && cuda::scaled_chain_crf_supported(em.size(2), em.scalar_type())) return Backend::kCudaScaled;
+  if (S::kHasScaledForm && cuda::scaled_chain_crf_supported(em.size(2), em.scalar_type())) return Backend::kCudaScaled;
   return Backend::kNone;
 }
 
@@ -304,79 +314,85 @@ at::Tensor materialised(const at::Tensor& lengths, const at::Tensor& em) {
 
 at::Tensor contiguous_or_none(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
-// What the fused forward pass keeps for its backward pass: its inputs and its messages.
-struct ChainRecord {
-  at::Tensor trans, end, lengths, tags, alpha, pre, arg, end_arg, frame_score;
-  at::Tensor scaled, colmax;  // the scaled transitions, for the many-label CUDA kernels
+// What the fused forward pass keeps for its backward pass: the inputs that pass reads (not the emissions and start),
+// the record, and the scaled transitions of the many-label CUDA kernels (undefined for the other routes).
+struct SavedChain {
+  ChainInputs in;
+  ChainRecord record;
+  cuda::ScaledTransitions scaled;
+
+  // The tensors autograd saves (the threshold follows from the dtype and K), and the state they restore.
+  variable_list tensors() const {
+    return {in.transitions, in.end,         in.lengths,         in.tags,       record.alpha, record.pre,
+            record.arg,     record.end_arg, record.frame_score, scaled.scaled, scaled.colmax};
+  }
+  static SavedChain restored(const variable_list& v) {
+    SavedChain s;
+    s.in = {at::Tensor(), v[0], at::Tensor(), v[1], v[2], v[3]};
+    s.record.alpha = v[4];
+    s.record.pre = v[5];
+    s.record.arg = v[6];
+    s.record.end_arg = v[7];
+    s.record.frame_score = v[8];
+    if (v[9].defined()) s.scaled = {v[9], v[10], underflow_threshold(v[9].scalar_type(), v[9].size(0))};
+    return s;
+  }
 };
 
-// The fused forward pass: the score [B] (with tags: the log-likelihood), and its record.
+// The fused forward pass: the score [B] (with tags: the log-likelihood), and what its backward pass needs.
 template <class S>
-at::Tensor forward_pass(const at::Tensor& em, const at::Tensor& trans, const at::Tensor& start, const at::Tensor& end,
-                        const at::Tensor& lengths, const at::Tensor& tags, ChainRecord& r) {
-  const int64_t B = em.size(0);
-  r.trans = trans;
-  r.end = end;
-  r.lengths = backend<S>(em) == Backend::kCudaShared ? lengths : materialised(lengths, em);
-  r.tags = tags;
+at::Tensor forward_pass(const ChainInputs& inputs, SavedChain& saved) {
+  const at::Tensor& em = inputs.emissions;
+  const int64_t B = em.size(0), K = em.size(2);
+  const bool tagged = inputs.tags.numel() > 0;
+  ChainInputs in = inputs;
+  in.lengths = backend<S>(em) == Backend::kCudaShared ? in.lengths : materialised(in.lengths, em);
+  ChainRecord& r = saved.record;
   r.alpha = at::empty_like(em);
   r.pre = at::empty_like(em);
+  r.arg = backpointer_record<S>(em.sizes(), em.options());
+  r.end_arg = backpointer_record<S>({B}, em.options());
   // The [B] results in one allocation, the returned one first (an operator's output starts its storage).
-  const at::Tensor results = at::empty({tags.numel() ? 3 : 2, B}, em.options());
-  at::Tensor loglik = tags.numel() ? results[0] : at::empty({0}, em.options()), score = results[tags.numel() ? 1 : 0];
-  r.frame_score = results[tags.numel() ? 2 : 1];
-  const auto long_opts = em.options().dtype(at::kLong);
-  if (S::kIsMax) {
-    r.arg = at::empty(em.sizes(), long_opts);
-    r.end_arg = at::empty({B}, long_opts);
-  }
-  if (em.is_cuda()) {
-    if (backend<S>(em) == Backend::kCudaScaled) {
-      const ScaledRight w = scale_right(trans.unsqueeze(0));
-      r.scaled = w.scaled[0].contiguous();
-      r.colmax = w.colmax.view({em.size(2)});
-      cuda::scaled_chain_crf_forward(em, trans, r.scaled, r.colmax, start, end, r.lengths, tags,
-                                     underflow_threshold(em.scalar_type(), em.size(2)), r.alpha, r.pre, score, loglik);
-      r.frame_score = score;  // the scaled kernel keeps its alphas in the score's frame
-    } else {
-      cuda::chain_forward<S>(em, trans, start, end, r.lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
-                             r.frame_score, loglik);
-    }
+  const at::Tensor results = at::empty({tagged ? 3 : 2, B}, em.options());
+  r.loglik = tagged ? results[0] : at::empty({0}, em.options());
+  r.score = results[tagged ? 1 : 0];
+  r.frame_score = results[tagged ? 2 : 1];
+  if (backend<S>(em) == Backend::kCudaScaled) {
+    const ScaledRight w = scale_right(in.transitions.unsqueeze(0));
+    saved.scaled = {w.scaled[0].contiguous(), w.colmax.view({K}), underflow_threshold(em.scalar_type(), K)};
+    cuda::scaled_chain_crf_forward(in, saved.scaled, r);
+    r.frame_score = r.score;  // the scaled kernel keeps its alphas in the score's frame
+  } else if (em.is_cuda()) {
+    cuda::chain_forward<S>(in, r);
   } else {
-    AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] {
-      forward_cpu<S, scalar_t>(em, trans, start, end, r.lengths, tags, r.alpha, r.pre, r.arg, r.end_arg, score,
-                               r.frame_score, loglik);
-    });
+    AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_chain_forward", [&] { forward_cpu<S, scalar_t>(in, r); });
   }
-  return tags.numel() ? loglik : score;
+  saved.in = {at::Tensor(), in.transitions, at::Tensor(), in.end, in.lengths, in.tags};
+  return tagged ? r.loglik : r.score;
 }
 
-// The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b] (grad undefined: Σ_b score[b]), from the
-// forward pass' record.
+// The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b] (grad undefined: Σ_b score[b]), from what
+// the forward pass kept.
 template <class S>
-std::array<at::Tensor, 4> backward_pass(const at::Tensor& grad, const ChainRecord& r) {
-  const bool shared = r.alpha.is_cuda() && !r.scaled.defined();
+ChainGradients backward_pass(const at::Tensor& grad, const SavedChain& saved) {
+  const ChainRecord& r = saved.record;
+  const bool shared = r.alpha.is_cuda() && !saved.scaled.scaled.defined();
   const at::Tensor g = grad.defined() ? grad.contiguous()
                        : shared       ? grad  // the shared-memory kernel reads no gradient as all ones
                                       : at::ones({r.alpha.size(0)}, r.alpha.options());
   // The CUDA kernel writes the padding's zeros itself.
-  at::Tensor g_em = r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
-             g_trans = at::empty_like(r.trans), g_start = at::empty_like(r.end), g_end = at::empty_like(r.end);
-  if (r.alpha.is_cuda()) {
-    if (r.scaled.defined())
-      cuda::scaled_chain_crf_backward(g, r.trans, r.scaled, r.colmax, r.end, r.lengths, r.tags, r.alpha, r.pre,
-                                      r.frame_score, underflow_threshold(r.alpha.scalar_type(), r.alpha.size(2)), g_em,
-                                      g_trans, g_start, g_end);
-    else
-      cuda::chain_backward<S>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
-                              g_em, g_trans, g_start, g_end);
+  ChainGradients grads{r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
+                       at::empty_like(saved.in.transitions), at::empty_like(saved.in.end),
+                       at::empty_like(saved.in.end)};
+  if (saved.scaled.scaled.defined()) {
+    cuda::scaled_chain_crf_backward(g, saved.in, saved.scaled, r, grads);
+  } else if (r.alpha.is_cuda()) {
+    cuda::chain_backward<S>(g, saved.in, r, grads);
   } else {
-    AT_DISPATCH_FLOATING_TYPES(r.alpha.scalar_type(), "fused_chain_backward", [&] {
-      backward_cpu<S, scalar_t>(g, r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score,
-                                g_em, g_trans, g_start, g_end);
-    });
+    AT_DISPATCH_FLOATING_TYPES(r.alpha.scalar_type(), "fused_chain_backward",
+                               [&] { backward_cpu<S, scalar_t>(g, saved.in, r, grads); });
   }
-  return {g_em, g_trans, g_start, g_end};
+  return grads;
 }
 
 template <class S>
@@ -384,18 +400,15 @@ struct FusedChainFunction : torch::autograd::Function<FusedChainFunction<S>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& em, const at::Tensor& trans,
                             const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths,
                             const at::Tensor& tags) {
-    ChainRecord r;
-    const at::Tensor out = forward_pass<S>(em, trans, start, end, lengths.numel() ? lengths : at::Tensor(), tags, r);
-    ctx->save_for_backward(
-        {r.trans, r.end, r.lengths, r.tags, r.alpha, r.pre, r.arg, r.end_arg, r.frame_score, r.scaled, r.colmax});
+    SavedChain s;
+    const at::Tensor out = forward_pass<S>({em, trans, start, end, lengths.numel() ? lengths : at::Tensor(), tags}, s);
+    ctx->save_for_backward(s.tensors());
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const ChainRecord r{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]};
-    auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(grads[0], r);
-    return {g_em, g_trans, g_start, g_end, at::Tensor(), at::Tensor()};
+    const ChainGradients g = backward_pass<S>(grads[0], SavedChain::restored(ctx->get_saved_variables()));
+    return {g.emissions, g.transitions, g.start, g.end, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -425,39 +438,46 @@ template <class S>
 std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
                                                           const at::Tensor& start, const at::Tensor& end,
                                                           const at::Tensor& lengths, const at::Tensor& tags) {
-  ChainRecord r;
+  SavedChain s;
   const at::Tensor score = forward_pass<S>(
-      emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
-      contiguous_or_none(lengths), tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions)), r);
-  auto [g_em, g_trans, g_start, g_end] = backward_pass<S>(at::Tensor(), r);
-  return {score, g_em, g_trans, g_start, g_end};
+      {emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
+       contiguous_or_none(lengths), tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions))},
+      s);
+  const ChainGradients g = backward_pass<S>(at::Tensor(), s);
+  return {score, g.emissions, g.transitions, g.start, g.end};
 }
 
 std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
                                                 const at::Tensor& start, const at::Tensor& end,
                                                 const at::Tensor& lengths) {
-  const at::Tensor em = emissions.contiguous(), trans = transitions.contiguous(), st = start.contiguous(),
-                   en = end.contiguous(), no_tags = at::empty({0}, long_options(em));
-  const at::Tensor len = em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous();
+  const at::Tensor em = emissions.contiguous();
+  const ChainInputs in{em,
+                       transitions.contiguous(),
+                       start.contiguous(),
+                       end.contiguous(),
+                       em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous(),
+                       at::empty({0}, long_options(em))};
   const int64_t B = em.size(0), Tn = em.size(1);
-  // The CUDA backtrace needs only the argmax record: the messages are not written there.
-  at::Tensor alpha = em.is_cuda() ? at::Tensor() : at::empty_like(em),
-             pre = em.is_cuda() ? at::Tensor() : at::empty_like(em);
-  at::Tensor score = at::empty({B}, em.options()), frame_score = at::empty({B}, em.options()),
-             loglik = at::empty({0}, em.options()), arg = at::empty(em.sizes(), no_tags.options()),
-             end_arg = at::empty({B}, no_tags.options()), path = at::empty({B, Tn}, no_tags.options());
+  // The CUDA backtrace needs only the back-pointers: the messages are not written there.
+  ChainRecord r{em.is_cuda() ? at::Tensor() : at::empty_like(em),
+                em.is_cuda() ? at::Tensor() : at::empty_like(em),
+                backpointer_record<MaxSemiring>(em.sizes(), em.options()),
+                backpointer_record<MaxSemiring>({B}, em.options()),
+                at::empty({B}, em.options()),
+                at::empty({B}, em.options()),
+                at::empty({0}, em.options())};
+  at::Tensor path = at::empty({B, Tn}, long_options(em));
   if (em.is_cuda()) {
-    cuda::chain_forward<MaxSemiring>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
-                                     loglik);
-    cuda::chain_backtrace(arg, end_arg, len, score, path);
-    return {path, score};
+    cuda::chain_forward<MaxSemiring>(in, r);
+    cuda::chain_backtrace(r, in.lengths, path);
+    return {path, r.score};
   }
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
-    forward_cpu<MaxSemiring, scalar_t>(em, trans, st, en, len, no_tags, alpha, pre, arg, end_arg, score, frame_score,
-                                       loglik);
+    forward_cpu<MaxSemiring, scalar_t>(in, r);
     const int64_t K = em.size(2);
-    const int64_t *A = arg.data_ptr<int64_t>(), *E = end_arg.data_ptr<int64_t>(), *L = len.data_ptr<int64_t>();
-    const scalar_t* S = score.data_ptr<scalar_t>();
+    const int64_t *A = r.arg.data_ptr<int64_t>(), *E = r.end_arg.data_ptr<int64_t>(),
+                  *L = in.lengths.data_ptr<int64_t>();
+    const scalar_t* S = r.score.data_ptr<scalar_t>();
     int64_t* P = path.data_ptr<int64_t>();
     at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
@@ -470,7 +490,7 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
       }
     });
   });
-  return {path, score};
+  return {path, r.score};
 }
 
 template std::array<at::Tensor, 5> fused_chain_score_and_gradients<LogSemiring>(const at::Tensor&, const at::Tensor&,

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "lib/src/semiring/backpointers.h"
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
 #include "cuda/semiring_kernels.h"
@@ -26,7 +27,7 @@ void matmul_forward_cpu(const at::Tensor& a, const at::Tensor& b, at::Tensor& c,
   const T* A = a.data_ptr<T>();
   const T* B = b.data_ptr<T>();
   T* C = c.data_ptr<T>();
-  int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  int64_t* I = detail::data_or_null<int64_t>(arg);
   at::parallel_for(0, batch * M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t bi = row / M, i = row % M;
@@ -36,7 +37,7 @@ void matmul_forward_cpu(const at::Tensor& a, const at::Tensor& b, at::Tensor& c,
         typename S::template Accumulator<T> acc;
         for (int64_t k = 0; k < K; ++k) acc.add(S::times(Ar[k], Bb[k * N + j]), k);
         C[row * N + j] = acc.value();
-        if (I) I[row * N + j] = acc.arg();
+        S::Backpointers::store(I, row * N + j, acc.arg());
       }
     }
   });
@@ -48,7 +49,7 @@ void matmul_grad_left_cpu(const at::Tensor& gc, const at::Tensor& a, const at::T
   const int64_t batch = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
   const int64_t sa = a.size(0) == 1 ? 0 : M * K, sb = b.size(0) == 1 ? 0 : K * N;
   const T *A = a.data_ptr<T>(), *B = b.data_ptr<T>(), *C = c.data_ptr<T>(), *G = gc.data_ptr<T>();
-  const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  const int64_t* I = detail::data_or_null<int64_t>(arg);
   T* GA = ga.data_ptr<T>();
   at::parallel_for(0, batch * M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -60,7 +61,8 @@ void matmul_grad_left_cpu(const at::Tensor& gc, const at::Tensor& a, const at::T
         for (int64_t j = 0; j < N; ++j) {
           const T gcij = G[row * N + j];
           if (gcij != T(0))
-            g += gcij * S::weight(S::times(Ar[k], Bb[k * N + j]), C[row * N + j], k, I ? I[row * N + j] : -1);
+            g += gcij *
+                 S::weight(S::times(Ar[k], Bb[k * N + j]), C[row * N + j], k, S::Backpointers::load(I, row * N + j));
         }
         GA[row * K + k] = g;
       }
@@ -73,13 +75,13 @@ void reduce_forward_cpu(const at::Tensor& x, at::Tensor& out, at::Tensor& arg) {
   const int64_t R = x.size(0), N = x.size(1);
   const T* X = x.data_ptr<T>();
   T* O = out.data_ptr<T>();
-  int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  int64_t* I = detail::data_or_null<int64_t>(arg);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       typename S::template Accumulator<T> acc;
       for (int64_t n = 0; n < N; ++n) acc.add(X[r * N + n], n);
       O[r] = acc.value();
-      if (I) I[r] = acc.arg();
+      S::Backpointers::store(I, r, acc.arg());
     }
   });
 }
@@ -89,12 +91,12 @@ void reduce_backward_cpu(const at::Tensor& g, const at::Tensor& x, const at::Ten
                          at::Tensor& gx) {
   const int64_t R = x.size(0), N = x.size(1);
   const T *X = x.data_ptr<T>(), *O = out.data_ptr<T>(), *G = g.data_ptr<T>();
-  const int64_t* I = S::kIsMax ? arg.data_ptr<int64_t>() : nullptr;
+  const int64_t* I = detail::data_or_null<int64_t>(arg);
   T* GX = gx.data_ptr<T>();
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t n = 0; n < N; ++n)
-        GX[r * N + n] = G[r] != T(0) ? G[r] * S::weight(X[r * N + n], O[r], n, I ? I[r] : -1) : T(0);
+        GX[r * N + n] = G[r] != T(0) ? G[r] * S::weight(X[r * N + n], O[r], n, S::Backpointers::load(I, r)) : T(0);
   });
 }
 
@@ -130,11 +132,11 @@ struct SemiringMatmulFunction : torch::autograd::Function<SemiringMatmulFunction
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
     const int64_t batch = std::max(a.size(0), b.size(0));
     at::Tensor c, arg;
-    if (!S::kIsMax && a.size(2) >= kScaledMinInner) {
+    if (S::kHasScaledForm && a.size(2) >= kScaledMinInner) {
       c = detail::scaled_log_matmul(a, detail::scale_right(b));
     } else {
       c = at::empty({batch, a.size(1), b.size(2)}, a.options());
-      if (S::kIsMax) arg = at::empty(c.sizes(), a.options().dtype(at::kLong));
+      arg = detail::backpointer_record<S>(c.sizes(), a.options());
       matmul_forward<S>(a, b, c, arg);
     }
     ctx->save_for_backward({a, b, c, arg});
@@ -159,7 +161,7 @@ struct SemiringSumFunction : torch::autograd::Function<SemiringSumFunction<S>> {
   // x is [R, N] contiguous; returns [R].
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
     at::Tensor out = at::empty({x.size(0)}, x.options());
-    at::Tensor arg = S::kIsMax ? at::empty({x.size(0)}, x.options().dtype(at::kLong)) : at::Tensor();
+    at::Tensor arg = detail::backpointer_record<S>({x.size(0)}, x.options());
     if (x.is_cuda()) {
       cuda::semiring_reduce_forward<S>(x, out, arg);
     } else {

@@ -64,11 +64,53 @@ struct LogSpaceScores {
   }
 };
 
+// Back-pointers: what a semiring's ⊕ records for its backward pass and backtrace (the index of the term that made the
+// result), as a policy of its own, so that a dynamic program stores and loads them the same way whichever semiring it
+// runs. A record is an array of indices (int64 in memory, int where a kernel stages them), `at` a position in it.
+
+// No back-pointers (LogSemiring: every term has a weight). Records stay unallocated (null pointers) and are never
+// touched: a load is the constant -1, a store does nothing.
+struct NoBackpointers {
+  static constexpr bool kRecorded = false;
+
+  // The length of a staging array for n indices: 1 (an array may not be empty), so that it costs no memory.
+  TRELLIS_HD static constexpr int slots(int /*n*/) { return 1; }
+  // Records nothing.
+  template <class I>
+  TRELLIS_HD static void store(I* /*record*/, int64_t /*at*/, int64_t /*index*/) {}
+  // No recorded index: -1.
+  template <class I>
+  TRELLIS_HD static int64_t load(const I* /*record*/, int64_t /*at*/) {
+    return -1;
+  }
+};
+
+// The argmax of each ⊕ is recorded (MaxSemiring: the Viterbi back-pointers).
+struct ArgmaxBackpointers {
+  static constexpr bool kRecorded = true;
+
+  // The length of a staging array for n indices.
+  TRELLIS_HD static constexpr int slots(int n) { return n; }
+  // record[at] = index.
+  template <class I>
+  TRELLIS_HD static void store(I* record, int64_t at, int64_t index) {
+    record[at] = static_cast<I>(index);
+  }
+  // record[at]: the index recorded there (-1 for an empty ⊕).
+  template <class I>
+  TRELLIS_HD static int64_t load(const I* record, int64_t at) {
+    return record[at];
+  }
+};
+
 // ⊕ = log-sum-exp, ⊗ = +. The accumulator is the (max, sum) pair:
 //   (m1,s1) ⊕ (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
 // so no term is ever exponentiated above 1 and -inf terms contribute exactly zero (never NaN).
 struct LogSemiring : LogSpaceScores {
-  static constexpr bool kIsMax = false;  // a sum: no argmax to record
+  using Backpointers = NoBackpointers;  // a sum: every term has a weight, no argmax to record
+  // ⊕ is the log of a sum of probabilities, so a product of log-space matrices can run scaled, as an ordinary GEMM
+  // (lib/src/semiring/scaled_log_matmul.h), and a step of a chain likewise.
+  static constexpr bool kHasScaledForm = true;
 
   // ⊕ of the terms added so far, as (max, sum of e^(term − max)).
   template <class T>
@@ -97,6 +139,16 @@ struct LogSemiring : LogSpaceScores {
     TRELLIS_HD T value() const { return max > neg_inf<T>() ? max + log_(sum) : neg_inf<T>(); }
     // No argmax: -1.
     TRELLIS_HD int64_t arg() const { return -1; }
+    // No index to renumber (see MaxSemiring's).
+    TRELLIS_HD void renumber(int64_t /*first*/, int64_t /*stride*/) {}
+    // This accumulator with f applied to each field (f a warp shuffle: lanes exchange whole accumulators).
+    template <class F>
+    TRELLIS_HD Accumulator transformed(F f) const {
+      Accumulator a;
+      a.max = f(max);
+      a.sum = f(sum);
+      return a;
+    }
   };
 
   // ⊕ of term(0), ..., term(n-1) in two passes: the maximum, then the sum of exponentials. Unlike n online adds,
@@ -140,7 +192,8 @@ TRELLIS_HD T exact_log_dot(const T* a, const T* w, int64_t n, int64_t stride) {
 // ⊕ = max (remembering the first index that reached it), ⊗ = +. The gradient is routed to that one argmax, so
 // differentiating a Viterbi score gives the indicator of one best path even when several tie.
 struct MaxSemiring : LogSpaceScores {
-  static constexpr bool kIsMax = true;  // a maximum: the argmax is recorded (back-pointers)
+  using Backpointers = ArgmaxBackpointers;  // a maximum: the argmax is recorded
+  static constexpr bool kHasScaledForm = false;
 
   // ⊕ of the terms added so far: the maximum and the first index that reached it.
   template <class T>
@@ -166,6 +219,19 @@ struct MaxSemiring : LogSpaceScores {
     TRELLIS_HD T value() const { return max; }
     // The index of the maximum, -1 while empty.
     TRELLIS_HD int64_t arg() const { return index; }
+    // The terms were added with indices 0, 1, 2, ... but stand for first, first + stride, first + 2·stride, ... (one
+    // lane's share of a ⊕ split over lanes): the index is renamed accordingly.
+    TRELLIS_HD void renumber(int64_t first, int64_t stride) {
+      if (index >= 0) index = first + index * stride;
+    }
+    // This accumulator with f applied to each field (f a warp shuffle: lanes exchange whole accumulators).
+    template <class F>
+    TRELLIS_HD Accumulator transformed(F f) const {
+      Accumulator a;
+      a.max = f(max);
+      a.index = f(index);
+      return a;
+    }
   };
 
   // ⊕ of term(0), ..., term(n-1), in index order.
