@@ -21,14 +21,9 @@ namespace trellis::head_maths {
 //   (m1,s1) + (m2,s2) = (M, s1·e^(m1−M) + s2·e^(m2−M)),  M = max(m1, m2),
 // and so does any other sum kept relative to the same maximum (Σ e^(z − m)·z, the entropy's).
 
-TRELLIS_HD float max_of(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return fmaxf(a, b);
-#else
-  return std::fmax(a, b);
-#endif
-}
-TRELLIS_HD double max_of(double a, double b) {
+// The larger of a and b (the other where one is NaN, as fmax).
+template <class T>
+TRELLIS_HD T max_of(T a, T b) {
 #if defined(__CUDA_ARCH__)
   return fmax(a, b);
 #else
