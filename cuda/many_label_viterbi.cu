@@ -82,7 +82,7 @@ template <class T, int NB>
 __global__ void __launch_bounds__(kThreads, 2)
     viterbi_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
                         const T* __restrict__ W, double* __restrict__ offset, T* __restrict__ step_max,
-                        T* __restrict__ partial, int B, int K, int rows, bool vector_rows, bool reverse,
+                        T* __restrict__ partial, int B, int running, int K, int rows, bool vector_rows, bool reverse,
                         int keep_permille) {
   constexpr int kStride = v_stride<T, NB>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ T m[NB];
   // Sequence groups are the grid's fastest index: the blocks of every group that read one tile of W run side by side,
   // so a batch of several groups reads the tile from memory once per step and from L2 for the other groups.
-  const int b0 = blockIdx.x * NB, nb = min(NB, B - b0);
+  // Only the sequences still running (the first `running` of the batch, longest first) are read and written: the
+  // messages of the others are not kept past their last position, and their offsets are complete.
+  const int b0 = blockIdx.x * NB, nb = min(NB, running - b0);
   const int c0 = blockIdx.y * kCols<T>, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = c0 + lane * kVec<T>;
@@ -111,13 +113,19 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint64_t keep_policy, stream_policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream_policy));
+  // Rows are fetched, and used, in the order i = 0, 1, ...: running pointers step from row to row instead of an
+  // address computed for each (the step is issue-bound: two instructions per term, an add and a max). Fetches
+  // [keep_from, keep_to) are the span's first `keep` rows.
+  const int64_t fetch_step = reverse ? -src_step : src_step;
+  const T* next_row = src + (reverse ? my_rows - 1 : 0) * src_step;
+  const int keep_from = reverse ? my_rows - keep : 0, keep_to = reverse ? my_rows : keep;
   const auto fetch = [&](int i, int slot) {
     if (streamed && i < my_rows) {
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots + slot * kCols<T>));
-      const uint64_t policy = row(i) < keep ? keep_policy : stream_policy;
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
-                   "l"(src + row(i) * src_step), "l"(policy)
+      const uint64_t policy = i >= keep_from && i < keep_to ? keep_policy : stream_policy;
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(next_row), "l"(policy)
                    : "memory");
+      next_row += fetch_step;
     }
     __pipeline_commit();
   };
@@ -154,8 +162,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int c = 0; c < kVec<T>; ++c) best[b][c] = neg_inf<T>();
-  const auto max_row = [&](const T* p, int i) {
-    const T* vk = v + (warp + row(i) * kWarps) * kStride;
+  // The messages of row i = 0, 1, ... in turn (max_row is called in that order).
+  const T* vk = v + (warp + (reverse ? my_rows - 1 : 0) * kWarps) * kStride;
+  const int v_step = (reverse ? -kWarps : kWarps) * kStride;
+  const auto max_row = [&](const T* p) {
     T vr[NB];
     if constexpr (NB % kVec<T> == 0) {
 #pragma unroll
@@ -169,6 +179,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int c = 0; c < kVec<T>; ++c) best[b][c] = max(best[b][c], vr[b] + p[c]);
+    vk += v_step;
   };
   if (streamed) {
     for (int i0 = 0; i0 < my_rows; i0 += kStages) {
@@ -179,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         fetch(i + kStages - 1, (u + kStages - 1) % kStages);
         __pipeline_wait_prior(kStages - 1);  // row i has landed
         const Vec<T> p = *reinterpret_cast<const Vec<T>*>(slots + u * kCols<T>);
-        max_row(reinterpret_cast<const T*>(&p), i);
+        max_row(reinterpret_cast<const T*>(&p));
       }
     }
   } else if (col < K) {  // rows not 16-byte aligned: element loads
@@ -188,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       T p[kVec<T>];
 #pragma unroll
       for (int c = 0; c < kVec<T>; ++c) p[c] = col + c < K ? __ldg(W + k * K + col + c) : neg_inf<T>();
-      max_row(p, i);
+      max_row(p);
     }
   }
   __pipeline_wait_prior(0);
@@ -406,7 +417,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
           const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<T>), plan.splits);
           launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, current - B * K,
                            block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
-                           step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), int(K), plan.rows,
+                           step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), active, int(K), plan.rows,
                            vector_rows, t % 2 == 0, keep_permille);
         }
         launch_dependent(viterbi_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
