@@ -17,7 +17,8 @@
 # TRELLIS_HMM_BENCH_BANDWIDTH, default 3.0e12 bytes/s, an H100's measured copy rate).
 # Usage: hmm_bench.sh TRELLIS WORK_DIR [DEVICES...]   (devices for K = 64, default cuda; larger K run on cuda)
 #   env: JSON_OUT=FILE, TRELLIS_HMM_BENCH_LARGE=1, TRELLIS_HMM_BENCH_LARGE_K, TRELLIS_HMM_BENCH_BANDWIDTH,
-#        TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300)
+#        TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300), TRELLIS_HMM_BENCH_K (the throughput rows' K,
+#        default "64 1024 4096"; "" runs the floor rows alone)
 set -euo pipefail
 trellis=$1
 work=$2
@@ -79,9 +80,14 @@ run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
 }
 # The posteriors written out are K floats per token (uncompressed: 4 KB a token at K=1024, 16 KB at 4096), so the
 # --posteriors runs take fewer tokens, enough that the command's set-up is a small share of its time.
-run 64 10000000 500000 2000000 "${devices[@]}"
-run 1024 2000000 200000 1000000 cuda  # the CPU would take minutes here
-run 4096 1000000 100000 200000 cuda
+for K in ${TRELLIS_HMM_BENCH_K-64 1024 4096}; do
+  case $K in
+    64) run 64 10000000 500000 2000000 "${devices[@]}" ;;
+    1024) run 1024 2000000 200000 1000000 cuda ;;  # the CPU would take minutes here
+    4096) run 4096 1000000 100000 200000 cuda ;;
+    *) echo "TRELLIS_HMM_BENCH_K: $K is not one of 64, 1024, 4096" >&2; exit 2 ;;
+  esac
+done
 floor() {  # K LENGTH: infer over 16 sequences of LENGTH in one batch, beside the transitions' read floor
   local K=$1 L=$2 bandwidth=${TRELLIS_HMM_BENCH_BANDWIDTH:-3.0e12} shape_t=$2
   "$trellis" hmm init --states "$K" --symbols 10000 --seed 1 -o "$work/m$K.h5" 2>/dev/null
