@@ -29,7 +29,8 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
   const int64_t N = h.rows(), V = h.vocabulary(), columns = small_slab_columns(h, at::elementSize(h.acc));
   const auto opts = h.x.options().dtype(h.acc);
   at::Tensor slab = at::empty({N * columns}, opts);
-  // Each row's (max, Σ e^(z−max)) so far, merged with each chunk's (head_maths::merge).
+  // Each row's (max, Σ e^(z−max)) so far; each chunk moves the sum onto the new maximum (head_maths::rescale) and adds
+  // its own terms relative to it, as the fused kernel folds its tiles.
   head_maths::MaxSum<at::Tensor> row{at::full({N}, -INFINITY, opts), at::zeros({N}, opts)};
   SlabStats out;
   if (h.targets.defined()) out.target_logit = at::zeros({N}, opts);
@@ -43,8 +44,9 @@ SlabStats chunked_stats(const Head& h, bool want_sum) {
     target_and_sum(h, z, 0, v0, want_sum, part);
     if (h.targets.defined()) out.target_logit += part.target_logit;
     if (want_sum) out.logit_sum += part.logit_sum;
-    const at::Tensor top = std::get<0>(z.max(1));
-    row = head_maths::merge(row, {top, z.sub_(top.unsqueeze(1)).exp_().sum(1)});
+    const at::Tensor top = head_maths::max_of(row.max, std::get<0>(z.max(1)));
+    row.sum = row.sum * head_maths::rescale(row.max, top) + z.sub_(top.unsqueeze(1)).exp_().sum(1);
+    row.max = top;
   }
   out.lse = row.max + row.sum.log();
   return out;

@@ -38,7 +38,7 @@ template <class T>
 TRELLIS_HD T rescale(T from, T to) {
   return to == neg_inf<T>() ? T(0) : exp_(from - to);
 }
-at::Tensor rescale(const at::Tensor& from, const at::Tensor& to);
+at::Tensor rescale(const at::Tensor& from, const at::Tensor& to);  // to finite: no guard (head_maths.cpp)
 
 // The common maximum of two partial pairs and each one's factor onto it.
 template <class T>
