@@ -5,6 +5,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 // By its path from the project root: the sm_90a object library (cuda/CMakeLists.txt) has no lib/include.
 #include "lib/include/trellis/semiring/semiring.h"  // TRELLIS_HD, exp_, neg_inf
@@ -34,9 +35,14 @@ at::Tensor max_of(const at::Tensor& a, const at::Tensor& b);
 
 // e^(from − to): the factor that moves a sum kept relative to `from` onto a reference `to` ≥ from; 0 when to is −inf
 // (nothing seen yet: −inf − (−inf) would make NaN).
+// float on a GPU: 2^((from − to)·log2 e), the form of the fused kernel's own exponentials.
 template <class T>
 TRELLIS_HD T rescale(T from, T to) {
-  return to == neg_inf<T>() ? T(0) : exp_(from - to);
+  if (to == neg_inf<T>()) return T(0);
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) return exp2f((from - to) * 1.4426950408889634f);
+#endif
+  return exp_(from - to);
 }
 at::Tensor rescale(const at::Tensor& from, const at::Tensor& to);  // to finite: no guard (head_maths.cpp)
 
