@@ -316,10 +316,11 @@ DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* dis
 
 int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o) {
   const int64_t K = states_of(model), elt = at::elementSize(o.dtype);
-  // Per position: emission scores and their temporaries, Viterbi backpointers and path; with posteriors (or an
+  // Per position: emission scores and their temporaries, the Viterbi messages (many labels on CUDA keep every step's,
+  // in the computation's type; the other routes an int32 back-pointer or less) and path; with posteriors (or an
   // E-step) the saved forward messages, gradients and the float32 copy written out; the observations as read,
   // padded and converted.
-  const int64_t bytes = (4 * elt + 8) * K + (with_posteriors ? (6 * elt + 4) * K : 0) + 4 * elt * num_features + 64;
+  const int64_t bytes = (5 * elt + 4) * K + (with_posteriors ? (6 * elt + 4) * K : 0) + 4 * elt * num_features + 64;
   const int64_t tokens = o.memory_budget / bytes;
   if (tokens < 1) throw Error("the memory budget is too small for even one position of the model");
   return tokens;
