@@ -104,6 +104,53 @@ TEST(HMMFiles, DatasetsRoundTripAndBatchesRespectTheBudget) {
   std::remove(path.c_str());
 }
 
+TEST(HMMFiles, BatchesReadAheadEqualPlainReads) {
+  // HMMDataset::prefetch reads a range on a thread of its own: read() of that range returns it, a read() of another
+  // range drops it and reads its own, and a bad value in the range read ahead is the same Error at its read().
+  const std::string path = scratch("ahead.h5");
+  const HMMSample s = sample(CategoricalHMM::random(3, 9, 5), 40, 1, 25, 6);
+  {
+    HMMDatasetWriter w(path, 0, true);
+    w.append(s.observations, s.lengths, s.states);
+    w.commit();
+  }
+  HMMDataset ahead(path), plain(path);
+  const auto same = [](const SequenceBatch& a, const SequenceBatch& b) {
+    return a.first == b.first && at::equal(a.lengths, b.lengths) && at::equal(a.observations, b.observations) &&
+           (a.labels.defined() == b.labels.defined()) && (!a.labels.defined() || at::equal(a.labels, b.labels));
+  };
+  const auto batches = plain.batches(60);
+  ASSERT_GT(batches.size(), 2u);
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    const auto [first, count] = batches[i];
+    const SequenceBatch b = ahead.read(first, count, i % 2 == 1);
+    if (i + 1 < batches.size()) ahead.prefetch(batches[i + 1].first, batches[i + 1].second, i % 2 == 0);
+    EXPECT_TRUE(same(b, plain.read(first, count, i % 2 == 1))) << "batch " << i;
+  }
+  ahead.prefetch(0, 5);
+  EXPECT_TRUE(same(ahead.read(5, 7), plain.read(5, 7)));
+  EXPECT_TRUE(same(ahead.read(0, 5), plain.read(0, 5)));
+  ahead.prefetch(0, 5, true);
+  EXPECT_TRUE(same(ahead.read(0, 5), plain.read(0, 5)));  // the same range without labels
+  ahead.expect_symbols(2);
+  plain.expect_symbols(2);
+  std::string expected;
+  try {
+    plain.read(0, 40);
+  } catch (const Error& e) {
+    expected = e.what();
+  }
+  ASSERT_NE(expected.find("observations"), std::string::npos) << expected;
+  ahead.prefetch(0, 40);
+  try {
+    ahead.read(0, 40);
+    ADD_FAILURE() << "no error from the range read ahead";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), expected);
+  }
+  std::remove(path.c_str());
+}
+
 TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
   const std::string path = scratch("never.h5");
   { HMMDatasetWriter w(path, 2, false); }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <future>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -746,6 +747,16 @@ struct HMMDataset::Impl {
   bool observations_unsigned64 = false, labels_unsigned64 = false;
   int64_t features = 0, symbols = 0, label_count = 0;
   std::vector<int64_t> offsets;
+  // The range being read ahead (prefetch) and its batch; the future is the last member, so that the thread reading
+  // ahead is waited for before anything it reads goes.
+  struct Range {
+    int64_t first, count;
+    bool with_labels;
+  };
+  mutable std::optional<Range> ahead;
+  mutable std::future<SequenceBatch> ahead_batch;
+
+  SequenceBatch read_batch(int64_t first, int64_t count, bool with_labels) const;
 
   std::string where(const std::string& dataset, int64_t row) const {
     return path + ": /" + dataset + "[" + std::to_string(row) + "]";
@@ -867,9 +878,32 @@ void HMMDataset::expect_labels(int64_t n) { impl_->label_count = n; }
 
 SequenceBatch HMMDataset::read(int64_t first, int64_t count, bool with_labels) const {
   const Impl& d = *impl_;
-  if (first < 0 || count < 1 || first + count > num_sequences())
+  if (d.ahead_batch.valid()) {
+    const Impl::Range r = *d.ahead;
+    std::future<SequenceBatch> batch = std::move(d.ahead_batch);
+    d.ahead.reset();
+    if (r.first == first && r.count == count && r.with_labels == with_labels) return batch.get();
+    batch.wait();  // another range was read ahead: it (or its error) is dropped
+  }
+  return d.read_batch(first, count, with_labels);
+}
+
+void HMMDataset::prefetch(int64_t first, int64_t count, bool with_labels) const {
+  const Impl& d = *impl_;
+  hbool_t thread_safe = false;
+  if (H5is_library_threadsafe(&thread_safe) < 0 || !thread_safe) return;
+  if (d.ahead_batch.valid()) d.ahead_batch.wait();
+  d.ahead = Impl::Range{first, count, with_labels};
+  d.ahead_batch = std::async(std::launch::async,
+                             [&d, first, count, with_labels] { return d.read_batch(first, count, with_labels); });
+}
+
+SequenceBatch HMMDataset::Impl::read_batch(int64_t first, int64_t count, bool with_labels) const {
+  const Impl& d = *this;
+  const int64_t num_sequences = static_cast<int64_t>(offsets.size()) - 1;
+  if (first < 0 || count < 1 || first + count > num_sequences)
     throw Error(d.path + ": sequences [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                ") are outside [0, " + std::to_string(num_sequences()) + ")");
+                ") are outside [0, " + std::to_string(num_sequences) + ")");
   if (with_labels && !d.has_labels) throw Error(d.path + ": no '/labels' dataset");
   const int64_t begin = d.offsets[first], n = d.offsets[first + count] - begin;
   std::vector<int64_t> len(count);

@@ -359,10 +359,15 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         KeptResults kept(o.memory_budget);
         double log_likelihood = 0;
         on_every_rank_after_all(group, [&] {
-          const DatasetShare share = share_of_rank(data, rank, world);
-          for (const auto& [first, count] : share_batches(data, share, max_tokens)) {
+          const auto batches = share_batches(data, share_of_rank(data, rank, world), max_tokens);
+          for (std::size_t i = 0; i < batches.size(); ++i) {
+            const auto [first, count] = batches[i];
             auto phase = Clock::now();
             const SequenceBatch b = data.read(first, count);
+            // On a GPU the next batch is read while this one is computed and written (on the CPU the computation
+            // has the cores, as many as --threads says).
+            if (opt.device().is_cuda() && i + 1 < batches.size())
+              data.prefetch(batches[i + 1].first, batches[i + 1].second);
             const at::Tensor lengths = b.lengths.to(opt.device());
             sum.read_seconds += since(phase);
             phase = Clock::now();
@@ -579,8 +584,15 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
             Stats total = zero_statistics(shape, opt.device());
             double tokens = 0;  // exact below 2^53
             const auto failure = local_part([&] {
-              for (const auto& [first, count] : ranges) {
+              for (std::size_t i = 0; i < ranges.size(); ++i) {
+                const auto [first, count] = ranges[i];
                 const SequenceBatch b = data.read(first, count);
+                // On a GPU the next batch (the first again for the next iteration) is read while this one is
+                // computed.
+                if (opt.device().is_cuda() && ranges.size() > 1) {
+                  const auto& next = ranges[(i + 1) % ranges.size()];
+                  data.prefetch(next.first, next.second);
+                }
                 total +=
                     to_double(expected_statistics(work, b.observations.to(opt.device()), b.lengths.to(opt.device())));
                 tokens += static_cast<double>(b.lengths.sum().item<int64_t>());

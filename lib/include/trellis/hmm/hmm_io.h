@@ -73,6 +73,10 @@ class HMMDataset {
 
   // Sequences [first, first + count), padded, with their labels when with_labels (the file must have them).
   SequenceBatch read(int64_t first, int64_t count, bool with_labels = false) const;
+  // Starts reading that range on a thread of its own (where the HDF5 library is thread-safe; otherwise nothing), so
+  // that it is read while the caller computes: the next read() of the same range returns it, or throws its error.
+  // One range is read ahead at a time; a read() of another range drops it.
+  void prefetch(int64_t first, int64_t count, bool with_labels = false) const;
   // Consecutive [first, first + count) ranges of at most max_tokens tokens each (a longer sequence is a range alone).
   std::vector<std::pair<int64_t, int64_t>> batches(int64_t max_tokens) const;
 
