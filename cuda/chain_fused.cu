@@ -74,7 +74,7 @@ __device__ inline bool tag_in_range(int64_t y, int K) { return y >= 0 && y < K; 
 
 template <class T>
 std::size_t forward_smem(int64_t K, int spb) {
-  return sizeof(T) * (K * ld(K) + spb * K);
+  return sizeof(T) * (K * ld(K) + 2 * spb * K);
 }
 
 template <class T>
@@ -96,7 +96,9 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
-  T* prev = w + K * ld(K);                // [spb][K]
+  // [2][spb][K]: alpha_t in buffer t % 2. Step t reads one buffer and writes the other, so one barrier per step keeps
+  // a row from being overwritten while it is read; a finished sequence leaves its last alpha where it was written.
+  T* messages = w + K * ld(K);
   __shared__ int block_len;
   const int s = threadIdx.x / tps, j = threadIdx.x % tps / R, r = threadIdx.x % R;
   const int b = blockIdx.x * spb + s;
@@ -109,14 +111,14 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   __syncthreads();
   if (threadIdx.x % tps == 0 && b < B) atomicMax(&block_len, L);
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
-  T* ps = prev + s * K;
+  const auto alpha_row = [&](int t) { return messages + ((t & 1) * spb + s) * K; };
   if (owner) {
     const T a = S::times(start[j], E[off + j]);
     if (alpha) {  // (Viterbi alone records only the argmax)
       alpha[off + j] = a;
       pre[off + j] = start[j];
     }
-    ps[j] = a;
+    alpha_row(0)[j] = a;
   }
   __syncthreads();
   const int Lmax = block_len;
@@ -129,6 +131,7 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
   double offset = 0;
   for (int t = 1; t < Lmax; ++t) {
     const bool active = lane && t < L;
+    const T* ps = alpha_row(t - 1);
     typename S::template Accumulator<T> acc;
     T largest = T(-INFINITY);
     if (active) {
@@ -143,24 +146,23 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     largest = max_lanes(largest, R);
     const T shift = isfinite(largest) ? largest : T(0);
     if (active) offset += shift;
-    T a = T(0);
     if (active && r == 0) {
       const T e = e_next;
       if (t + 1 < L) e_next = E[off + static_cast<int64_t>(t + 1) * K + j];
       const int64_t o = off + static_cast<int64_t>(t) * K + j;
-      a = S::times(acc.value(), e) - shift;
+      const T a = S::times(acc.value(), e) - shift;
       if (alpha) {
         pre[o] = acc.value();
         alpha[o] = a;
       }
       S::Backpointers::store(arg, o, acc.arg());
+      alpha_row(t)[j] = a;
     }
-    __syncthreads();
-    if (active && r == 0) ps[j] = a;
     __syncthreads();
   }
   if (threadIdx.x % tps == 0 && b < B) {
-    const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(ps[k], end[k]); });
+    const T* last = alpha_row(L - 1);
+    const auto acc = S::template reduce<T>(K, [&](int k) { return S::times(last[k], end[k]); });
     const double z = offset + acc.value();
     const T nan = T(NAN);
     if (tags) {  // log-likelihood: the tagged sequence's score minus the ⊕ of all
@@ -217,35 +219,36 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
   using BP = typename S::Backpointers;
   T g_end = T(0);
+  // Step t reads the adjoint at t (as), pre_t (rs) and its back-pointers (bs), which the step before (t + 1) wrote
+  // after every thread had read its own: two barriers per step. What a step needs from global memory (pre and arg
+  // at t - 1 for the next step's rows, alpha at t - 1) is loaded a step ahead.
+  T pre_next = T(0), alpha_next = T(0);
+  int arg_next = -1;
   if (owner) {
     for (int t = L; t < Tn; ++t) g_em[at_pos(t)] = T(0);  // padding
     const T a = gb * S::weight(S::times(alpha[at_pos(L - 1)], end[i]), score[b], i, BP::load(end_arg, b));
     as[i] = a;
     g_em[at_pos(L - 1)] = a;
     g_end = a;
+    if (L >= 2) {
+      rs[i] = pre[at_pos(L - 1)];
+      BP::store(bs, i, BP::load(arg, at_pos(L - 1)));
+    }
+    if (L >= 3) {
+      pre_next = pre[at_pos(L - 2)];
+      arg_next = static_cast<int>(BP::load(arg, at_pos(L - 2)));
+    }
   }
+  if (lane && L >= 2) alpha_next = alpha[at_pos(L - 2)];
   __syncthreads();
   const int Lmax = block_len;
-  // What step t reads from global memory (pre and arg at t, alpha at t-1) is loaded one step ahead.
-  T pre_next = owner && L >= 2 ? pre[at_pos(L - 1)] : T(0);
-  T alpha_next = lane && L >= 2 ? alpha[at_pos(L - 2)] : T(0);
-  int arg_next = owner && L >= 2 ? static_cast<int>(BP::load(arg, at_pos(L - 1))) : -1;
   for (int t = Lmax - 1; t >= 1; --t) {
     const bool active = lane && t < L;
     T ai = T(0);
     if (active) {
-      if (r == 0) {
-        rs[i] = pre_next;
-        BP::store(bs, i, arg_next);
-        if (t >= 2) {
-          pre_next = pre[at_pos(t - 1)];
-          arg_next = static_cast<int>(BP::load(arg, at_pos(t - 1)));
-        }
-      }
       ai = alpha_next;
       if (t >= 2) alpha_next = alpha[at_pos(t - 2)];
     }
-    __syncthreads();
     T next = T(0);
     if (active) {
       const T* wi = w + i * ld(K);
@@ -274,6 +277,12 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
     if (active && r == 0) {
       as[i] = next;
       g_em[at_pos(t - 1)] = next;
+      rs[i] = pre_next;
+      BP::store(bs, i, arg_next);
+      if (t >= 3) {
+        pre_next = pre[at_pos(t - 2)];
+        arg_next = static_cast<int>(BP::load(arg, at_pos(t - 2)));
+      }
     }
     __syncthreads();
   }
