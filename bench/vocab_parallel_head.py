@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,11 +34,14 @@ args = parser.parse_args()
 if args.cpu:
     # A check of the script on a machine without GPUs: the same calls, no timing.
     torch.cuda.Event = None
-dist.init_process_group("gloo" if args.cpu else "nccl")
+if args.cpu:
+    dist.init_process_group("gloo")
+else:  # each rank's GPU made current and named to NCCL before any collective (no guess from the global rank)
+    local_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(local_device)
+    dist.init_process_group("nccl", device_id=local_device)
 rank, world = dist.get_rank(), dist.get_world_size()
 device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
-if not args.cpu:
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
 torch.ops.load_library(args.library)
 ops = torch.ops.trellis
 group = dist.group.WORLD
@@ -157,6 +161,8 @@ def row(name, fwd, fwd_bwd):
 
 
 def measure(name, loss_fn):
+    # Progress on stderr as each measurement starts: where a run stops is then in its log.
+    print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
     with torch.no_grad():
         x, w = leaves(False)
         fwd = timed(lambda: loss_fn(x, w))
@@ -183,6 +189,7 @@ if LigerVocabParallelCEFunction is not None and not args.cpu:
     measure("liger LigerVocabParallelCEFunction", liger)
 
 # Agreement with the single-device head on the whole vocabulary.
+print(f"rank {rank}: agreement", file=sys.stderr, flush=True)
 x, w = leaves(True)
 loss = trellis(x, w)
 loss.backward()
