@@ -12,7 +12,10 @@
 #   TRELLIS_COMMIT       recorded in every row
 # --quick: small sizes (seconds, also on the CPU), to check the script.
 # Times are wall-clock seconds of the whole torchrun command (start-up, reading and writing included): tokens/s is
-# tokens (times EM iterations for fit) over that.
+# tokens (times EM iterations for fit) over that. Beside them, work_seconds is the part that divides among the ranks,
+# from the command's own report: infer's seconds (reading, computing, writing), the sum of fit's EM iterations, and
+# for train the L-BFGS iterations after the first (which also starts the device) scaled to all of them; work_tokens_per_s
+# is tokens over that.
 set -euo pipefail
 trellis=$(realpath "$1")
 work=$2
@@ -47,9 +50,18 @@ launch() {  # launch P ARGS...: the trellis command under torchrun with P proces
   shift
   "$python" -m torch.distributed.run --standalone --nproc-per-node="$p" --no-python "$trellis" "$@"
 }
-row() {  # row WORKLOAD SHAPE P SECONDS TOKENS SAME
-  printf '{"workload": "%s", "shape": "%s", "world_size": %d, "device": "%s", "seconds": %.3f, "tokens": %d, "tokens_per_s": %.1f, "same_as_world_size_1": %s, "commit": "%s"}\n' \
-    "$1" "$2" "$3" "$device" "$4" "$5" "$(awk -v t="$5" -v s="$4" 'BEGIN { printf "%.1f", t / s }')" "$6" "$commit" | tee -a "$out"
+row() {  # row WORKLOAD SHAPE P SECONDS TOKENS SAME WORK_SECONDS
+  local work=${7:-0}
+  printf '{"workload": "%s", "shape": "%s", "world_size": %d, "device": "%s", "seconds": %.3f, "tokens": %d, "tokens_per_s": %.1f, "work_seconds": %.3f, "work_tokens_per_s": %.1f, "same_as_world_size_1": %s, "commit": "%s"}\n' \
+    "$1" "$2" "$3" "$device" "$4" "$5" "$(awk -v t="$5" -v s="$4" 'BEGIN { printf "%.1f", t / s }')" "$work" \
+    "$(awk -v t="$5" -v s="$work" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')" "$6" "$commit" | tee -a "$out"
+}
+# The divisible work of a run, from its log (0 where the log has no such report).
+infer_work() { sed -n 's/.*  \([0-9.]*\) s  [0-9]* tokens\/s.*/\1/p' "$1" | tail -1 | grep . || echo 0; }
+fit_work() { awk '/^iter [0-9]+ .* s$/ { sum += $(NF - 1) } END { printf "%.3f", sum }' "$1"; }
+train_work() {  # cumulative seconds at each iteration: (last - first) / (n - 1) per iteration, times n
+  awk '/^iter [0-9]+ .* s$/ { n++; if (n == 1) first = $(NF - 1); last = $(NF - 1) }
+       END { printf "%.3f", (n > 1 ? (last - first) / (n - 1) * n : 0) }' "$1"
 }
 same_hdf5() {  # same_hdf5 A B: identical integer datasets, floating ones within 1e-10 relative
   "$python" - "$1" "$2" <<'EOF'
@@ -89,7 +101,8 @@ for size in "${hmm_sizes[@]}"; do
     t1=$(now)
     same=true
     [ "$p" = "${ranks[0]}" ] || same_hdf5 "$work/infer$K.p${ranks[0]}.h5" "$work/infer$K.p$p.h5" 2>/dev/null || same=false
-    row "hmm infer" "K=$K, V=10000, $total tokens" "$p" "$(minus "$t1" "$t0")" "$total" "$same"
+    row "hmm infer" "K=$K, V=10000, $total tokens" "$p" "$(minus "$t1" "$t0")" "$total" "$same" \
+      "$(infer_work "$work/infer$K.p$p.log")"
     t0=$(now)
     launch "$p" hmm fit -d "$work/d$K.h5" -o "$work/fit$K.p$p.h5" --init "$work/m$K.h5" --max-iterations 5 \
       --tolerance 0 --device "$device" --memory-budget 8G >"$work/fit$K.p$p.log" 2>&1
@@ -97,7 +110,7 @@ for size in "${hmm_sizes[@]}"; do
     same=true
     [ "$p" = "${ranks[0]}" ] || same_hdf5 "$work/fit$K.p${ranks[0]}.h5" "$work/fit$K.p$p.h5" 2>/dev/null || same=false
     row "hmm fit" "K=$K, V=10000, $total tokens, 5 EM iterations" "$p" "$(minus "$t1" "$t0")" \
-      "$((5 * total))" "$same"
+      "$((5 * total))" "$same" "$(fit_work "$work/fit$K.p$p.log")"
   done
   rm -f "$work"/d"$K".h5 "$work"/infer"$K".p*.h5
 done
@@ -118,5 +131,5 @@ for p in "${ranks[@]}"; do
   [ "$p" = "${ranks[0]}" ] ||
     same_crf_model "$work/crf.p${ranks[0]}.crf" "$work/crf.p$p.crf" "$parameters" 2>/dev/null || same=false
   row "crf train" "CoNLL-2000 x$crf_copies, $crf_iterations L-BFGS iterations" "$p" "$(minus "$t1" "$t0")" \
-    "$((crf_iterations * crf_tokens))" "$same"
+    "$((crf_iterations * crf_tokens))" "$same" "$(train_work "$work/crf.p$p.log")"
 done
