@@ -40,41 +40,7 @@ namespace trellis::cuda {
 namespace {
 
 using namespace streamed;
-constexpr int kFinishCols = kThreads;  // columns per block of the finish kernel (one per thread)
-constexpr int kStages = 16;            // rows of W in flight per lane
-constexpr double kL2KeepShare = 0.3;   // of L2's size, for rows of W kept there from step to step
 constexpr int kBacktraceThreads = 1024, kBacktraceWarps = kBacktraceThreads / 32;
-
-template <class T>
-constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
-
-// Programmatic dependent launch (sm_90), as in cuda/scaled_chain_forward.cu: each kernel lets the next one start as
-// soon as all its blocks run, and waits for the previous one's results only where it reads them.
-__device__ __forceinline__ void allow_next_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void wait_for_previous() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Row stride of the rebased messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
-// vector so that the transposing stores spread over the banks.
-template <class T, int NB>
-constexpr int v_stride() {
-  return NB < kVec<T> ? NB : NB + kVec<T>;
-}
-
-// Shared memory of a step block, in elements: the lanes' rings of W rows in flight, whose space the warps' maxima
-// reuse for the merge, then the rebased messages of the block's rows.
-template <class T, int NB>
-__host__ __device__ std::size_t step_smem_elements(int rows) {
-  static_assert(NB <= kStages, "the merge reuses the rings");
-  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
-}
 
 // step_max [B]: this step's max alpha_{t-1} per sequence (0 for an all -inf message), which the backtrace subtracts
 // again; offset [B] sums them.

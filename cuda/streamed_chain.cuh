@@ -1,8 +1,10 @@
 // What the streamed many-label chain kernels share (cuda/scaled_chain_forward.cu, the LogSemiring forward, and
 // cuda/many_label_viterbi.cu, its MaxSemiring counterpart): the block shape, the sequence group that shares one read of
 // the transitions per step (and the launches' choice of a smaller group for fewer sequences), the 16-byte vectors a
-// thread reads, and the per-block maxima that rebase each step's messages.
+// thread reads, the rings of transition rows in flight and the step block's shared memory, the launches' overlap, and
+// the per-block maxima that rebase each step's messages.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -18,6 +20,42 @@ template <class T>
 using Vec = std::conditional_t<sizeof(T) == 4, float4, double2>;
 template <class T>
 constexpr int kVec = sizeof(Vec<T>) / sizeof(T);
+
+constexpr int kFinishCols = kThreads;  // columns per block of a finish kernel (one per thread)
+constexpr int kStages = 16;            // rows of the transitions in flight per lane
+constexpr double kL2KeepShare = 0.3;   // of L2's size, for rows of the transitions kept there from step to step
+
+template <class T>
+constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
+
+// Programmatic dependent launch (sm_90): each kernel lets the next one start as soon as all its blocks run, and waits
+// for the previous one's results only where it reads them, so launches overlap and the step's first reads of the
+// transitions (which no kernel writes) are in flight before the previous kernel has finished.
+__device__ __forceinline__ void allow_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Row stride of a step block's messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
+// vector so that the transposing stores spread over the banks.
+template <class T, int NB>
+constexpr int v_stride() {
+  return NB < kVec<T> ? NB : NB + kVec<T>;
+}
+
+// Shared memory of a step block, in elements: the lanes' rings of transition rows in flight, whose space the warps'
+// partial results reuse for the merge, then the messages of the block's rows.
+template <class T, int NB>
+__host__ __device__ std::size_t step_smem_elements(int rows) {
+  static_assert(NB <= kStages, "the merge reuses the rings");
+  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
+}
 
 // max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
 template <class T>
