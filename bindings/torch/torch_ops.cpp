@@ -377,6 +377,53 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+std::optional<double> saved_softcap(const torch::autograd::AutogradContext* ctx) {
+  const c10::IValue& v = ctx->saved_data.at("softcap");
+  return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
+}
+
+// The loss's options, kept in an autograd node's saved_data for its backward.
+struct SavedLossOptions {
+  int64_t ignore_index = -100;
+  std::string reduction;
+  double label_smoothing = 0;
+  std::optional<double> softcap;
+  double z_loss = 0;
+  int64_t chunk_bytes = 0;
+  bool recompute_logits = false;
+
+  void save(torch::autograd::AutogradContext* ctx) const {
+    auto& d = ctx->saved_data;
+    d["ignore_index"] = ignore_index;
+    d["reduction"] = reduction;
+    d["label_smoothing"] = label_smoothing;
+    d["softcap"] = softcap;
+    d["z_loss"] = z_loss;
+    d["chunk_bytes"] = chunk_bytes;
+    d["recompute_logits"] = recompute_logits;
+  }
+  static SavedLossOptions load(const torch::autograd::AutogradContext* ctx) {
+    const auto& d = ctx->saved_data;
+    return {d.at("ignore_index").toInt(),       d.at("reduction").toStringRef(),
+            d.at("label_smoothing").toDouble(), saved_softcap(ctx),
+            d.at("z_loss").toDouble(),          d.at("chunk_bytes").toInt(),
+            d.at("recompute_logits").toBool()};
+  }
+};
+
+// A reduced loss's gradients, formed by the forward and saved as (dx, dweight, dbias), scaled by grad: the library
+// scales them (in operators that torch.compile traces).
+std::array<at::Tensor, 3> scaled_forward_gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved,
+                                                   const std::string& reduction, Mask want) {
+  trellis::LinearCrossEntropyForward f;
+  f.dx = saved[0], f.dweight = saved[1], f.dbias = saved[2];
+  return trellis::linear_cross_entropy_backward(grad, {}, {}, {}, {}, loss_options(reduction, 0, 0), f, want);
+}
+
+std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& targets, const std::optional<at::Tensor>& bias, int64_t ignore_index,
@@ -391,13 +438,9 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     if (reduction == "none") ctx->save_for_backward({x, weight, targets, bias.value_or(at::Tensor()), lse});
     else ctx->save_for_backward({dx, dweight, dbias});
     ctx->saved_data["bias"] = bias.has_value();
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["chunk_bytes"] = chunk_bytes;
-    ctx->saved_data["recompute_logits"] = recompute_logits;
+    SavedLossOptions{ignore_index, std::string(reduction), label_smoothing, softcap, z_loss,
+                     chunk_bytes,  recompute_logits}
+        .save(ctx);
     ctx->saved_data["memory_budget"] = memory_budget;
     return loss;
   }
@@ -409,34 +452,19 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     const auto& d = ctx->saved_data;
     const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                        d.at("bias").toBool() && ctx->needs_input_grad(3)};
-    const std::optional<double> softcap =
-        d.at("softcap").isNone() ? std::nullopt : std::optional<double>(d.at("softcap").toDouble());
+    const SavedLossOptions o = SavedLossOptions::load(ctx);
     std::array<at::Tensor, 3> g;
-    const std::string reduction = d.at("reduction").toStringRef();
-    if (reduction != "none") {
-      // The forward formed the gradients; the library scales them by grad (in operators that torch.compile traces).
-      trellis::LinearCrossEntropyForward f;
-      f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
-      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {}, loss_options(reduction, 0, 0), f, want);
+    if (o.reduction != "none") {
+      g = scaled_forward_gradients(grad[0], s, o.reduction, want);
     } else {
-      const std::optional<at::Tensor> bias = s[3].defined() ? std::optional<at::Tensor>(s[3]) : std::nullopt;
       auto [dx, dweight, dbias] =
-          op.call(grad[0], s[0], s[1], s[2], bias, s[4], d.at("ignore_index").toInt(),
-                  d.at("label_smoothing").toDouble(), softcap, d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
-                  d.at("recompute_logits").toBool(), d.at("memory_budget").toInt(), want);
+          op.call(grad[0], s[0], s[1], s[2], optional(s[3]), s[4], o.ignore_index, o.label_smoothing, o.softcap,
+                  o.z_loss, o.chunk_bytes, o.recompute_logits, d.at("memory_budget").toInt(), want);
       g = {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
     }
     return {g[0], g[1], at::Tensor(), g[2], {}, {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
-
-std::optional<double> saved_softcap(const torch::autograd::AutogradContext* ctx) {
-  const c10::IValue& v = ctx->saved_data.at("softcap");
-  return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
-}
-std::optional<at::Tensor> optional(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
 
 // The gradients of linear_logsumexp and token_logprobs: the logits formed again (_head_statistics_backward).
 Tensors3 statistics_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad_lse,
@@ -516,13 +544,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     ctx->saved_data["formed"] = formed;
     ctx->saved_data["bias"] = bias.has_value();
     ctx->saved_data["group_name"] = std::string(group_name);
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["chunk_bytes"] = chunk_bytes;
-    ctx->saved_data["recompute_logits"] = recompute_logits;
+    SavedLossOptions{ignore_index, std::string(reduction), label_smoothing, softcap, z_loss,
+                     chunk_bytes,  recompute_logits}
+        .save(ctx);
     return loss;
   }
 
@@ -535,19 +559,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     // needs_input_grad counts tensor arguments only: bias is the fourth.
     const Mask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                        d.at("bias").toBool() && ctx->needs_input_grad(3)};
+    const SavedLossOptions o = SavedLossOptions::load(ctx);
     std::array<at::Tensor, 3> g;
     if (d.at("formed").toBool()) {
-      // The forward formed the gradients; the library scales them by grad (in operators that torch.compile traces).
-      trellis::LinearCrossEntropyForward f;
-      f.dx = s[0], f.dweight = s[1], f.dbias = s[2];
-      g = trellis::linear_cross_entropy_backward(grad[0], {}, {}, {}, {},
-                                                 loss_options(d.at("reduction").toStringRef(), 0, 0), f, want);
+      g = scaled_forward_gradients(grad[0], s, o.reduction, want);
     } else {
       auto [dx, dweight, dbias] =
-          op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4],
-                  d.at("ignore_index").toInt(), d.at("reduction").toStringRef(), d.at("label_smoothing").toDouble(),
-                  saved_softcap(ctx), d.at("z_loss").toDouble(), d.at("chunk_bytes").toInt(),
-                  d.at("recompute_logits").toBool(), want);
+          op.call(grad[0], s[0], s[1], s[2], d.at("group_name").toStringRef(), optional(s[3]), s[4], o.ignore_index,
+                  o.reduction, o.label_smoothing, o.softcap, o.z_loss, o.chunk_bytes, o.recompute_logits, want);
       g = {want[0] ? dx : at::Tensor(), want[1] ? dweight : at::Tensor(), want[2] ? dbias : at::Tensor()};
     }
     return {g[0], g[1], {}, {}, g[2], {}, {}, {}, {}, {}, {}, {}, {}};
