@@ -302,39 +302,6 @@ __global__ void __launch_bounds__(kBacktraceThreads)
   }
 }
 
-// The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
-// allows (fewer maxima to merge and write), and short enough that the grid fills every SM's block slots.
-struct StepPlan {
-  int rows, splits;
-  std::size_t smem;
-};
-
-template <class T, int NB>
-StepPlan plan_step(int64_t B, int64_t K, int sms) {
-  const auto kernel = viterbi_step_kernel<T, NB>;
-  const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
-  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)),
-        "many-label Viterbi step: shared memory");
-  int per_sm = 1;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem),
-        "many-label Viterbi: occupancy");
-  const int64_t tiles = grid_dim(K, kCols<T>) * grid_dim(B, NB);
-  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
-  int rows = static_cast<int>(grid_dim(K, splits));
-  rows = (rows + kWarps - 1) / kWarps * kWarps;
-  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
-}
-
-// Launches kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in
-// the stream where asked.
-template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
-                      Args... args) {
-  const LaunchShape shape{grid, dim3(kThreads), smem, stream, /*cluster=*/0, /*dependent=*/pdl};
-  check(launch_kernel(kernel, shape, static_cast<Params>(args)...), "many-label Viterbi kernel launch");
-}
-
 }  // namespace
 
 bool many_label_viterbi_supported(int64_t K) { return K >= 1 && K < (int64_t(1) << 24); }
@@ -369,7 +336,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
     using T = scalar_t;
     with_group(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
-      const StepPlan plan = plan_step<T, NB>(B, K, sms);
+      const StepPlan plan = plan_step<T, NB>(viterbi_step_kernel<T, NB>, B, K, sms, "many-label Viterbi step kernel");
       const at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
       const T *W = transitions.data_ptr<T>(), *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
       const int64_t* ord = order.data_ptr<int64_t>();
@@ -381,14 +348,14 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
         T* current = kept + t * B * K;
         if (t > 0) {
           const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<T>), plan.splits);
-          launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, current - B * K,
-                           block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
+          launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, "many-label Viterbi step kernel",
+                           current - B * K, block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
                            step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), active, int(K), plan.rows,
                            vector_rows, t % 2 == 0, keep_permille);
         }
         launch_dependent(viterbi_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
-                         partial.data_ptr<T>(), plan.splits, st, E, ord, current, next_max.data_ptr<T>(), int(B),
-                         int(Tn), int(K), int(t));
+                         "many-label Viterbi finish kernel", partial.data_ptr<T>(), plan.splits, st, E, ord, current,
+                         next_max.data_ptr<T>(), int(B), int(Tn), int(K), int(t));
         std::swap(block_max, next_max);
       }
       viterbi_backtrace_kernel<T><<<B, kBacktraceThreads, 0, stream>>>(

@@ -200,44 +200,12 @@ __global__ void __launch_bounds__(kThreads)
   write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
 }
 
-// The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
-// allows (fewer partial sums to merge and write), and short enough that the grid fills every SM's block slots.
-struct StepPlan {
-  int rows, splits;
-  std::size_t smem;
-};
-
-template <class T, int NB>
-StepPlan plan_step(int64_t B, int64_t K, int sms) {
-  const auto kernel = scaled_step_kernel<T, NB>;
-  const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
-  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)),
-        "scaled chain step: shared memory");
-  int per_sm = 1;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem), "scaled chain: occupancy");
-  const int64_t tiles = grid_dim(K, kCols<T>) * grid_dim(B, NB);
-  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
-  int rows = static_cast<int>(grid_dim(K, splits));
-  rows = (rows + kWarps - 1) / kWarps * kWarps;
-  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
-}
-
-// Launches kernel<<<grid, kThreads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in
-// the stream where the device supports it.
-template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
-                      Args... args) {
-  const LaunchShape shape{grid, dim3(kThreads), smem, stream, /*cluster=*/0, /*dependent=*/pdl};
-  check(launch_kernel(kernel, shape, static_cast<Params>(args)...), "scaled chain kernel launch");
-}
-
 template <class T, int NB>
 void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int running, int K,
                  const StepPlan& plan, cudaStream_t stream, bool pdl, bool reverse, int keep_permille) {
   const dim3 grid(grid_dim(running, NB), grid_dim(K, kCols<T>), plan.splits);
-  launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, alpha, block_max, max_blocks, P, partial, B,
-                   K, plan.rows, reverse, keep_permille);
+  launch_dependent(scaled_step_kernel<T, NB>, grid, plan.smem, stream, pdl, "scaled chain step kernel", alpha,
+                   block_max, max_blocks, P, partial, B, K, plan.rows, reverse, keep_permille);
 }
 
 // The forward messages at each sequence's end; with `offset` (a [B] float64 tensor of zeros) rebased each step. Given
@@ -275,7 +243,7 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
     using T = scalar_t;
     with_group(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
-      const StepPlan plan = plan_step<T, NB>(B, K, sms);
+      const StepPlan plan = plan_step<T, NB>(scaled_step_kernel<T, NB>, B, K, sms, "scaled chain step kernel");
       at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
       const T *W = transitions.data_ptr<T>(), *P = scaled.data_ptr<T>(), *cmax = colmax.data_ptr<T>();
       const T *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
@@ -291,9 +259,9 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
                              int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
         launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
-                         partial.data_ptr<T>(), plan.splits, previous, block_max.data_ptr<T>(), W, cmax, st, E, len,
-                         current, next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn), int(K), t,
-                         static_cast<T>(threshold));
+                         "scaled chain finish kernel", partial.data_ptr<T>(), plan.splits, previous,
+                         block_max.data_ptr<T>(), W, cmax, st, E, len, current, next_max.data_ptr<T>(), offset_data,
+                         kept, int(B), int(Tn), int(K), t, static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);
       }

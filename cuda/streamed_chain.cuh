@@ -4,10 +4,13 @@
 // thread reads, the rings of transition rows in flight and the step block's shared memory, the launches' overlap, and
 // the per-block maxima that rebase each step's messages.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "trellis/semiring/semiring.h"
 
 namespace trellis::cuda::streamed {
@@ -92,6 +95,38 @@ __device__ void write_block_max(T m, T* scratch, T* out) {
     for (int w = 1; w < kWarps; ++w) m = max(m, scratch[w]);
     *out = m;
   }
+}
+
+// The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
+// allows (fewer partial results to merge and write), and short enough that the grid fills every SM's block slots.
+struct StepPlan {
+  int rows, splits;
+  std::size_t smem;
+};
+
+// The plan of `kernel` (a step kernel of group NB over T) for B sequences of K labels on `sms` multiprocessors;
+// `what` names the kernel in errors.
+template <class T, int NB, class Kernel>
+StepPlan plan_step(Kernel kernel, int64_t B, int64_t K, int sms, const char* what) {
+  const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
+  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)), what);
+  int per_sm = 1;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem), what);
+  const int64_t tiles = grid_dim(K, kCols<T>) * grid_dim(B, NB);
+  const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
+  int rows = static_cast<int>(grid_dim(K, splits));
+  rows = (rows + kWarps - 1) / kWarps * kWarps;
+  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
+}
+
+// Launches kernel<<<grid, kThreads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in
+// the stream where asked; `what` names it in errors.
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, std::size_t smem, cudaStream_t stream, bool pdl,
+                      const char* what, Args... args) {
+  const LaunchShape shape{grid, dim3(kThreads), smem, stream, /*cluster=*/0, /*dependent=*/pdl};
+  check(launch_kernel(kernel, shape, static_cast<Params>(args)...), what);
 }
 
 }  // namespace trellis::cuda::streamed
