@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ T scratch[kWarps];
   allow_next_launch();
   // What no kernel of the chain writes is read before waiting for the step kernel.
-  const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  const FinishBlock f = finish_block(K);
+  const int b = f.sequence, j = f.column;
   const T e = j < K ? E[(order[b] * Tn + t) * K + j] : T(0);
   wait_for_previous();
   T a = neg_inf<T>();
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     alpha_next[int64_t(b) * K + j] = a;
   }
-  write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
+  write_block_max(a, scratch, block_max_next + b * f.blocks + f.tile);
 }
 
 // The better of two (value, label) candidates: the larger value, on a tie the lower label; label -1 is no candidate.
@@ -353,7 +354,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
                            step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), active, int(K), plan.rows,
                            vector_rows, t % 2 == 0, keep_permille);
         }
-        launch_dependent(viterbi_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
+        launch_dependent(viterbi_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
                          "many-label Viterbi finish kernel", partial.data_ptr<T>(), plan.splits, st, E, ord, current,
                          next_max.data_ptr<T>(), int(B), int(Tn), int(K), int(t));
         std::swap(block_max, next_max);

@@ -169,7 +169,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ T scratch[kWarps];
   allow_next_launch();
   // What no kernel of the chain writes is read before waiting for the step kernel.
-  const int b = blockIdx.y, j = blockIdx.x * kFinishCols + threadIdx.x;
+  const FinishBlock f = finish_block(K);
+  const int b = f.sequence, j = f.column;
   const bool active = j < K && t < len[b];
   const T e = active ? E[(int64_t(b) * Tn + t) * K + j] : T(0), cmax = active ? colmax[j] : T(0);
   wait_for_previous();
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(kThreads)
     } else if (active) {
       T s = T(0);
       for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
-      const T m = row_max(block_max, gridDim.x, b);  // loaded alongside the partial sums
-      if (offset && blockIdx.x == 0 && threadIdx.x == 0) offset[b] += double(m);
+      const T m = row_max(block_max, f.blocks, b);  // loaded alongside the partial sums
+      if (offset && f.tile == 0 && threadIdx.x == 0) offset[b] += double(m);
       T pre;
       if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
         pre = exact_log_dot(alpha + row, W + j, K, K);
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreads)
     alpha_next[row + j] = a;
     if (last && t == len[b] - 1) last[row + j] = a;
   }
-  write_block_max(a, scratch, block_max_next + b * gridDim.x + blockIdx.x);
+  write_block_max(a, scratch, block_max_next + b * f.blocks + f.tile);
 }
 
 template <class T, int NB>
@@ -258,7 +259,7 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
           launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B), active,
                              int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
-        launch_dependent(scaled_finish_kernel<T>, dim3(finish_blocks, active), 0, stream, pdl && t > 0,
+        launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
                          "scaled chain finish kernel", partial.data_ptr<T>(), plan.splits, previous,
                          block_max.data_ptr<T>(), W, cmax, st, E, len, current, next_max.data_ptr<T>(), offset_data,
                          kept, int(B), int(Tn), int(K), t, static_cast<T>(threshold));

@@ -60,6 +60,20 @@ __host__ __device__ std::size_t step_smem_elements(int rows) {
   return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
 }
 
+// A finish kernel's block: one tile of kFinishCols columns of one sequence's message. The grid is one-dimensional,
+// tiles of a sequence side by side, so that a batch may hold more sequences than a grid's y extent (65,535).
+struct FinishBlock {
+  int sequence, tile, blocks, column;  // blocks: tiles per sequence; column: this thread's
+};
+__device__ __forceinline__ FinishBlock finish_block(int K) {
+  const int blocks = (K + kFinishCols - 1) / kFinishCols;
+  const int sequence = static_cast<int>(blockIdx.x / blocks), tile = static_cast<int>(blockIdx.x % blocks);
+  return {sequence, tile, blocks, tile * kFinishCols + static_cast<int>(threadIdx.x)};
+}
+inline dim3 finish_grid(int64_t K, int64_t sequences) {
+  return dim3(static_cast<unsigned>(grid_dim(K, kFinishCols) * sequences));
+}
+
 // max over alpha's row b from the finish kernel's per-block maxima, 0 where the row is all -inf (as on the CPU).
 template <class T>
 __device__ T row_max(const T* __restrict__ block_max, int blocks, int b) {

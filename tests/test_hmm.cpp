@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "lib/src/crf/chain_routes.h"
 #include "test_util.h"
 
 using namespace trellis;
@@ -375,6 +376,32 @@ TEST(HMMCuda, ManyStatesPosteriorsAndExpectedCountsMatchCpu) {
     expect_close(s.emissions, expected.emissions, tol, tol);
     EXPECT_NEAR(s.log_likelihood, expected.log_likelihood, tol * std::abs(expected.log_likelihood));
   }
+}
+
+TEST(HMMCuda, StreamedKernelsTakeMoreSequencesThanAGridsYExtent) {
+  TRELLIS_REQUIRE_CUDA();
+  // 70,000 short sequences in one batch: more than a CUDA grid's y extent (65,535), along which the streamed kernels'
+  // finish steps once laid out sequences. Log-likelihoods, posteriors and Viterbi paths (the many-label kernel) of
+  // every sequence against the CPU, float64.
+  const int64_t B = 70000, T = 3, K = 130;
+  CategoricalHMM m = CategoricalHMM::random(K, 20, 70);
+  const Data d = random_observations(B, T, 20);
+  const at::Device cuda(at::kCUDA);
+  const CategoricalHMM g = m.to(at::TensorOptions().device(cuda));
+  const at::Tensor obs = d.obs.to(cuda), lengths = d.lengths.to(cuda);
+  {
+    const ForcedHMMRoute forced(HMMQuantity::log_likelihood, HMMRoute::streamed);
+    expect_close(log_likelihood(g, obs, lengths).cpu(), log_likelihood(m, d.obs, d.lengths), 1e-10, 1e-10);
+  }
+  {
+    const ForcedHMMRoute forced(HMMQuantity::posteriors, HMMRoute::streamed);
+    expect_close(posteriors(g, obs, lengths).cpu(), posteriors(m, d.obs, d.lengths), 1e-10, 1e-10);
+  }
+  const ViterbiResult b = viterbi(m, d.obs, d.lengths);
+  const trellis::detail::ForcedChainRoute forced(trellis::detail::ChainRoute::kManyLabelViterbi);
+  const ViterbiResult a = viterbi(g, obs, lengths);
+  EXPECT_TRUE(at::equal(a.path.cpu(), b.path));
+  expect_close(a.score.cpu(), b.score, 1e-10, 1e-10);
 }
 
 namespace {
