@@ -206,21 +206,13 @@ __device__ __forceinline__ void merge_global(unsigned long long* slot, float m, 
   } while (seen != expected);
 }
 
-// 2^x by the special-function unit alone: exp2f adds range handling for results below 2^-126, which only ever
-// contribute nothing to these sums.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // In the m64n256 accumulator, lane l of warp w holds rows 16w + l/4 (d[4c], d[4c+1]) and 16w + l/4 + 8 (d[4c+2],
 // d[4c+3]), at columns 8c + 2(l%4) + {0,1} of the tile; h below picks the row.
 
 // Bias, soft-cap and the vocabulary edge (columns past V become -inf), for the tiles that have any of them.
 template <class T>
-__device__ __forceinline__ void prepare_tile(float (&d)[128], const T* bias, float softcap, int64_t col0, int64_t V,
-                                             int quad_col) {
+__device__ __forceinline__ void prepare_tile(float (&d)[128], const T* bias, const hm::SoftCap<float>& cap,
+                                             int64_t col0, int64_t V, int quad_col) {
 #pragma unroll
   for (int c = 0; c < 32; ++c) {
 #pragma unroll
@@ -231,7 +223,7 @@ __device__ __forceinline__ void prepare_tile(float (&d)[128], const T* bias, flo
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float z = d[4 * c + 2 * h + j] + b;
-        if (softcap > 0.f) z = softcap * tanhf(z / softcap);
+        if (cap.on()) z = cap(z);
         d[4 * c + 2 * h + j] = valid ? z : -INFINITY;
       }
     }
@@ -262,7 +254,7 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float z = d[4 * c + 2 * h + j];
-        const float e = fast_exp2(fmaf(z, kLog2e, -ref));
+        const float e = hm::approx_exp2(fmaf(z, kLog2e, -ref));
         s[c % kLanes] += e;
         if constexpr (kExtras) {
           if (!kMaybeInf || z != -INFINITY) {
@@ -314,8 +306,9 @@ __device__ __forceinline__ float held_entry(const float (&d)[128], int h, int lo
 }
 
 // One logit's gradient (head_maths.h's), with p = e^(z - lse) from the special-function unit.
-__device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target, float softcap) {
-  return hm::logit_gradient(fast_exp2(fmaf(z, kLog2e, -rg.ref)), z, rg.factors, target, softcap);
+__device__ __forceinline__ float logit_gradient(float z, const RowGradient& rg, bool target,
+                                                const hm::SoftCap<float>& cap) {
+  return hm::logit_gradient(hm::approx_exp2(fmaf(z, kLog2e, -rg.ref)), z, rg.factors, target, cap);
 }
 
 // Writes a finished tile's loss gradient to the thread's two rows of dz (columns at or past V are not written). Pairs
@@ -326,7 +319,7 @@ template <class T>
 __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const LogitGradientArgs& grad,
                                                     const int64_t (&rows)[2], const int64_t (&target)[2],
                                                     const RowGradient (&rg)[2], int64_t N, int64_t V, int64_t col0,
-                                                    int quad_col, float softcap) {
+                                                    int quad_col, const hm::SoftCap<float>& cap) {
   const bool paired = grad.dz_stride % 2 == 0;
   const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;  // the tile's columns inside V
   T* out[2];
@@ -337,8 +330,8 @@ __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
       const int col = 8 * c + quad_col;
-      const float v0 = logit_gradient(d[4 * c + 2 * h], rg[h], false, softcap);
-      const float v1 = logit_gradient(d[4 * c + 2 * h + 1], rg[h], false, softcap);
+      const float v0 = logit_gradient(d[4 * c + 2 * h], rg[h], false, cap);
+      const float v1 = logit_gradient(d[4 * c + 2 * h + 1], rg[h], false, cap);
       if (paired && col + 1 < left) {
         *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(out[h] + 8 * c) = Store<T>::pair(v0, v1);
       } else {
@@ -358,7 +351,7 @@ __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const
     for (int h = 0; h < 2; ++h) {
       if (!hit[h]) continue;
       const int local = static_cast<int>(target[h] - col0) & ~6;  // out[h] already adds quad_col
-      out[h][local] = Store<T>::one(logit_gradient(held_entry(d, h, local), rg[h], true, softcap));
+      out[h][local] = Store<T>::one(logit_gradient(held_entry(d, h, local), rg[h], true, cap));
     }
   }
 }
@@ -383,8 +376,8 @@ struct Schedule {
 template <class T, bool kExtras, bool kGradient>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_lse_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                      const T* __restrict__ bias, const int64_t* __restrict__ targets, float softcap, int64_t N,
-                      int64_t V, int64_t D, Schedule sched, unsigned long long* __restrict__ lse_pairs,
+                      const T* __restrict__ bias, const int64_t* __restrict__ targets, hm::SoftCap<float> cap,
+                      int64_t N, int64_t V, int64_t D, Schedule sched, unsigned long long* __restrict__ lse_pairs,
                       unsigned long long* __restrict__ pz_pairs, float* __restrict__ logit_sum,
                       float* __restrict__ target_logit, LogitGradientArgs grad) {
   extern __shared__ uint8_t raw_smem[];
@@ -485,12 +478,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t col0 = int64_t(tile) * kBlockCols;
         const bool edge = col0 + kBlockCols > V;
         if constexpr (kGradient) {
-          if (edge || bias || softcap > 0.f) prepare_tile(d, bias, softcap, col0, V, quad_col);
-          store_gradient_tile<T>(d, grad, rows, target, rg, N, V, col0, quad_col, softcap);
+          if (edge || bias || cap.on()) prepare_tile(d, bias, cap, col0, V, quad_col);
+          store_gradient_tile<T>(d, grad, rows, target, rg, N, V, col0, quad_col, cap);
           continue;
         }
-        if (edge || bias || softcap > 0.f) {
-          prepare_tile(d, bias, softcap, col0, V, quad_col);
+        if (edge || bias || cap.on()) {
+          prepare_tile(d, bias, cap, col0, V, quad_col);
           fold_tile<kExtras, true>(d, st);
         } else {
           fold_tile<kExtras, false>(d, st);
@@ -592,8 +585,9 @@ cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaSt
   s.units = int64_t(s.row_blocks) * s.units_per_row_block;
   const unsigned clusters = static_cast<unsigned>(std::min<int64_t>(sms / kCluster, s.units));
   const LaunchShape shape{dim3(clusters * kCluster), dim3(kThreads), smem_bytes, stream, kCluster};
-  return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets, a.softcap, a.N, a.V, a.D,
-                       s, a.lse_pairs, a.pz_pairs, a.logit_sum, a.target_logit, grad);
+  return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets,
+                       hm::SoftCap<float>(a.softcap), a.N, a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum,
+                       a.target_logit, grad);
 }
 
 }  // namespace

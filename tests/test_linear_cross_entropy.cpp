@@ -575,14 +575,16 @@ TEST(LinearCrossEntropySmallCuda, SlabAndChunkedStatistics) {
 
 // Training by slabs of five rows (head_gradients), every input type. A reduced loss forms each slab's log-sum-exp and
 // gradient in one read (logit_gradient_in_place_kernel with form_lse, clusters of 8 blocks; for 16-bit inputs dz in
-// the first half of each float32 row). Reduction none forwards without gradients (the fused kernel for 16-bit inputs
-// with D % 8 == 0) and its backward gets the log-sum-exp: logit_gradient_kernel over the slab for float32/float64,
+// the first half of each float32 row), soft-capping the logits as it reads them unless label smoothing wants them
+// capped first. Reduction none forwards without gradients (the fused kernel for 16-bit inputs with D % 8 == 0) and its
+// backward gets the log-sum-exp: logit_gradient_kernel over the slab for float32/float64,
 // logit_gradient_in_place_kernel without form_lse (one block per row) for 16-bit inputs.
 TEST(LinearCrossEntropySmallCuda, SlabGradients) {
   TRELLIS_REQUIRE_CUDA();
   at::manual_seed(23);
   for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
     check_case({13, 8, 97, dtype, true, 4.0, 0.1, 1e-3, Reduction::mean, true}, at::kCUDA);
+    check_case({13, 8, 97, dtype, true, 4.0, 0, 1e-3, Reduction::sum, true}, at::kCUDA);
     check_case({13, 8, 97, dtype, true, 4.0, 0.1, 1e-3, Reduction::none, true, 3}, at::kCUDA);
     check_case({11, 7, 61, dtype, false, std::nullopt, 0, 0, Reduction::sum, false}, at::kCUDA);
   }
@@ -592,7 +594,8 @@ TEST(LinearCrossEntropySmallCuda, SlabGradients) {
 // more columns than 64 blocks of 256 threads; logit_gradient_in_place_kernel without form_lse in clusters of two
 // blocks (a float32 row over one block's shared memory); the fused kernel with several work units per persistent
 // block (more than 66 clusters' worth on 132 SMs). Where not even 8 blocks' shared memory holds a float32 row, the
-// log-sum-exp comes from a separate reduction and the 16-bit dz from logit_gradient_kernel into its own buffer.
+// log-sum-exp comes from a separate reduction and the 16-bit dz from logit_gradient_kernel into its own buffer (the
+// soft-cap, which that kernel would have applied, by tensor operations first).
 TEST(LinearCrossEntropySmallCuda, WideVocabularies) {
   TRELLIS_REQUIRE_CUDA();
   at::manual_seed(24);
@@ -601,6 +604,7 @@ TEST(LinearCrossEntropySmallCuda, WideVocabularies) {
   check_case({3, 8, 60013, at::kDouble, false, std::nullopt, 0, 0, Reduction::none, false}, at::kCUDA);
   check_case({2, 8, 480001, at::kBFloat16, false, std::nullopt, 0.1, 0, Reduction::mean, false}, at::kCUDA);
   check_case({2, 8, 480001, at::kHalf, true, std::nullopt, 0, 1e-4, Reduction::sum, false}, at::kCUDA);
+  check_case({2, 8, 480001, at::kBFloat16, false, 10.0, 0, 0, Reduction::mean, false}, at::kCUDA);
   check_rows({2, 8, 60013, at::kBFloat16, true, 10.0, 0.1, 0, Reduction::none, false}, at::kCUDA, false);
 }
 

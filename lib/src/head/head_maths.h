@@ -16,6 +16,21 @@ class Tensor;
 
 namespace trellis::head_maths {
 
+#if defined(__CUDACC__)
+// 2^x and 1/x by the special-function unit alone: exp2f adds range handling for results below 2^-126 (flushed to 0
+// here, where they only ever add nothing to a sum), and 1/x rounded to nearest takes a refinement and a slow path.
+__device__ __forceinline__ float approx_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float approx_reciprocal(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif
+
 // ---- A row's log-sum-exp in parts ----
 // Kernels and chunked passes see a row's logits a tile or chunk at a time and keep (m, s) = (the largest logit seen,
 // Σ e^(z − m) over the logits seen); two such pairs merge as
@@ -113,20 +128,46 @@ TRELLIS_HD RowGradient<T> row_gradient(T g, T lse, const LossTerms<T>& terms) {
   return {g * (T(1) + terms.z_loss2 * lse), g * terms.smooth, g * terms.target_weight};
 }
 
-// The soft-cap's derivative at a capped logit z: d(c·tanh(u/c))/du = 1 − (z/c)².
+// The soft-cap (Gemma-2's final logits): z = c·tanh(y/c) of the logit y, and its derivative dz/dy = 1 − (z/c)²,
+// written with the capped logit z; c ≤ 0: no cap. It keeps 1/c, so that no logit pays a division.
 template <class T>
-TRELLIS_HD T softcap_derivative(T z, T softcap) {
-  const T u = z / softcap;
-  return T(1) - u * u;
-}
+struct SoftCap {
+  T cap = T(0), inverse = T(0);
+  T exp2_scale = T(0);  // 2·log2(e)/c: tanh(y/c) = 1 − 2/(2^(y·exp2_scale) + 1)
+
+  SoftCap() = default;
+  TRELLIS_HD explicit SoftCap(T c)
+      : cap(c > 0 ? c : T(0)), inverse(c > 0 ? T(1) / c : T(0)), exp2_scale(c > 0 ? T(2.8853900817779268) / c : T(0)) {}
+  TRELLIS_HD bool on() const { return cap > 0; }
+
+  // c·tanh(y/c). float on a GPU: c − 2c/(2^(y·2·log2 e/c) + 1), one exponential and one reciprocal of the
+  // special-function unit (within 1e-6·c of the exact value, near 0 as near ±c), where tanhf adds a polynomial branch
+  // and y/c a division: the fused kernel caps every logit in the epilogue that its tensor cores wait for.
+  TRELLIS_HD T operator()(T y) const {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<T, float>) {
+      return fmaf(-2.f * cap, approx_reciprocal(approx_exp2(y * exp2_scale) + 1.f), cap);
+    } else {
+      return cap * ::tanh(y * inverse);
+    }
+#else
+    return cap * std::tanh(y * inverse);
+#endif
+  }
+  // dz/dy at the capped logit z.
+  TRELLIS_HD T derivative(T z) const {
+    const T u = z * inverse;
+    return T(1) - u * u;
+  }
+};
 
 // One logit's gradient, given its probability p = e^(z − lse) (each implementation forms the exponential its own
-// way); target: whether this column is the row's target; softcap ≤ 0 for none.
+// way); target: whether this column is the row's target.
 template <class T>
-TRELLIS_HD T logit_gradient(T p, T z, const RowGradient<T>& row, bool target, T softcap) {
+TRELLIS_HD T logit_gradient(T p, T z, const RowGradient<T>& row, bool target, const SoftCap<T>& cap) {
   T d = row.p_weight * p - row.shift;
   if (target) d -= row.hit;
-  if (softcap > 0) d *= softcap_derivative(z, softcap);
+  if (cap.on()) d *= cap.derivative(z);
   return d;
 }
 

@@ -99,14 +99,18 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool firs
   }
 }
 
-void finish_logits(const Head& h, at::Tensor& z, int64_t v0) {
-  if (h.bias.defined()) z.add_(h.bias.narrow(0, v0, z.size(1)).to(h.acc));
+void soft_cap(const Head& h, at::Tensor& z) {
   if (h.softcap) z.div_(*h.softcap).tanh_().mul_(*h.softcap);
 }
 
-at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n) {
+void finish_logits(const Head& h, at::Tensor& z, int64_t v0, bool capped) {
+  if (h.bias.defined()) z.add_(h.bias.narrow(0, v0, z.size(1)).to(h.acc));
+  if (capped) soft_cap(h, z);
+}
+
+at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n, bool capped) {
   at::Tensor z = mm_acc(h.x.narrow(0, r0, n), h.weight.t(), h.acc);
-  finish_logits(h, z, 0);
+  finish_logits(h, z, 0, capped);
   return z;
 }
 
@@ -142,7 +146,7 @@ at::Tensor cpu_logit_gradient(const Head& h, const at::Tensor& z, const at::Tens
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "linear head: logit gradient", [&] {
     using Acc = scalar_t;
     const auto terms = head_maths::loss_terms<Acc>(o.label_smoothing, o.z_loss, h.smoothing_vocabulary());
-    const Acc softcap = static_cast<Acc>(h.softcap.value_or(0));
+    const head_maths::SoftCap<Acc> cap(static_cast<Acc>(h.softcap.value_or(0)));
     const Acc* zp = logits.data_ptr<Acc>();
     const Acc* lp = row_lse.data_ptr<Acc>();
     const Acc* gp = row_g.data_ptr<Acc>();
@@ -158,7 +162,7 @@ at::Tensor cpu_logit_gradient(const Head& h, const at::Tensor& z, const at::Tens
           const Acc* zr = zp + r * c;
           Out* dr = dp + r * c;
           for (int64_t v = 0; v < c; ++v)
-            dr[v] = static_cast<Out>(head_maths::logit_gradient(std::exp(zr[v] - l), zr[v], row, v == target, softcap));
+            dr[v] = static_cast<Out>(head_maths::logit_gradient(std::exp(zr[v] - l), zr[v], row, v == target, cap));
         }
       });
     });

@@ -64,10 +64,13 @@ at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b, at::ScalarType acc);
 // out = a·b, or out += a·b unless `first`, in out's type (the inputs' or the accumulation type), the same way.
 void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool first);
 
-// Bias and soft-cap applied to logits of vocabulary columns [v0, v0 + z.size(1)), in place.
-void finish_logits(const Head& h, at::Tensor& z, int64_t v0);
-// Soft-capped logits of rows [r0, r0 + n), [n, V] in the accumulation type.
-at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n);
+// The soft-cap c·tanh(z/c) applied to logits z in place, where h has one.
+void soft_cap(const Head& h, at::Tensor& z);
+// Bias and, if capped, the soft-cap applied to logits of vocabulary columns [v0, v0 + z.size(1)), in place.
+void finish_logits(const Head& h, at::Tensor& z, int64_t v0, bool capped = true);
+// Logits of rows [r0, r0 + n), [n, V] in the accumulation type; soft-capped unless !capped (for a kernel that caps
+// them as it reads them).
+at::Tensor slab_logits(const Head& h, int64_t r0, int64_t n, bool capped = true);
 
 at::Tensor valid_targets(const at::Tensor& targets, int64_t ignore_index);
 // Where targets t fall among vocabulary columns [v0, v0 + c): each one's column there (0 where it is not there) and

@@ -81,9 +81,13 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   const int64_t N = h.rows();
   Gradients out = empty_gradients(h, want);
   std::vector<SlabStats> merged_slabs;
+  // On CUDA the log-sum-exp comes with the gradient from one read of the slab, which also soft-caps the logits (the
+  // slab holds them uncapped). Label smoothing's Σ z needs capped logits before that read: with a soft-cap, its slabs
+  // are capped first and their log-sum-exp and gradient take a pass each.
+  const bool one_read = h.x.is_cuda() && !lse.defined() && !merge && !(h.softcap && loss && o.label_smoothing != 0);
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
-    at::Tensor z = slab_logits(h, r0, n);
+    at::Tensor z = slab_logits(h, r0, n, /*capped=*/!one_read);
     at::Tensor slab_lse, dz;
     if (lse.defined()) {
       slab_lse = lse.narrow(0, r0, n);
@@ -92,11 +96,13 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       slab_lse = merged_slabs.back().lse;
     } else {
       SlabStats s;
-      if (loss) target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
-      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
-      // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
-      // inputs) instead of a second slab-sized buffer.
-      if (z.is_cuda()) {
+      if (loss) {
+        target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
+        if (one_read) soft_cap(h, s.target_logit);
+      }
+      // The kernel holds each row on chip before writing its gradient, so dz takes the slab's own memory (the first
+      // half of each float32 row for 16-bit inputs) instead of a second slab-sized buffer.
+      if (one_read) {
         at::Tensor row_lse = at::empty({n}, z.options());
         at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
         if (cuda::linear_head_logit_gradient_in_place(z, g.narrow(0, r0, n).contiguous(),
@@ -105,7 +111,10 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
                                                       h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
-      if (!s.lse.defined()) s.lse = trellis::logsumexp(z, 1);
+      if (!s.lse.defined()) {  // no kernel for it (before compute capability 9.0, or rows too long for a cluster)
+        if (one_read) soft_cap(h, z);
+        s.lse = trellis::logsumexp(z, 1);
+      }
       slab_lse = s.lse;
       if (loss)
         loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
@@ -152,7 +161,7 @@ Gradients statistics_gradients(const Head& h, const at::Tensor& a, const at::Ten
       const auto [column, hit] = target_columns(h, h.targets.narrow(0, r0, n), 0, z.size(1));
       dz.scatter_add_(1, column.unsqueeze(1), (row_b * hit).unsqueeze(1));
     }
-    // head_maths::softcap_derivative, 1 - (z/c)², in z's own memory.
+    // head_maths::SoftCap::derivative, 1 - (z/c)², in z's own memory.
     if (h.softcap) dz.mul_(z.div_(*h.softcap).square_().neg_().add_(1));
     add_slab_gradients(h, dz.to(h.x.scalar_type()), r0, want, out);
   }
