@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     viterbi_step_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, int max_blocks,
                         const T* __restrict__ W, double* __restrict__ offset, T* __restrict__ step_max,
                         T* __restrict__ partial, int B, int running, int K, int rows, bool vector_rows, bool reverse,
-                        int keep_permille) {
+                        int keep_permille, bool nonpositive) {
   constexpr int kStride = v_stride<T, NB>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ring = reinterpret_cast<T*>(smem_raw);   // [kWarps][kStages][kCols]: each lane's 16 bytes of rows in flight,
@@ -147,7 +147,62 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int c = 0; c < kVec<T>; ++c) best[b][c] = max(best[b][c], vr[b] + p[c]);
     vk += v_step;
   };
-  if (streamed) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (streamed && nonpositive) {
+      // Every term is ≤ 0 (rebased messages, transitions of log-probabilities), where the larger float is the smaller
+      // bit pattern read as unsigned: one three-way unsigned minimum (an sm_90 DPX instruction) keeps the best of two
+      // rows' terms, an instruction and a half per term instead of two. The maximum is the same float but for the sign
+      // of a zero.
+      unsigned top[NB][4];
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) top[b][c] = __float_as_uint(-INFINITY);
+      for (int i0 = 0; i0 < my_rows; i0 += kStages) {
+#pragma unroll
+        for (int u = 0; u < kStages; u += 2) {  // rows in pairs; the ring's slots are constants
+          const int i = i0 + u;
+          if (i >= my_rows) break;
+          fetch(i + kStages - 1, (u + kStages - 1) % kStages);
+          __pipeline_wait_prior(kStages - 2);  // rows i and i + 1 have landed
+          const bool pair = i + 1 < my_rows;   // else row i twice
+          const float4 p1 = *reinterpret_cast<const float4*>(slots + u * kCols<T>);
+          const float4 p2 = pair ? *reinterpret_cast<const float4*>(slots + (u + 1) * kCols<T>) : p1;
+          const float* v2 = pair ? vk + v_step : vk;
+#pragma unroll
+          for (int q = 0; q < (NB + 3) / 4; ++q) {
+            float a1[4], a2[4];
+            if constexpr (NB % 4 == 0) {
+              *reinterpret_cast<float4*>(a1) = reinterpret_cast<const float4*>(vk)[q];
+              *reinterpret_cast<float4*>(a2) = reinterpret_cast<const float4*>(v2)[q];
+            } else {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                a1[e] = q * 4 + e < NB ? vk[q * 4 + e] : 0.f;
+                a2[e] = q * 4 + e < NB ? v2[q * 4 + e] : 0.f;
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int b = q * 4 + e;
+              if (b >= NB) break;
+              top[b][0] = __vimin3_u32(top[b][0], __float_as_uint(a1[e] + p1.x), __float_as_uint(a2[e] + p2.x));
+              top[b][1] = __vimin3_u32(top[b][1], __float_as_uint(a1[e] + p1.y), __float_as_uint(a2[e] + p2.y));
+              top[b][2] = __vimin3_u32(top[b][2], __float_as_uint(a1[e] + p1.z), __float_as_uint(a2[e] + p2.z));
+              top[b][3] = __vimin3_u32(top[b][3], __float_as_uint(a1[e] + p1.w), __float_as_uint(a2[e] + p2.w));
+            }
+          }
+          vk += 2 * v_step;
+          fetch(i + kStages, u);  // into row i's slot, read
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) best[b][c] = __uint_as_float(top[b][c]);
+    }
+  }
+  if (streamed && !(std::is_same_v<T, float> && nonpositive)) {
     for (int i0 = 0; i0 < my_rows; i0 += kStages) {
 #pragma unroll
       for (int u = 0; u < kStages; ++u) {  // unrolled over the ring: slot numbers are constants
@@ -159,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         max_row(reinterpret_cast<const T*>(&p));
       }
     }
-  } else if (col < K) {  // rows not 16-byte aligned: element loads
+  } else if (!streamed && col < K) {  // rows not 16-byte aligned: element loads
     for (int i = 0; i < my_rows; ++i) {
       const int64_t k = k0 + warp + row(i) * kWarps;
       T p[kVec<T>];
@@ -344,6 +399,8 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
       T* kept = alphas.data_ptr<T>();
       // Rows as 16-byte vectors where each row starts on a vector boundary.
       const bool vector_rows = K % kVec<T> == 0 && reinterpret_cast<std::uintptr_t>(W) % sizeof(Vec<T>) == 0;
+      // Transitions all ≤ 0 (an HMM's log-probabilities; NaN is not) let float32 steps compare terms as integers.
+      const bool nonpositive = std::is_same_v<T, float> && transitions.max().item<T>() <= T(0);
       for (int64_t t = 0; t < steps; ++t) {
         const int active = static_cast<int>(running(t));
         T* current = kept + t * B * K;
@@ -352,7 +409,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
           launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, "many-label Viterbi step kernel",
                            current - B * K, block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
                            step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), active, int(K), plan.rows,
-                           vector_rows, t % 2 == 0, keep_permille);
+                           vector_rows, t % 2 == 0, keep_permille, nonpositive);
         }
         launch_dependent(viterbi_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
                          "many-label Viterbi finish kernel", partial.data_ptr<T>(), plan.splits, st, E, ord, current,

@@ -72,13 +72,19 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint64_t keep_policy, stream_policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream_policy));
+  // Rows are fetched, and used, in the order i = 0, 1, ...: running pointers step from row to row instead of an
+  // address computed for each (at many sequences the step is issue-bound). Fetches [keep_from, keep_to) are the
+  // span's first `keep` rows.
+  const int64_t fetch_step = reverse ? -src_step : src_step;
+  const T* next_row = src + (reverse ? my_rows - 1 : 0) * src_step;
+  const int keep_from = reverse ? my_rows - keep : 0, keep_to = reverse ? my_rows : keep;
   const auto fetch = [&](int i, int slot) {
     if (streamed && i < my_rows) {
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots + slot * kCols<T>));
-      const uint64_t policy = row(i) < keep ? keep_policy : stream_policy;
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
-                   "l"(src + row(i) * src_step), "l"(policy)
+      const uint64_t policy = i >= keep_from && i < keep_to ? keep_policy : stream_policy;
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(next_row), "l"(policy)
                    : "memory");
+      next_row += fetch_step;
     }
     __pipeline_commit();
   };
@@ -104,8 +110,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int b = 0; b < NB; ++b)
 #pragma unroll
     for (int c = 0; c < kVec<T>; ++c) acc[b][c] = T(0);
-  const auto fma_row = [&](const T* p, int i) {
-    const T* vk = v + (warp + row(i) * kWarps) * kStride;
+  // The messages of row i = 0, 1, ... in turn (fma_row is called in that order).
+  const T* vk = v + (warp + (reverse ? my_rows - 1 : 0) * kWarps) * kStride;
+  const int v_step = (reverse ? -kWarps : kWarps) * kStride;
+  const auto fma_row = [&](const T* p) {
     T vr[NB];
     if constexpr (NB % kVec<T> == 0) {
 #pragma unroll
@@ -119,6 +127,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int b = 0; b < NB; ++b)
 #pragma unroll
       for (int c = 0; c < kVec<T>; ++c) acc[b][c] += vr[b] * p[c];
+    vk += v_step;
   };
   if (streamed) {
     for (int i0 = 0; i0 < my_rows; i0 += kStages) {
@@ -129,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         fetch(i + kStages - 1, (u + kStages - 1) % kStages);
         __pipeline_wait_prior(kStages - 1);  // row i has landed
         const Vec<T> p = *reinterpret_cast<const Vec<T>*>(slots + u * kCols<T>);
-        fma_row(reinterpret_cast<const T*>(&p), i);
+        fma_row(reinterpret_cast<const T*>(&p));
       }
     }
   } else if (col < K) {  // rows not 16-byte aligned: element loads
@@ -138,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       T p[kVec<T>];
 #pragma unroll
       for (int c = 0; c < kVec<T>; ++c) p[c] = col + c < K ? __ldg(P + k * K + col + c) : T(0);
-      fma_row(p, i);
+      fma_row(p);
     }
   }
   __pipeline_wait_prior(0);
