@@ -125,6 +125,14 @@ at::Tensor leaf(const at::Tensor& t, bool wanted) {
 bool wants_grad(const at::Tensor& t) { return c10::GradMode::is_enabled() && t.defined() && t.requires_grad(); }
 bool wants_grad(const OptionalTensor& t) { return t && wants_grad(*t); }
 
+// Which of four inputs want a gradient, as one number for an autograd context's saved data.
+int64_t want_bits(const std::array<bool, 4>& want) {
+  return int64_t(want[0]) | int64_t(want[1]) << 1 | int64_t(want[2]) << 2 | int64_t(want[3]) << 3;
+}
+std::array<bool, 4> wanted_of(int64_t bits) {
+  return {(bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0, (bits & 8) != 0};
+}
+
 template <class Signature>
 c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -306,14 +314,35 @@ at::Tensor reduction_divisor(Reduction r, const at::Tensor& score, const at::Ten
   }
 }
 
+// The divisor where the host knows it (sum; mean; token_mean without a mask or lengths: B·T), so that dividing takes no
+// tensor of its own; nullopt where it is a count on the device.
+std::optional<double> constant_divisor(Reduction r, const at::Tensor& score, const at::Tensor& emissions,
+                                       const OptionalTensor& mask, const OptionalTensor& lengths) {
+  switch (r) {
+    case Reduction::sum: return 1.0;
+    case Reduction::mean: return static_cast<double>(score.size(0));
+    case Reduction::token_mean:
+      if (mask || lengths) return std::nullopt;
+      return static_cast<double>(emissions.size(0) * emissions.size(1));
+    default: return std::nullopt;
+  }
+}
+
+// The reduction of the scores [B]: one kernel for a sum, two for a mean.
+at::Tensor reduced(Reduction r, const at::Tensor& score, const at::Tensor& emissions, const OptionalTensor& mask,
+                   const OptionalTensor& lengths) {
+  const std::optional<double> count = constant_divisor(r, score, emissions, mask, lengths);
+  if (!count) return score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
+  return *count == 1 ? score.sum() : score.sum().div_(*count);
+}
+
 at::Tensor crf_log_likelihood(const at::Tensor& emissions, const at::Tensor& tags, const at::Tensor& transitions,
                               const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
                               const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
   const Reduction r = reduction_of(reduction, "trellis::crf_log_likelihood");
   const at::Tensor score =
       crf_score(chain_inputs(emissions, transitions, start, end, mask, lengths, batch_first), tags, {});
-  if (r == Reduction::none) return score;
-  return score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
+  return r == Reduction::none ? score : reduced(r, score, emissions, mask, lengths);
 }
 
 // The score (crf_score) and its gradients w.r.t. (emissions, transitions, start, end) of Σ grad·score (grad undefined:
@@ -503,21 +532,22 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
                             const at::Tensor& transitions, const OptionalTensor& start, const OptionalTensor& end,
                             const OptionalTensor& mask, const OptionalTensor& lengths, bool batch_first,
                             const OptionalTensor& allowed, const OptionalTensor& allowed_start,
-                            const OptionalTensor& allowed_end, std::array<bool, 4> want, const std::string& reduction) {
+                            const OptionalTensor& allowed_end, std::array<bool, 4> want, Reduction r) {
     static const auto partition = find<decltype(crf_log_partition)>("trellis::crf_log_partition");
     static const auto likelihood = find<decltype(crf_log_likelihood)>("trellis::crf_log_likelihood");
     static const auto both = find<decltype(crf_score_and_gradients)>("trellis::_crf_score_and_gradients");
     at::AutoDispatchBelowADInplaceOrView below;
-    for (std::size_t i = 0; i < want.size(); ++i) ctx->saved_data["want" + std::to_string(i)] = want[i];
-    const Reduction r = tags ? reduction_of(reduction, "trellis::crf_log_likelihood") : Reduction::none;
+    ctx->saved_data["want"] = want_bits(want);
     ctx->saved_data["reduced"] = r != Reduction::none;
     if (r != Reduction::none) {
       // A scalar result: its gradients are those of Σ score, scaled; formed now, in the pass that forms the score.
       auto [score, de, dt, ds, dn] = both.call(emissions, tags, transitions, start, end, mask, lengths, batch_first,
                                                std::nullopt, std::nullopt, std::nullopt, want);
-      if (r == Reduction::sum) {
+      const std::optional<double> count = constant_divisor(r, score, emissions, mask, lengths);
+      if (count) {
+        ctx->saved_data["divisor"] = *count;
         ctx->save_for_backward({de, dt, ds, dn});
-        return score.sum();
+        return reduced(r, score, emissions, mask, lengths);
       }
       const at::Tensor divisor = reduction_divisor(r, score, emissions, mask, lengths);
       ctx->save_for_backward({de, dt, ds, dn, divisor});
@@ -533,39 +563,28 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     static const auto op = find<decltype(crf_score_backward)>("trellis::_crf_score_backward");
     const auto s = ctx->get_saved_variables();
-    std::array<bool, 4> want;
-    for (std::size_t i = 0; i < want.size(); ++i) want[i] = ctx->saved_data.at("want" + std::to_string(i)).toBool();
-    at::Tensor de, dt, ds, dn;
-    if (ctx->saved_data.at("reduced").toBool()) {
-      const at::Tensor scale = s.size() == 5 ? grad[0] / s[4] : grad[0];
+    const std::array<bool, 4> want = wanted_of(ctx->saved_data.at("want").toInt());
+    std::array<at::Tensor, 4> out;
+    if (ctx->saved_data.at("reduced").toBool()) {  // the saved gradients of Σ score, times grad / divisor
+      const auto divisor = ctx->saved_data.find("divisor");
+      const at::Tensor scale = divisor == ctx->saved_data.end()     ? grad[0] / s[4]
+                               : divisor->second.toDouble() == 1.0 ? grad[0]
+                                                                   : grad[0] / divisor->second.toDouble();
       std::vector<at::Tensor> wanted;
       for (std::size_t i = 0; i < want.size(); ++i)
         if (want[i]) wanted.push_back(s[i]);
       // One multi-tensor launch for the (up to) four scalings; a 0-dim scale keeps each gradient's dtype.
       const std::vector<at::Tensor> scaled = at::_foreach_mul(wanted, scale);
-      std::array<at::Tensor, 4> out;
       for (std::size_t i = 0, next = 0; i < want.size(); ++i)
         if (want[i]) out[i] = scaled[next++];
-      std::tie(de, dt, ds, dn) = std::make_tuple(out[0], out[1], out[2], out[3]);
     } else {
-      std::tie(de, dt, ds, dn) =
+      std::tie(out[0], out[1], out[2], out[3]) =
           op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]), optional(s[5]), optional(s[6]),
                   ctx->saved_data.at("batch_first").toBool(), optional(s[7]), optional(s[8]), optional(s[9]), want);
     }
     // One entry per forward argument: emissions, tags, transitions, start, end, then the rest.
-    return {want[0] ? de : at::Tensor(),
-            {},
-            want[1] ? dt : at::Tensor(),
-            want[2] ? ds : at::Tensor(),
-            want[3] ? dn : at::Tensor(),
-            {},
-            {},
-            {},
-            {},
-            {},
-            {},
-            {},
-            {}};
+    const auto pick = [&](std::size_t i) { return want[i] ? out[i] : at::Tensor(); };
+    return {pick(0), {}, pick(1), pick(2), pick(3), {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -581,7 +600,7 @@ at::Tensor crf_log_partition_autograd(const at::Tensor& emissions, const at::Ten
                                       const OptionalTensor& allowed_end) {
   return CrfScoreFunction::apply(emissions, OptionalTensor(), transitions, start, end, mask, lengths, batch_first,
                                  allowed, allowed_start, allowed_end,
-                                 score_grads_wanted(emissions, transitions, start, end), std::string("none"));
+                                 score_grads_wanted(emissions, transitions, start, end), Reduction::none);
 }
 
 at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags,
@@ -595,7 +614,8 @@ at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Te
     return op.call(emissions, tags, transitions, start, end, mask, lengths, batch_first, reduction);
   }
   return CrfScoreFunction::apply(emissions, OptionalTensor(tags), transitions, start, end, mask, lengths, batch_first,
-                                 OptionalTensor(), OptionalTensor(), OptionalTensor(), want, std::string(reduction));
+                                 OptionalTensor(), OptionalTensor(), OptionalTensor(), want,
+                                 reduction_of(reduction, "trellis::crf_log_likelihood"));
 }
 
 // Operators without a gradient: their kernels below autograd, so that their outputs never require grad.

@@ -8,6 +8,7 @@ from torch import Tensor
 __all__ = ["CRF"]
 
 Constraints = Union[Tensor, Tuple[Tensor, Tensor, Tensor], Iterable[Tuple[int, int]]]
+_REDUCTIONS = frozenset(('none', 'sum', 'mean', 'token_mean'))
 
 
 class CRF(nn.Module):
@@ -166,12 +167,15 @@ class CRF(nn.Module):
             NaN instead.
         """
         lengths = self._validate(emissions, tags=tags, mask=mask)
-        if reduction not in ('none', 'sum', 'mean', 'token_mean'):
+        if reduction not in _REDUCTIONS:
             raise ValueError(f'invalid reduction: {reduction}')
-        emissions = self._batch_major(emissions)
-        tags = self._batch_major_tags(tags)
-        # A reduced log-likelihood comes from the operator itself, which then forms the gradients in its forward pass.
-        return torch.ops.trellis.crf_log_likelihood(emissions, tags, *self._scores(), None, lengths, True, reduction)
+        if tags.dtype != torch.int64:
+            tags = tags.long()
+        # The operator takes the caller's layout (no transposed views for autograd to track) and reduces the
+        # log-likelihood itself, forming its gradients in the forward pass: one operator call is the whole forward.
+        return torch.ops.trellis.crf_log_likelihood.default(emissions, tags, self.transitions, self.start_transitions,
+                                                            self.end_transitions, None, lengths, self.batch_first,
+                                                            reduction)
 
     @overload
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = ..., *,
@@ -329,10 +333,6 @@ class CRF(nn.Module):
     def _batch_major(self, emissions: Tensor) -> Tensor:
         """The emissions as (batch_size, seq_length, num_tags)."""
         return emissions if self.batch_first else emissions.transpose(0, 1)
-
-    def _batch_major_tags(self, tags: Tensor) -> Tensor:
-        tags = tags.long()
-        return tags if self.batch_first else tags.transpose(0, 1)
 
     def _scores(self) -> Tuple[Tensor, Tensor, Tensor]:
         """transitions, start and end as the operators take them (any float type: they compute in float32, or in
