@@ -16,7 +16,9 @@ full-length sequences), so that the Python path's overhead is the difference of 
 Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after two untimed warm-up
 calls; the median of up to --repeats timed calls within about --budget seconds per implementation (at least 3, so slow
 peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds the log-likelihood of leaf
-parameters and emissions (summed over the batch) and back-propagates it; decoding returns the best paths (Trellis and
+parameters and emissions (summed over the batch) and back-propagates it (trellis.CRF's and pytorch-crf's gradients set
+to None by zero_grad before the timing starts, as the optimizer does between steps; the C++ call times no such step
+either); decoding returns the best paths (Trellis and
 torch-struct as tensors; pytorch-crf returns lists, its only form, and so does the extra "trellis.CRF decode, lists"
 row). torch-struct gets the CRF's scores folded into its edge potentials inside the call, as a model using it would,
 and its log-likelihood is LinearChainCRF.log_prob of the gold tags' parts (built once, outside the timing).
@@ -99,14 +101,18 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def time_call(fn):
-    """Median milliseconds of fn() (see the method above)."""
+def time_call(fn, setup=None):
+    """Median milliseconds of fn() (see the method above), each call after setup() (untimed) where given."""
     for _ in range(2):
+        if setup:
+            setup()
         fn()
     synchronize()
     times = []
     spent = 0.0
     while len(times) < args.repeats and (len(times) < 3 or spent < args.budget):
+        if setup:
+            setup()
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -122,10 +128,10 @@ def time_call(fn):
     return statistics.median(times)
 
 
-def measured(fn):
+def measured(fn, setup=None):
     """(milliseconds, None) or (None, why not)."""
     try:
-        return time_call(fn), None
+        return time_call(fn, setup), None
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None, "out of memory"
@@ -205,9 +211,11 @@ def run_workload(workload, B, T, K, with_mask, dtype):
     else:
         module_emissions = emissions.detach().requires_grad_()
 
-        def module_call():  # a training step's: the gradients set to None before it (zero_grad's default)
+        def clear_gradients():  # the optimizer's zero_grad (set to None), outside the timing as in the C++ call's
             crf.zero_grad()
             module_emissions.grad = None
+
+        def module_call():  # a training step's forward and backward
             llh = crf(module_emissions, tags, mask, reduction="sum")
             (-llh).backward()
             return llh
@@ -218,7 +226,7 @@ def run_workload(workload, B, T, K, with_mask, dtype):
             (-llh.sum()).backward()
             return llh
 
-        times["trellis.CRF"], notes["trellis.CRF"] = measured(module_call)
+        times["trellis.CRF"], notes["trellis.CRF"] = measured(module_call, clear_gradients)
         times["torch.ops.trellis"], notes["torch.ops.trellis"] = measured(op_call)
         errors["trellis"] = error(crf(emissions, tags, mask, reduction="none"))
 
@@ -234,13 +242,15 @@ def run_workload(workload, B, T, K, with_mask, dtype):
         else:
             peer_emissions = emissions.detach().requires_grad_()
 
-            def peer_call():
+            def clear_peer_gradients():
                 peer.zero_grad()
                 peer_emissions.grad = None
+
+            def peer_call():
                 llh = peer(peer_emissions, tags, peer_mask, reduction="sum")
                 (-llh).backward()
                 return llh
-            times["pytorch-crf"], notes["pytorch-crf"] = measured(peer_call)
+            times["pytorch-crf"], notes["pytorch-crf"] = measured(peer_call, clear_peer_gradients)
             if times["pytorch-crf"] is not None:
                 with torch.no_grad():
                     errors["pytorch-crf"] = error(peer(emissions, tags, peer_mask, reduction="none"))

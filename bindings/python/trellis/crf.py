@@ -202,8 +202,8 @@ class CRF(nn.Module):
         """
         lengths = self._validate(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        paths, _ = torch.ops.trellis.crf_viterbi(emissions, *self._scores(), None, lengths, True,
-                                                 *self._constraints_for(emissions))
+        paths, _ = torch.ops.trellis.crf_viterbi.default(emissions, *self._scores(), None, lengths, True,
+                                                         *self._constraints_for(emissions))
         if as_tensor:
             return paths if self.batch_first else paths.transpose(0, 1)
         return _trim(paths, lengths)
