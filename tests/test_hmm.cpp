@@ -387,7 +387,7 @@ TEST(HMMCuda, StreamedKernelsTakeMoreSequencesThanAGridsYExtent) {
   CategoricalHMM m = CategoricalHMM::random(K, 20, 70);
   const Data d = random_observations(B, T, 20);
   const at::Device cuda(at::kCUDA);
-  const CategoricalHMM g = m.to(at::TensorOptions().device(cuda));
+  const CategoricalHMM g = m.to(at::TensorOptions().device(cuda).dtype(at::kDouble));
   const at::Tensor obs = d.obs.to(cuda), lengths = d.lengths.to(cuda);
   {
     const ForcedHMMRoute forced(HMMQuantity::log_likelihood, HMMRoute::streamed);
