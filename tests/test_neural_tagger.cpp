@@ -185,6 +185,31 @@ TEST(NeuralTagger, TagsDoNotDependOnTheOtherSentencesTaggedWithThem) {
   }
 }
 
+// A file of many sentences is cut into several chunks and encoded on worker threads ahead of the network (characters
+// packed for the character BiLSTM, sparse features added after the network): each sentence still gets the tags and
+// marginals it gets in a small group.
+TEST(NeuralTagger, AFileOfManyChunksTagsAsItsSentencesDoInSmallGroups) {
+  NeuralTaggerOptions o = small_options();
+  o.char_encoder = CharEncoder::BiLstm;
+  o.epochs = 2;
+  const NeuralTagger m = train_neural_tagger(toy_corpus(100, 1, "train"), nullptr, builtin_features(), o);
+  const LabeledSentences test = toy_corpus(20000, 4, "test");  // three chunks of at most 8192 sentences
+  const auto together = m.tag(pointers(test), true);
+  ASSERT_EQ(together.size(), test.inputs.size());
+  constexpr std::size_t kGroup = 500;
+  for (std::size_t g = 0; g < test.inputs.size(); g += kGroup) {
+    std::vector<const TokenRows*> group;
+    for (std::size_t s = g; s < std::min(test.inputs.size(), g + kGroup); ++s) group.push_back(&test.inputs[s]);
+    const auto apart = m.tag(group, true);
+    for (std::size_t i = 0; i < apart.size(); ++i) {
+      ASSERT_EQ(together[g + i].labels, apart[i].labels) << "sentence " << g + i;
+      for (std::size_t t = 0; t < apart[i].marginals.size(); ++t)
+        ASSERT_NEAR(together[g + i].marginals[t], apart[i].marginals[t], 1e-5)
+            << "sentence " << g + i << ", token " << t;
+    }
+  }
+}
+
 TEST(NeuralTagger, SavedModelTagsIdenticallyAfterLoading) {
   const NeuralTagger& m = trained_model();
   const std::string path = temp_path("roundtrip.ncrf");

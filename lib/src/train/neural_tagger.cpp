@@ -15,16 +15,21 @@
 #include <ATen/Context.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 
 #include "lib/src/io/input_file.h"
@@ -150,6 +155,7 @@ struct Batch {
   std::vector<at::Tensor> extra;            // [B,T] int64 each
   at::Tensor chars, char_lengths;           // [N,L], [N] int64: the tokens' characters, the longest word first
   at::Tensor char_lengths_cpu;              // the same on the CPU (the character BiLSTM packs by it)
+  at::Tensor char_batch_sizes;              // tagging batches: chars packed (1-D), these its batch sizes on the CPU
   at::Tensor char_positions;                // [N] int64: b*T + t of each row of chars
   at::Tensor positions;                     // [N] int64: b*T + t of each token
   at::Tensor mask;                          // [B,T] bool
@@ -264,6 +270,12 @@ class NetworkImpl : public torch::nn::Module {
 
   // Emission scores [B,T,K], float32 (the encoder in bfloat16 under `bf16`).
   at::Tensor emissions(const Batch& b, bool bf16) {
+    const at::Tensor scores = network_scores(b, bf16);
+    return hybrid_weights.defined() ? with_sparse_scores(scores, b) : scores;
+  }
+
+  // The network's emission scores [B,T,K], float32, without a hybrid's sparse feature weights.
+  at::Tensor network_scores(const Batch& b, bool bf16) {
     at::Tensor scores;
     {
       const Bf16Autocast autocast(bf16);
@@ -278,8 +290,11 @@ class NetworkImpl : public torch::nn::Module {
           // The last states of both directions over each word's own characters.
           const NoAutocast fp32;
           namespace rnn = torch::nn::utils::rnn;
-          const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
-                                                        /*batch_first=*/true, /*enforce_sorted=*/true);
+          const at::Tensor embedded = dropout(char_embedding(b.chars));
+          const rnn::PackedSequence packed =
+              b.char_batch_sizes.defined() ? rnn::PackedSequence(embedded, b.char_batch_sizes)
+                                           : rnn::pack_padded_sequence(embedded, b.char_lengths_cpu,
+                                                                       /*batch_first=*/true, /*enforce_sorted=*/true);
           const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
           c = at::cat({last[0], last[1]}, 1);                                                              // [N,2H]
         } else {
@@ -311,13 +326,15 @@ class NetworkImpl : public torch::nn::Module {
       }
       scores = output(dropout(h)).to(at::kFloat);
     }
-    if (hybrid_weights.defined()) {
-      const at::Tensor sparse = std::get<0>(at::embedding_bag(hybrid_weights, b.feature_ids, b.feature_offsets));
-      scores = scores + at::zeros({b.B * b.T, arch.labels}, scores.options())
-                            .index_copy(0, b.positions, sparse)
-                            .view({b.B, b.T, arch.labels});
-    }
     return scores;
+  }
+
+  // `scores` plus the hybrid's sparse feature weights of the batch's tokens.
+  at::Tensor with_sparse_scores(const at::Tensor& scores, const Batch& b) {
+    const at::Tensor sparse = std::get<0>(at::embedding_bag(hybrid_weights, b.feature_ids, b.feature_offsets));
+    return scores + at::zeros({b.B * b.T, arch.labels}, scores.options())
+                        .index_copy(0, b.positions, sparse)
+                        .view({b.B, b.T, arch.labels});
   }
 
   Architecture arch;
@@ -396,25 +413,33 @@ struct NeuralTagger::Impl {
     return it == label_ids.end() ? -1 : it->second;
   }
 
-  // Sentence `index` (for messages) as ids; unknown labels are an Error naming `source` and the line when known.
-  EncodedSentence encode(const TokenRows& rows, const std::vector<std::string>* gold, std::size_t index,
-                         const std::string& source = "", std::size_t first_line = 0) const {
-    const auto where = [&](std::size_t t) {
-      return source.empty() || first_line == 0 ? "sentence " + std::to_string(index) + ", token " + std::to_string(t)
-                                               : source + ":" + std::to_string(first_line + t);
-    };
+  // Where token `t` of sentence `index` is, for messages: `source`:line when the line is known.
+  static std::string position(std::size_t index, std::size_t t, const std::string& source, std::size_t first_line) {
+    return source.empty() || first_line == 0 ? "sentence " + std::to_string(index) + ", token " + std::to_string(t)
+                                             : source + ":" + std::to_string(first_line + t);
+  }
+
+  // Checks sentence `index` (for messages) before it is encoded: not empty, as many labels as tokens when `gold` is
+  // given, input_columns columns in every row.
+  void check(const TokenRows& rows, const std::vector<std::string>* gold, std::size_t index,
+             const std::string& source = "", std::size_t first_line = 0) const {
     if (rows.empty()) throw Error("sentence " + std::to_string(index) + " is empty");
     if (gold && gold->size() != rows.size())
       throw Error("sentence " + std::to_string(index) + ": " + std::to_string(rows.size()) + " tokens but " +
                   std::to_string(gold->size()) + " labels");
-    EncodedSentence e;
+    for (std::size_t t = 0; t < rows.size(); ++t)
+      if (rows[t].size() != input_columns)
+        throw Error(position(index, t, source, first_line) + ": expected " + std::to_string(input_columns) +
+                    " input columns, found " + std::to_string(rows[t].size()));
+  }
+
+  // The ids the encoder network reads of a checked sentence (words, shapes, extra columns, characters) and, with
+  // `gold`, its label ids; an unknown label is an Error naming `source` and the line when known.
+  void encode_ids(const TokenRows& rows, const std::vector<std::string>* gold, std::size_t index,
+                  const std::string& source, std::size_t first_line, EncodedSentence& e) const {
     e.extra.resize(extra.size());
-    FeatureList feats;
     for (std::size_t t = 0; t < rows.size(); ++t) {
       const auto& row = rows[t];
-      if (row.size() != input_columns)
-        throw Error(where(t) + ": expected " + std::to_string(input_columns) + " input columns, found " +
-                    std::to_string(row.size()));
       e.words.push_back(words.find(lowercase(row[0])));
       e.shapes.push_back(shapes.find(word_shape(row[0])));
       for (std::size_t c = 0; c < extra.size(); ++c) e.extra[c].push_back(extra[c].find(row[c + 1]));
@@ -424,24 +449,38 @@ struct NeuralTagger::Impl {
       for (std::size_t i = 0; i < n; ++i) e.chars.push_back(chars.find(cps[i]));
       e.chars.push_back(kWordEnd);
       e.char_counts.push_back(static_cast<int64_t>(n + 2));
-      if (hybrid) {
-        feats.clear();
-        hybrid->extract(rows, t, feats);
-        const std::size_t before = e.feature_ids.size();
-        for (const std::string_view f : feats)
-          if (const int64_t id = features.find(f, -1); id >= 0) e.feature_ids.push_back(id);
-        e.feature_counts.push_back(static_cast<int64_t>(e.feature_ids.size() - before));
-      }
       if (gold) {
         const int64_t y = label_id((*gold)[t]);
         if (y < 0) {
           if (!source.empty() && first_line > 0)
             throw ParseError(source, first_line + t, "label '" + (*gold)[t] + "' does not occur in the training data");
-          throw Error(where(t) + ": label '" + (*gold)[t] + "' was not seen in training");
+          throw Error(position(index, t, source, first_line) + ": label '" + (*gold)[t] + "' was not seen in training");
         }
         e.tags.push_back(y);
       }
     }
+  }
+
+  // The hybrid's sparse feature ids of a checked sentence.
+  void encode_features(const TokenRows& rows, EncodedSentence& e) const {
+    FeatureList feats;
+    for (std::size_t t = 0; t < rows.size(); ++t) {
+      feats.clear();
+      hybrid->extract(rows, t, feats);
+      const std::size_t before = e.feature_ids.size();
+      for (const std::string_view f : feats)
+        if (const int64_t id = features.find(f, -1); id >= 0) e.feature_ids.push_back(id);
+      e.feature_counts.push_back(static_cast<int64_t>(e.feature_ids.size() - before));
+    }
+  }
+
+  // Sentence `index` (for messages) as ids; unknown labels are an Error naming `source` and the line when known.
+  EncodedSentence encode(const TokenRows& rows, const std::vector<std::string>* gold, std::size_t index,
+                         const std::string& source = "", std::size_t first_line = 0) const {
+    check(rows, gold, index, source, first_line);
+    EncodedSentence e;
+    encode_ids(rows, gold, index, source, first_line, e);
+    if (hybrid) encode_features(rows, e);
     return e;
   }
 
@@ -461,44 +500,53 @@ struct NeuralTagger::Impl {
   // The sentences as one padded batch on the model's device, longest first. With a random generator, training words
   // become unknown with probability a/(a+c) (c: the word's training count). Every index goes to the device in one
   // copy from pinned memory that does not wait for the device, so the host prepares the next batch while the device
-  // works on this one.
-  Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout) const {
+  // works on this one. A tagging batch (`tagging`) holds a character BiLSTM's characters packed as the LSTM reads
+  // them, with no padding to the longest word, and no sparse feature ids: with_features() adds those, so that the
+  // network can start before they are extracted.
+  Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout,
+              bool tagging = false) const {
     Batch b;
     b.B = static_cast<int64_t>(sentences.size());
     b.rows.resize(sentences.size());
     std::iota(b.rows.begin(), b.rows.end(), 0);
     std::stable_sort(b.rows.begin(), b.rows.end(),
                      [&](std::size_t x, std::size_t y) { return sentences[x]->size() > sentences[y]->size(); });
-    int64_t L = 0;
+    const bool packed_chars = tagging && options.char_dim > 0 && options.char_encoder == CharEncoder::BiLstm;
+    const bool with_features = hybrid && !tagging;
+    int64_t L = 0, char_total = 0;
     for (const auto* s : sentences) {
       b.T = std::max<int64_t>(b.T, s->size());
       b.N += static_cast<int64_t>(s->size());
-      for (int64_t c : s->char_counts) L = std::max(L, c);
+      for (int64_t c : s->char_counts) L = std::max(L, c), char_total += c;
     }
     const bool labelled = !sentences.empty() && !sentences.front()->tags.empty();
     int64_t nnz = 0;
-    if (hybrid)
+    if (with_features)
       for (const auto* s : sentences) nnz += static_cast<int64_t>(s->feature_ids.size());
-    // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars [N,L], char lengths, char positions,
-    // positions, offsets [N] each, lengths [B], feature ids [nnz].
+    // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars ([N,L], or packed: the sum of the
+    // character counts), char lengths, char positions, positions, offsets [N] each, lengths [B], the packed
+    // characters' batch sizes [L], feature ids [nnz].
     const int64_t BT = b.B * b.T, E = static_cast<int64_t>(extra.size());
     const int64_t tag_cells = labelled ? BT : 0;
-    const int64_t total = BT * (2 + E) + tag_cells + b.N * L + 4 * b.N + b.B + nnz;
+    const int64_t char_cells = packed_chars ? char_total : b.N * L;
+    const int64_t batch_size_cells = packed_chars ? L : 0;
+    const int64_t total = BT * (2 + E) + tag_cells + char_cells + 4 * b.N + b.B + batch_size_cells + nnz;
     const bool pinned = device.is_cuda();
     const at::Tensor host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
     int64_t* const h = host.data_ptr<int64_t>();
-    std::fill(h, h + BT * (2 + E) + tag_cells + b.N * L, kPad);  // padding; tags 0 there
+    std::fill(h, h + BT * (2 + E) + tag_cells + (packed_chars ? 0 : char_cells), kPad);  // padding; tags 0 there
     int64_t* const w = h;
     int64_t* const sh = w + BT;
     int64_t* const ex = sh + BT;
     int64_t* const tags = ex + BT * E;
     int64_t* const ch = tags + tag_cells;
-    int64_t* const chl = ch + b.N * L;
+    int64_t* const chl = ch + char_cells;
     int64_t* const chp = chl + b.N;
     int64_t* const pos = chp + b.N;
     int64_t* const foff = pos + b.N;
     int64_t* const len = foff + b.N;
-    int64_t* const fid = len + b.B;
+    int64_t* const char_batch_sizes = len + b.B;
+    int64_t* const fid = char_batch_sizes + batch_size_cells;
     // Rows of chars, longest word first (the character BiLSTM packs them so): token index, character count, offset.
     struct Word {
       int64_t token, count;
@@ -528,7 +576,7 @@ struct NeuralTagger::Impl {
         word_rows.push_back({token, s.char_counts[t], s.chars.data() + c0});
         c0 += static_cast<std::size_t>(s.char_counts[t]);
         pos[token] = p;
-        if (hybrid) {
+        if (with_features) {
           foff[token] = features;
           const std::size_t n = static_cast<std::size_t>(s.feature_counts[t]);
           std::copy(s.feature_ids.begin() + f0, s.feature_ids.begin() + f0 + n, fid + features);
@@ -542,9 +590,19 @@ struct NeuralTagger::Impl {
     std::stable_sort(word_rows.begin(), word_rows.end(),
                      [](const Word& x, const Word& y) { return x.count > y.count; });
     for (int64_t r = 0; r < b.N; ++r) {
-      std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
+      if (!packed_chars) std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
       chl[r] = word_rows[r].count;
       chp[r] = pos[word_rows[r].token];
+    }
+    if (packed_chars) {
+      // Time-major, as pack_padded_sequence lays out rows sorted longest first: step s holds character s of every
+      // word longer than s.
+      int64_t out = 0, rows_at_step = b.N;
+      for (int64_t step = 0; step < L; ++step) {
+        while (word_rows[rows_at_step - 1].count <= step) --rows_at_step;
+        char_batch_sizes[step] = rows_at_step;
+        for (int64_t r = 0; r < rows_at_step; ++r) ch[out++] = word_rows[r].chars[step];
+      }
     }
     const at::Tensor on_device = pinned ? host.to(device, /*non_blocking=*/true) : host.to(device);
     int64_t offset = 0;
@@ -557,21 +615,48 @@ struct NeuralTagger::Impl {
     b.shapes = take(BT).view({b.B, b.T});
     for (int64_t c = 0; c < E; ++c) b.extra.push_back(take(BT).view({b.B, b.T}));
     if (labelled) b.tags = take(BT).view({b.B, b.T});
-    b.chars = take(b.N * L).view({b.N, L});
+    b.chars = packed_chars ? take(char_cells) : take(char_cells).view({b.N, L});
     b.char_lengths = take(b.N);
     b.char_positions = take(b.N);
     b.positions = take(b.N);
     const at::Tensor offsets = take(b.N);
     b.device_lengths = take(b.B);
+    take(batch_size_cells);  // read on the host
     const at::Tensor ids = take(nnz);
     b.char_lengths_cpu = host.narrow(0, chl - h, b.N);
+    if (packed_chars) b.char_batch_sizes = host.narrow(0, char_batch_sizes - h, L);
     b.lengths = host.narrow(0, len - h, b.B);
     b.mask = at::arange(b.T, b.device_lengths.options()).unsqueeze(0) < b.device_lengths.unsqueeze(1);
-    if (hybrid) {
+    if (with_features) {
       b.feature_ids = ids;
       b.feature_offsets = offsets;
     }
     return b;
+  }
+
+  // A tagging batch's sparse feature ids, in its token order, sent to the device as batch() sends the rest.
+  void add_feature_ids(const std::vector<const EncodedSentence*>& sentences, Batch& b) const {
+    int64_t nnz = 0;
+    for (const auto* s : sentences) nnz += static_cast<int64_t>(s->feature_ids.size());
+    const bool pinned = device.is_cuda();
+    const at::Tensor host = at::empty({b.N + nnz}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
+    int64_t* const offsets = host.data_ptr<int64_t>();
+    int64_t* const ids = offsets + b.N;
+    int64_t token = 0, features = 0;
+    for (const std::size_t row : b.rows) {
+      const EncodedSentence& s = *sentences[row];
+      std::size_t f0 = 0;
+      for (std::size_t t = 0; t < s.size(); ++t, ++token) {
+        offsets[token] = features;
+        const std::size_t n = static_cast<std::size_t>(s.feature_counts[t]);
+        std::copy(s.feature_ids.begin() + f0, s.feature_ids.begin() + f0 + n, ids + features);
+        f0 += n;
+        features += static_cast<int64_t>(n);
+      }
+    }
+    const at::Tensor on_device = pinned ? host.to(device, /*non_blocking=*/true) : host.to(device);
+    b.feature_offsets = on_device.narrow(0, 0, b.N);
+    b.feature_ids = on_device.narrow(0, b.N, nnz);
   }
 
   // The chain potentials of a batch for training and decoding: the batch's lengths need no check (and no wait for
@@ -589,48 +674,171 @@ struct NeuralTagger::Impl {
                      {net->crf->allowed_transitions.ne(0), net->crf->allowed_start.ne(0), net->crf->allowed_end.ne(0)});
   }
 
-  // Length-sorted chunks of at most kTagSentences sentences and kTagTokens padded tokens (fewer when
-  // `cell_bytes` per padded token makes a chunk exceed `max_bytes`); the callback gets each chunk's sentence indices.
-  void for_each_chunk(const std::vector<const EncodedSentence*>& sentences, double cell_bytes, double max_bytes,
-                      const std::function<void(const std::vector<std::size_t>&)>& run) const {
-    std::vector<std::size_t> order(sentences.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t x, std::size_t y) { return sentences[x]->size() < sentences[y]->size(); });
-    for (std::size_t i = 0; i < order.size();) {
-      std::vector<std::size_t> chunk{order[i++]};
-      while (i < order.size()) {
-        const double padded = static_cast<double>(chunk.size() + 1) * static_cast<double>(sentences[order[i]]->size());
-        if (static_cast<int64_t>(chunk.size()) >= kTagSentences || padded > kTagTokens ||
-            padded * cell_bytes > max_bytes)
-          break;
-        chunk.push_back(order[i++]);
-      }
-      run(chunk);
+  // The sentences of one decode() or kbest() call, cut into chunks longest first: each chunk holds at most
+  // kTagSentences sentences and kTagTokens padded tokens (fewer when `cell_bytes` per padded token would take it over
+  // `max_bytes`). A chunk's first sentence sets its padded length and the BiLSTM's steps, so starting from the longest
+  // puts the long tail into one chunk and leaves the short sentences few steps. Sentences given as rows are checked
+  // first, then encoded on worker threads in the order the chunks are tagged: every chunk's network ids, then every
+  // chunk's sparse feature ids, which the network reads last. The device thus starts on the first chunk while the
+  // hybrid's features, most of the encoding, are still being extracted.
+  class ChunkedSentences {
+   public:
+    // Sentences encoded already (the dev set during training).
+    ChunkedSentences(std::vector<const EncodedSentence*> encoded, double cell_bytes, double max_bytes)
+        : sentences_(std::move(encoded)) {
+      std::vector<std::size_t> lengths;
+      for (const auto* s : sentences_) lengths.push_back(s->size());
+      plan(lengths, cell_bytes, max_bytes);
     }
-  }
+    // Sentences to encode; a sentence that cannot be encoded is an Error naming the first such one.
+    ChunkedSentences(const Impl& model, const std::vector<const TokenRows*>& rows, double cell_bytes, double max_bytes)
+        : model_(&model), rows_(rows), encoded_(rows.size()) {
+      std::vector<std::size_t> lengths;
+      for (std::size_t s = 0; s < rows.size(); ++s) {
+        model.check(*rows[s], nullptr, s);
+        lengths.push_back(rows[s]->size());
+      }
+      for (const auto& e : encoded_) sentences_.push_back(&e);
+      plan(lengths, cell_bytes, max_bytes);
+      start_workers();
+    }
+    ~ChunkedSentences() { stop_workers(); }
+    ChunkedSentences(const ChunkedSentences&) = delete;
+    ChunkedSentences& operator=(const ChunkedSentences&) = delete;
 
-  at::Tensor emissions_of(const std::vector<const EncodedSentence*>& sentences, const std::vector<std::size_t>& chunk,
-                          Batch* out) const {
-    std::vector<const EncodedSentence*> picked;
-    for (std::size_t s : chunk) picked.push_back(sentences[s]);
-    *out = batch(picked, nullptr);
-    return net->emissions(*out, bf16);
+    std::size_t size() const { return sentences_.size(); }
+    const std::vector<std::vector<std::size_t>>& chunks() const { return chunks_; }
+    const EncodedSentence& sentence(std::size_t s) const { return *sentences_[s]; }
+
+    // Chunk k's sentences once their network ids (with `features`, their sparse feature ids too) are encoded; an
+    // error a worker met is thrown here.
+    std::vector<const EncodedSentence*> wait_for(std::size_t k, bool features) {
+      if (!workers_.empty()) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        done_.wait(lock, [&] { return error_ || (ids_left_[k] == 0 && (!features || features_left_[k] == 0)); });
+        if (error_) std::rethrow_exception(error_);
+      }
+      std::vector<const EncodedSentence*> picked;
+      for (const std::size_t s : chunks_[k]) picked.push_back(sentences_[s]);
+      return picked;
+    }
+
+   private:
+    // Sentences per task of a worker.
+    static constexpr std::size_t kBlock = 64;
+    struct Task {
+      std::size_t chunk, begin, end;  // positions in the chunk
+      bool features;                  // the sparse feature ids; else the network's ids
+    };
+
+    void plan(const std::vector<std::size_t>& lengths, double cell_bytes, double max_bytes) {
+      std::vector<std::size_t> order(lengths.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::size_t x, std::size_t y) { return lengths[x] > lengths[y]; });
+      for (std::size_t i = 0; i < order.size();) {
+        const double T = static_cast<double>(lengths[order[i]]);
+        std::vector<std::size_t> chunk{order[i++]};
+        while (i < order.size()) {
+          const double padded = static_cast<double>(chunk.size() + 1) * T;
+          if (static_cast<int64_t>(chunk.size()) >= kTagSentences || padded > kTagTokens ||
+              padded * cell_bytes > max_bytes)
+            break;
+          chunk.push_back(order[i++]);
+        }
+        chunks_.push_back(std::move(chunk));
+      }
+    }
+
+    void start_workers() {
+      for (const bool features : {false, true}) {
+        if (features && !model_->hybrid) break;
+        for (std::size_t k = 0; k < chunks_.size(); ++k)
+          for (std::size_t i = 0; i < chunks_[k].size(); i += kBlock)
+            tasks_.push_back({k, i, std::min(chunks_[k].size(), i + kBlock), features});
+      }
+      ids_left_.assign(chunks_.size(), 0);
+      features_left_.assign(chunks_.size(), 0);
+      for (const Task& t : tasks_) ++(t.features ? features_left_ : ids_left_)[t.chunk];
+      const std::size_t n = std::min<std::size_t>(tasks_.size(), std::max(1, at::get_num_threads()));
+      try {
+        for (std::size_t i = 0; i < n; ++i) workers_.emplace_back([this] { work(); });
+      } catch (...) {
+        stop_workers();
+        throw;
+      }
+    }
+
+    void work() {
+      for (std::size_t i = next_++; i < tasks_.size() && !stop_; i = next_++) {
+        const Task& t = tasks_[i];
+        try {
+          for (std::size_t j = t.begin; j < t.end; ++j) {
+            const std::size_t s = chunks_[t.chunk][j];
+            if (t.features) model_->encode_features(*rows_[s], encoded_[s]);
+            else model_->encode_ids(*rows_[s], nullptr, s, "", 0, encoded_[s]);
+          }
+        } catch (...) {
+          const std::lock_guard<std::mutex> lock(mutex_);
+          if (!error_) error_ = std::current_exception();
+          stop_ = true;
+          done_.notify_all();
+          return;
+        }
+        {
+          const std::lock_guard<std::mutex> lock(mutex_);
+          --(t.features ? features_left_ : ids_left_)[t.chunk];
+        }
+        done_.notify_all();
+      }
+    }
+
+    void stop_workers() {
+      stop_ = true;
+      for (auto& w : workers_) w.join();
+      workers_.clear();
+    }
+
+    const Impl* model_ = nullptr;
+    std::vector<const TokenRows*> rows_;
+    std::vector<EncodedSentence> encoded_;  // of rows_
+    std::vector<const EncodedSentence*> sentences_;
+    std::vector<std::vector<std::size_t>> chunks_;  // sentence indices
+    std::vector<Task> tasks_;
+    std::atomic<std::size_t> next_{0};
+    std::atomic<bool> stop_{false};
+    std::mutex mutex_;
+    std::condition_variable done_;
+    std::vector<std::size_t> ids_left_, features_left_;  // tasks not done, per chunk (under mutex_)
+    std::exception_ptr error_;                           // the first a worker met (under mutex_)
+    std::vector<std::thread> workers_;
+  };
+
+  // Chunk k's emissions as a tagging batch. The network's scores are queued on the device before the chunk's sparse
+  // features are waited for.
+  at::Tensor emissions_of(ChunkedSentences& input, std::size_t k, Batch* b) const {
+    const std::vector<const EncodedSentence*> picked = input.wait_for(k, false);
+    *b = batch(picked, nullptr, /*tagging=*/true);
+    const at::Tensor scores = net->network_scores(*b, bf16);
+    if (!net->hybrid_weights.defined()) return scores;
+    add_feature_ids(input.wait_for(k, true), *b);
+    return net->with_sparse_scores(scores, *b);
   }
 
   // Viterbi label ids of every sentence (and, with marginals, each chosen label's marginal and the sequence's
   // probability). Every chunk is queued on the device before the first result is read back, so the host builds a
   // chunk's batch while the device computes the ones before it.
-  std::vector<TaggedSentence> decode(const std::vector<const EncodedSentence*>& sentences, bool with_marginals) const {
+  std::vector<TaggedSentence> decode(ChunkedSentences& input, bool with_marginals) const {
     c10::NoGradGuard no_grad;
     struct Decoded {
       std::vector<std::size_t> sentence;     // of each row
       at::Tensor path, chosen, probability;  // on the device until read back
     };
     std::vector<Decoded> decoded;
-    for_each_chunk(sentences, 0, 1, [&](const std::vector<std::size_t>& chunk) {
+    for (std::size_t k = 0; k < input.chunks().size(); ++k) {
+      const std::vector<std::size_t>& chunk = input.chunks()[k];
       Batch b;
-      const at::Tensor e = emissions_of(sentences, chunk, &b);
+      const at::Tensor e = emissions_of(input, k, &b);
       Decoded d;
       for (std::size_t row : b.rows) d.sentence.push_back(chunk[row]);
       const ViterbiResult v = viterbi(potentials(e, b, /*constrained=*/true));
@@ -641,8 +849,8 @@ struct NeuralTagger::Impl {
         d.probability = (v.score - m.log_partition).exp().to(at::kDouble);
       }
       decoded.push_back(std::move(d));
-    });
-    std::vector<TaggedSentence> out(sentences.size());
+    }
+    std::vector<TaggedSentence> out(input.size());
     for (const Decoded& d : decoded) {
       const at::Tensor path = d.path.cpu();
       const auto P = path.accessor<int64_t, 2>();
@@ -650,7 +858,7 @@ struct NeuralTagger::Impl {
       if (with_marginals) chosen = d.chosen.cpu(), probability = d.probability.cpu();
       for (std::size_t i = 0; i < d.sentence.size(); ++i) {
         TaggedSentence& s = out[d.sentence[i]];
-        for (std::size_t t = 0; t < sentences[d.sentence[i]]->size(); ++t) {
+        for (std::size_t t = 0; t < input.sentence(d.sentence[i]).size(); ++t) {
           s.labels.push_back(labels[P[i][t]]);
           if (with_marginals) s.marginals.push_back(chosen.accessor<double, 2>()[i][t]);
         }
@@ -660,40 +868,40 @@ struct NeuralTagger::Impl {
     return out;
   }
 
-  std::vector<std::vector<TaggedSentence>> kbest(const std::vector<const EncodedSentence*>& sentences,
-                                                 int64_t k) const {
+  std::vector<std::vector<TaggedSentence>> kbest(const std::vector<const TokenRows*>& sentences, int64_t k) const {
     if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
     c10::NoGradGuard no_grad;
     const double K = static_cast<double>(labels.size());
     const double cell = K * static_cast<double>(k) * (sizeof(int64_t) + sizeof(double));  // per padded token
+    ChunkedSentences input(*this, sentences, cell, static_cast<double>(CrfTagger::kMaxKBestBytes));
     for (const auto* s : sentences)
       if (static_cast<double>(s->size()) * cell > static_cast<double>(CrfTagger::kMaxKBestBytes))
         throw Error(std::to_string(k) + "-best tables of a sentence of " + std::to_string(s->size()) + " tokens and " +
                     std::to_string(labels.size()) + " labels need more than the " +
                     std::to_string(CrfTagger::kMaxKBestBytes >> 20) + " MiB allowed: ask for fewer");
     std::vector<std::vector<TaggedSentence>> out(sentences.size());
-    for_each_chunk(
-        sentences, cell, static_cast<double>(CrfTagger::kMaxKBestBytes), [&](const std::vector<std::size_t>& chunk) {
-          Batch b;
-          const at::Tensor e = emissions_of(sentences, chunk, &b);
-          const KBestResult kb = net->crf->kbest(e, k, b.mask);
-          const at::Tensor prob =
-              (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
-          const at::Tensor paths = kb.paths.cpu();
-          const auto Pa = paths.accessor<int64_t, 3>();
-          const auto Pr = prob.accessor<double, 2>();
-          for (std::size_t i = 0; i < chunk.size(); ++i) {
-            const std::size_t sentence = chunk[b.rows[i]];
-            std::vector<TaggedSentence> alternatives;
-            for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
-              TaggedSentence s;
-              for (std::size_t t = 0; t < sentences[sentence]->size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
-              s.probability = Pr[i][n];
-              alternatives.push_back(std::move(s));
-            }
-            out[sentence] = std::move(alternatives);
-          }
-        });
+    for (std::size_t c = 0; c < input.chunks().size(); ++c) {
+      const std::vector<std::size_t>& chunk = input.chunks()[c];
+      Batch b;
+      const at::Tensor e = emissions_of(input, c, &b);
+      const KBestResult kb = net->crf->kbest(e, k, b.mask);
+      const at::Tensor prob =
+          (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
+      const at::Tensor paths = kb.paths.cpu();
+      const auto Pa = paths.accessor<int64_t, 3>();
+      const auto Pr = prob.accessor<double, 2>();
+      for (std::size_t i = 0; i < chunk.size(); ++i) {
+        const std::size_t sentence = chunk[b.rows[i]];
+        std::vector<TaggedSentence> alternatives;
+        for (int64_t n = 0; n < k && Pa[i][n][0] >= 0; ++n) {
+          TaggedSentence s;
+          for (std::size_t t = 0; t < input.sentence(sentence).size(); ++t) s.labels.push_back(labels[Pa[i][n][t]]);
+          s.probability = Pr[i][n];
+          alternatives.push_back(std::move(s));
+        }
+        out[sentence] = std::move(alternatives);
+      }
+    }
     return out;
   }
 
@@ -954,21 +1162,16 @@ void NeuralTagger::to(const at::Device& device, EncoderPrecision precision) { im
 
 std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences,
                                               bool with_marginals) const {
-  const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
-  std::vector<const EncodedSentence*> ptrs;
-  for (const auto& e : encoded) ptrs.push_back(&e);
   impl_->net->eval();
-  return impl_->decode(ptrs, with_marginals);
+  Impl::ChunkedSentences input(*impl_, sentences, 0, 1);
+  return impl_->decode(input, with_marginals);
 }
 
 std::vector<std::vector<TaggedSentence>> NeuralTagger::tag_kbest(const std::vector<const TokenRows*>& sentences,
                                                                  int64_t k) const {
   if (k < 1) throw Error("k-best tagging needs k >= 1, not " + std::to_string(k));
-  const std::vector<EncodedSentence> encoded = impl_->encode_all(sentences, nullptr);
-  std::vector<const EncodedSentence*> ptrs;
-  for (const auto& e : encoded) ptrs.push_back(&e);
   impl_->net->eval();
-  return impl_->kbest(ptrs, k);
+  return impl_->kbest(sentences, k);
 }
 
 void NeuralTagger::save(const std::string& path) const {
@@ -1321,7 +1524,8 @@ NeuralTagger train_neural_tagger(const LabeledSentences& train, const LabeledSen
     if (dev) {
       m->net->eval();
       exchange_average();
-      const std::vector<TaggedSentence> tagged = m->decode(dev_ptrs, false);
+      NeuralTagger::Impl::ChunkedSentences dev_input(dev_ptrs, 0, 1);
+      const std::vector<TaggedSentence> tagged = m->decode(dev_input, false);
       ChunkEvaluation ev;
       for (std::size_t s = 0; s < tagged.size(); ++s) ev.add_sentence(dev->labels[s], tagged[s].labels);
       rec.dev_accuracy = ev.accuracy();
