@@ -176,6 +176,9 @@ int infer(const std::vector<std::string>& args) {
             << fixed(s.compute_seconds, 3) << ", writing " << fixed(s.write_seconds, 3) << ")";
   if (dist.world_size() > 1)
     std::cout << " (of which " << fixed(s.assembly_seconds, 3) << " s receiving and writing the other ranks' results)";
+  if (s.batch_peak_bytes > 0)
+    std::cout << "  batches' device memory at most " << fixed(s.batch_peak_bytes / 1e9, 2) << " GB (budget "
+              << fixed(run.memory_budget / 1e9, 2) << " GB)";
   std::cout << "\n";
   std::cerr << "wrote " << output << "\n";
   return 0;

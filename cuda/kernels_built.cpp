@@ -1,8 +1,32 @@
 // Built with the kernels (cuda/CMakeLists.txt); cuda/no_kernels.cpp answers for a build without them.
 #include "cuda/kernels_built.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <cstddef>
+
 namespace trellis::cuda {
+namespace {
+
+c10::DeviceIndex index_of(c10::Device device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
+}  // namespace
 
 bool kernels_built() { return true; }
+
+DeviceMemory device_memory(c10::Device device) {
+  if (!device.is_cuda()) return {};
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const auto& all = alloc::getDeviceStats(index_of(device))
+                        .allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+  return {all.current, all.peak};
+}
+
+void reset_peak_device_memory(c10::Device device) {
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(index_of(device));
+}
 
 }  // namespace trellis::cuda

@@ -322,6 +322,34 @@ TEST(HMMCuda, GaussianAndLargeKMatchCpu) {
   }
 }
 
+TEST(HMMCuda, BatchesStayWithinTheMemoryBudget) {
+  TRELLIS_REQUIRE_CUDA();
+  // The streamed route's batches (256 states) hold at most memory_budget bytes of device tensors beyond the model's
+  // (the transitions' per-batch copies aside: a few K² values), and use a fair share of it: categorical and Gaussian
+  // models, with and without posteriors, float32 and float64.
+  const int64_t K = 256;
+  const std::string data = scratch("budget.h5"), out = scratch("budget_out.h5");
+  for (const bool gaussian : {false, true}) {
+    const HMMModelFile model =
+        gaussian ? HMMModelFile{GaussianHMM::random(K, 4, 50)} : HMMModelFile{CategoricalHMM::random(K, 100, 50)};
+    sample_dataset(model, data, 400, 20, 120, 51);
+    HMMDataset d(data);
+    for (const bool posteriors : {false, true})
+      for (const auto dtype : {at::kFloat, at::kDouble}) {
+        SCOPED_TRACE(c10::str(gaussian ? "Gaussian " : "categorical ", posteriors ? "posteriors " : "", dtype));
+        HMMRunOptions o;
+        o.device = c10::kCUDA;
+        o.dtype = dtype;
+        o.memory_budget = int64_t(24) << 20;
+        const InferSummary s = infer_dataset(model, d, out, posteriors, o);
+        const int64_t transition_copies = 4 * K * K * int64_t(at::elementSize(dtype));
+        EXPECT_LE(s.batch_peak_bytes, o.memory_budget + transition_copies);
+        EXPECT_GE(s.batch_peak_bytes, o.memory_budget / 4);
+      }
+  }
+  for (const auto& p : {data, out}) std::remove(p.c_str());
+}
+
 TEST(HMMCuda, StreamedInferenceAndEmMatchCpu) {
   TRELLIS_REQUIRE_CUDA();
   const std::string data = scratch("cuda_data.h5"), a = scratch("cpu_out.h5"), b = scratch("cuda_out.h5");

@@ -258,10 +258,12 @@ at::Tensor GaussianHMM::emission_scores(const at::Tensor& observations, const at
   const at::Tensor centred_means = means - centre, xc = x - centre;
   const at::Tensor constant =
       num_features() * std::log(2 * M_PI) + variances.log().sum(1) + (centred_means * centred_means * precision).sum(1);
-  const at::Tensor quad = at::matmul(xc * xc, precision.t()) - 2 * at::matmul(xc, (centred_means * precision).t());
-  const at::Tensor scores = -0.5 * (quad + constant);
+  // Formed in place (autograd keeps none of these results), so that two [B,T,K] tensors exist at most: the dataset
+  // commands size their batches counting on it.
+  at::Tensor scores = at::matmul(xc * xc, precision.t());
+  scores.sub_(at::matmul(xc, (centred_means * precision).t()), 2).add_(constant).mul_(-0.5);
   if (!lengths.defined()) return scores;
-  return scores * valid_mask(x, lengths).unsqueeze(-1).to(scores.dtype());  // padding may hold anything finite
+  return scores.mul_(valid_mask(x, lengths).unsqueeze(-1).to(scores.dtype()));  // padding may hold anything finite
 }
 
 ChainPotentials GaussianHMM::potentials(const at::Tensor& observations, const at::Tensor& lengths) const {
@@ -476,6 +478,10 @@ HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p) {
                          any_requires_grad({&p.emissions, &p.transitions, &p.start, &p.end});
   return streamed_kernels_take(p) && p.emissions.size(2) >= kStreamedMinStates && !gradients ? HMMRoute::streamed
                                                                                              : HMMRoute::chain;
+}
+
+bool streamed_route_takes(c10::Device device, int64_t K) {
+  return device.is_cuda() && cuda::kernels_built() && K >= kStreamedMinStates;
 }
 
 ForcedHMMRoute::ForcedHMMRoute(HMMQuantity quantity, HMMRoute route)

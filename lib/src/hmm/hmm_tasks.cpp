@@ -20,6 +20,7 @@
 
 #include <unistd.h>
 
+#include "cuda/kernels_built.h"
 #include "trellis/io/atomic_file.h"
 #include "trellis/io/conll.h"
 #include "trellis/error.h"
@@ -316,11 +317,18 @@ DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* dis
 
 int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o) {
   const int64_t K = states_of(model), elt = at::elementSize(o.dtype);
-  // Per position: emission scores and their temporaries, the Viterbi messages (many labels on CUDA keep every step's,
-  // in the computation's type; the other routes an int32 back-pointer or less) and path; with posteriors (or an
-  // E-step) the saved forward messages, gradients and the float32 copy written out; the observations as read,
-  // padded and converted.
-  const int64_t bytes = (5 * elt + 4) * K + (with_posteriors ? (6 * elt + 4) * K : 0) + 4 * elt * num_features + 64;
+  // Per position, K values of each of:
+  // - the streamed route (many states on CUDA, no autograd): the emission scores (two while a Gaussian's are formed),
+  //   then beside them either the forward's longest-first copy or the Viterbi's messages of every step, and one to
+  //   spare; with posteriors (or an E-step) the scores, their longest-first and reversed copies, the forward and
+  //   backward messages of every step, the posteriors and the E-step's pair factors u and v, at most eight at once;
+  // - the chain routes: the emission scores and their temporaries, the Viterbi messages (an int32 back-pointer or
+  //   less) and path; with posteriors (or an E-step) the saved forward messages, gradients and the float32 copy
+  //   written out.
+  // Then the observations as read, padded and converted.
+  const int64_t per_state = streamed_route_takes(o.device, K) ? (with_posteriors ? 8 * elt : 3 * elt)
+                                                              : (5 * elt + 4) + (with_posteriors ? 6 * elt + 4 : 0);
+  const int64_t bytes = per_state * K + 4 * elt * num_features + 64;
   const int64_t tokens = o.memory_budget / bytes;
   if (tokens < 1) throw Error("the memory budget is too small for even one position of the model");
   return tokens;
@@ -358,6 +366,8 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
         };
         KeptResults kept(o.memory_budget);
         double log_likelihood = 0;
+        cuda::reset_peak_device_memory(opt.device());
+        const int64_t held = cuda::device_memory(opt.device()).current;
         on_every_rank_after_all(group, [&] {
           const auto batches = share_batches(data, share_of_rank(data, rank, world), max_tokens);
           for (std::size_t i = 0; i < batches.size(); ++i) {
@@ -398,6 +408,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             if (group) group->mark_progress();
           }
         });
+        sum.batch_peak_bytes = std::max<int64_t>(0, cuda::device_memory(opt.device()).peak - held);
         // Rank 0 receives the other ranks' results in dataset order. A write that fails on rank 0 still receives
         // the rest, so that no rank waits on a send rank 0 never matches.
         std::optional<std::string> write_failure;

@@ -134,6 +134,9 @@ enum class HMMQuantity { log_likelihood, posteriors, expected_statistics };
 // The route `quantity` takes for these potentials: streamed for CUDA potentials of at least 128 states that want no
 // gradients (the E-step never does), chain otherwise; or the route a ForcedHMMRoute on this thread names.
 HMMRoute choose_route(HMMQuantity quantity, const ChainPotentials& p);
+// Whether choose_route gives the streamed route to potentials of K states on `device` that want no gradients (what
+// the dataset commands size their batches for).
+bool streamed_route_takes(c10::Device device, int64_t K);
 
 // For tests: while it lives, choose_route answers `route` for `quantity` on the constructing thread, at any K (so each
 // route can be checked against a reference on small models). The streamed route still needs CUDA potentials: forced

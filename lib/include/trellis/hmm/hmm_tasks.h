@@ -59,6 +59,10 @@ struct InferSummary {
   double read_seconds = 0;     // reading batches (to the device)
   double compute_seconds = 0;  // computing them (until their results are on the device)
   double write_seconds = 0;    // writing them (or keeping them for rank 0)
+  // On a CUDA device, the most memory this rank's batches held at once in tensors beyond those held before the first
+  // (the model's): what memory_budget bounds, but for the transitions' per-batch copies (a few K² values). 0 on the
+  // CPU.
+  int64_t batch_peak_bytes = 0;
 };
 // Per-sequence log-likelihood, Viterbi path and score (and posteriors), written to `output` (docs/hmm-format.md).
 // Data-parallel: every rank computes its share and rank 0 alone writes the file, receiving the other ranks' results in
