@@ -1160,6 +1160,21 @@ std::string NeuralTagger::describe() const {
 
 void NeuralTagger::to(const at::Device& device, EncoderPrecision precision) { impl_->move_to(device, precision); }
 
+void NeuralTagger::start_device(const at::Device& device) {
+  if (!device.is_cuda()) return;
+  c10::NoGradGuard no_grad;
+  const at::TensorOptions on = at::TensorOptions().device(device);
+  // The smallest of what a tagging batch runs: a packed BiLSTM (cuDNN), float32 and bfloat16 matrix products (cuBLAS).
+  torch::nn::LSTM lstm(torch::nn::LSTMOptions(1, 1).bidirectional(true).batch_first(true));
+  lstm->to(device);
+  namespace rnn = torch::nn::utils::rnn;
+  const auto packed = rnn::pack_padded_sequence(at::zeros({1, 1, 1}, on), at::ones({1}, at::kLong), true, true);
+  const at::Tensor h =
+      std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)), true));
+  const at::Tensor m = at::zeros({8, 8}, on);
+  (h.sum() + at::mm(m, m).sum() + at::mm(m.to(at::kBFloat16), m.to(at::kBFloat16)).sum()).item();
+}
+
 std::vector<TaggedSentence> NeuralTagger::tag(const std::vector<const TokenRows*>& sentences,
                                               bool with_marginals) const {
   impl_->net->eval();

@@ -121,6 +121,10 @@ class NeuralTagger {
 
   // Moves the model to `device`, its encoder computing in `precision` (Bf16 needs a CUDA device).
   void to(const at::Device& device, EncoderPrecision precision = EncoderPrecision::Auto);
+  // Starts what tagging on a CUDA `device` needs before its first batch and that no model is needed for: the CUDA
+  // context and the cuDNN and cuBLAS handles (their libraries load then). A caller may run it on another thread while
+  // it reads the model and the input; a CPU device needs nothing.
+  static void start_device(const at::Device& device);
 
   // As CrfTagger's: Viterbi labels, with marginals and the sequence's probability when asked for; the k best
   // sequences with their probabilities. Sentences hold the input columns only.
