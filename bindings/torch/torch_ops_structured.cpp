@@ -570,13 +570,18 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
       const at::Tensor scale = divisor == ctx->saved_data.end()     ? grad[0] / s[4]
                                : divisor->second.toDouble() == 1.0 ? grad[0]
                                                                    : grad[0] / divisor->second.toDouble();
-      std::vector<at::Tensor> wanted;
-      for (std::size_t i = 0; i < want.size(); ++i)
-        if (want[i]) wanted.push_back(s[i]);
-      // One multi-tensor launch for the (up to) four scalings; a 0-dim scale keeps each gradient's dtype.
-      const std::vector<at::Tensor> scaled = at::_foreach_mul(wanted, scale);
-      for (std::size_t i = 0, next = 0; i < want.size(); ++i)
-        if (want[i]) out[i] = scaled[next++];
+      // The emissions' gradient (B·T·K values) by one elementwise kernel spread over the whole device; the
+      // parameters' (K² + 2K) by one multi-tensor launch, whose blocks take a 64K-value chunk each (a dozen blocks
+      // would carry the emissions' memory-bound pass at B,T,K = 512,64,23). A 0-dim scale keeps each gradient's dtype.
+      if (want[0]) out[0] = s[0] * scale;
+      std::vector<at::Tensor> parameters;
+      for (std::size_t i = 1; i < want.size(); ++i)
+        if (want[i]) parameters.push_back(s[i]);
+      if (!parameters.empty()) {
+        const std::vector<at::Tensor> scaled = at::_foreach_mul(parameters, scale);
+        for (std::size_t i = 1, next = 0; i < want.size(); ++i)
+          if (want[i]) out[i] = scaled[next++];
+      }
     } else {
       std::tie(out[0], out[1], out[2], out[3]) =
           op.call(grad[0], s[0], optional(s[1]), s[2], optional(s[3]), optional(s[4]), optional(s[5]), optional(s[6]),
