@@ -13,8 +13,9 @@ full-length sequences), so that the Python path's overhead is the difference of 
     # anywhere: a check of the script itself on tiny shapes, on the CPU
     python bench/crf_python.py --library build/bindings/libtrellis_ops.so --quick
 
-Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after two untimed warm-up
-calls; the median of up to --repeats timed calls within about --budget seconds per implementation (at least 3, so slow
+Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after untimed warm-up
+calls (at least two, and at least --warmup seconds of them, so that a fast call is timed on a GPU kept busy, as each
+row of `trellis bench` is by the rows before it); the median of up to --repeats timed calls within about --budget seconds per implementation (at least 3, so slow
 peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds the log-likelihood of leaf
 parameters and emissions (summed over the batch) and back-propagates it (trellis.CRF's and pytorch-crf's gradients set
 to None by zero_grad before the timing starts, as the optimizer does between steps; the C++ call times no such step
@@ -50,6 +51,7 @@ parser.add_argument("--out", help="write the rows and the machine as JSON here")
 parser.add_argument("--trellis-bin", help="the trellis command line, for the C++ timings of the same workloads")
 parser.add_argument("--repeats", type=int, default=50, help="most timed calls per implementation")
 parser.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per implementation, about")
+parser.add_argument("--warmup", type=float, default=0.1, help="seconds of untimed calls before the timed ones, at least")
 parser.add_argument("--no-peers", action="store_true", help="Trellis rows only")
 parser.add_argument("--commit", default=os.environ.get("TRELLIS_COMMIT"), help="default: git rev-parse HEAD")
 args = parser.parse_args()
@@ -62,6 +64,7 @@ import trellis  # noqa: E402  (after the library's path is set)
 device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
 if args.quick:
     args.repeats = min(args.repeats, 3)
+    args.warmup = 0.0
     if device.type == "cpu":
         torch.set_num_threads(1)  # a check of the script, often on a busy machine: no workers to wait for
 
@@ -103,11 +106,13 @@ def synchronize():
 
 def time_call(fn, setup=None):
     """Median milliseconds of fn() (see the method above), each call after setup() (untimed) where given."""
-    for _ in range(2):
+    warm, started = 0, time.perf_counter()
+    while warm < 2 or time.perf_counter() - started < args.warmup:
         if setup:
             setup()
         fn()
-    synchronize()
+        synchronize()
+        warm += 1
     times = []
     spent = 0.0
     while len(times) < args.repeats and (len(times) < 3 or spent < args.budget):
