@@ -15,8 +15,8 @@ full-length sequences), so that the Python path's overhead is the difference of 
 
 Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after untimed warm-up
 calls (at least two, and at least --warmup seconds of them, so that a fast call is timed on a GPU kept busy, as each
-row of `trellis bench` is by the rows before it); the median of up to --repeats timed calls within about --budget seconds per implementation (at least 3, so slow
-peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds the log-likelihood of leaf
+row of `trellis bench` is by the rows before it); the median of up to --repeats timed calls within about --budget
+seconds per implementation (at least 3, so slow peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds the log-likelihood of leaf
 parameters and emissions (summed over the batch) and back-propagates it (trellis.CRF's and pytorch-crf's gradients set
 to None by zero_grad before the timing starts, as the optimizer does between steps; the C++ call times no such step
 either); decoding returns the best paths (Trellis and
