@@ -13,16 +13,16 @@ full-length sequences), so that the Python path's overhead is the difference of 
     # anywhere: a check of the script itself on tiny shapes, on the CPU
     python bench/crf_python.py --library build/bindings/libtrellis_ops.so --quick
 
-Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after untimed warm-up
-calls (at least two, and at least --warmup seconds of them, so that a fast call is timed on a GPU kept busy, as each
-row of `trellis bench` is by the rows before it); the median of up to --repeats timed calls within about --budget
-seconds per implementation (at least 3, so slow peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds the log-likelihood of leaf
-parameters and emissions (summed over the batch) and back-propagates it (trellis.CRF's and pytorch-crf's gradients set
-to None by zero_grad before the timing starts, as the optimizer does between steps; the C++ call times no such step
-either); decoding returns the best paths (Trellis and
-torch-struct as tensors; pytorch-crf returns lists, its only form, and so does the extra "trellis.CRF decode, lists"
-row). torch-struct gets the CRF's scores folded into its edge potentials inside the call, as a model using it would,
-and its log-likelihood is LinearChainCRF.log_prob of the gold tags' parts (built once, outside the timing).
+Method: CUDA events around each call (wall-clock time on the CPU) as `trellis bench` does, after untimed warm-up calls
+(at least two, and at least --warmup seconds of them, so that a fast call is timed on a GPU kept busy, as each row of
+`trellis bench` is by the rows before it); the median of up to --repeats timed calls within about --budget seconds per
+implementation (at least 3, so slow peers get fewer). A call is what a training step or a tagger does: fwd+bwd builds
+the log-likelihood of leaf parameters and emissions (summed over the batch) and back-propagates it (trellis.CRF's and
+pytorch-crf's gradients set to None by zero_grad before the timing starts, as the optimizer does between steps; the C++
+call times no such step either); decoding returns the best paths (Trellis and torch-struct as tensors; pytorch-crf
+returns lists, its only form, and so does the extra "trellis.CRF decode, lists" row). torch-struct gets the CRF's scores
+folded into its edge potentials inside the call, as a model using it would, and its log-likelihood is
+LinearChainCRF.log_prob of the gold tags' parts (built once, outside the timing).
 Out-of-memory is recorded as such. Errors: each implementation's largest absolute difference from Trellis in float64
 (log-likelihoods, or Viterbi scores).
 """
@@ -51,7 +51,7 @@ parser.add_argument("--out", help="write the rows and the machine as JSON here")
 parser.add_argument("--trellis-bin", help="the trellis command line, for the C++ timings of the same workloads")
 parser.add_argument("--repeats", type=int, default=50, help="most timed calls per implementation")
 parser.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per implementation, about")
-parser.add_argument("--warmup", type=float, default=0.1, help="seconds of untimed calls before the timed ones, at least")
+parser.add_argument("--warmup", type=float, default=0.1, help="least seconds of untimed calls before the timed ones")
 parser.add_argument("--no-peers", action="store_true", help="Trellis rows only")
 parser.add_argument("--commit", default=os.environ.get("TRELLIS_COMMIT"), help="default: git rev-parse HEAD")
 args = parser.parse_args()
