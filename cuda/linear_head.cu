@@ -31,7 +31,7 @@ template <class Acc, class Out>
 __global__ void logit_gradient_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ lse,
                                       const Acc* __restrict__ g, const int64_t* __restrict__ targets, Out* dz,
                                       int64_t dz_stride, int64_t rows, int64_t cols, int64_t first,
-                                      hm::LossTerms<Acc> terms, hm::SoftCap<Acc> cap) {
+                                      hm::LossTerms<Acc> terms, hm::SoftCap<Acc> cap, bool cap_on_load) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const Acc l = lse[r];
     const hm::RowGradient<Acc> row = hm::row_gradient(g[r], l, terms);
@@ -39,7 +39,7 @@ __global__ void logit_gradient_kernel(const Acc* z, int64_t z_stride, const Acc*
     const Acc* zr = z + r * z_stride;
     Out* dr = dz + r * dz_stride;
     for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < cols; v += int64_t(gridDim.x) * kThreads) {
-      const Acc zv = zr[v];
+      const Acc zv = cap_on_load ? cap(zr[v]) : zr[v];
       dr[v] = static_cast<Out>(hm::logit_gradient(exp(zv - l), zv, row, v == t, cap));
     }
   }
@@ -60,10 +60,10 @@ __device__ Acc block_reduce(Acc v, Op op, Acc* scratch) {
 
 // A row's gradient from one read of its logits: a cluster of blocks holds the row in shared memory (a slice
 // each) and writes dz from the slices. With form_lse the cluster also merges the slices' (max, Σ e^(z−max)) through
-// distributed shared memory into the row's log-sum-exp, so no separate pass over the slab forms it, and z holds the
-// logits before the soft-cap, which each slice takes on its way into shared memory (no passes of the cap's own over
-// the slab). Every block of the cluster has its slice on chip before any block writes, so dz (row stride dz_stride)
-// may overlay the row's own memory (z and dz are not restrict).
+// distributed shared memory into the row's log-sum-exp, so no separate pass over the slab forms it. With cap_on_load
+// each slice is soft-capped on its way into shared memory (no passes of the cap's own over the slab). Every block of
+// the cluster has its slice on chip before any block writes, so dz (row stride dz_stride) may overlay the row's own
+// memory (z and dz are not restrict).
 // Blocks per row: always the most when forming the log-sum-exp (whole vocabulary rows), else the fewest whose shared
 // memory holds the row.
 constexpr unsigned kMaxCluster = 8;
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
     logit_gradient_in_place_kernel(const Acc* z, int64_t z_stride, const Acc* __restrict__ g,
                                    const int64_t* __restrict__ targets, Out* dz, int64_t dz_stride,
                                    Acc* __restrict__ lse, bool form_lse, int64_t V, int64_t first, int64_t slice,
-                                   hm::LossTerms<Acc> terms, hm::SoftCap<Acc> cap) {
+                                   hm::LossTerms<Acc> terms, hm::SoftCap<Acc> cap, bool cap_on_load) {
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char raw_smem[];
   Acc* zs = reinterpret_cast<Acc*>(raw_smem);
@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(kThreads)
   using Vec = std::conditional_t<sizeof(Acc) == 4, float4, double2>;
   constexpr int kPer = sizeof(Vec) / sizeof(Acc);
   const int64_t head = reinterpret_cast<uintptr_t>(zr) % sizeof(Vec) == 0 ? n / kPer * kPer : 0;
-  const bool cap_on_load = form_lse && cap.on();
   Acc m = -INFINITY;
 #pragma unroll 4
   for (int64_t i = threadIdx.x * int64_t(kPer); i < head; i += kThreads * int64_t(kPer)) {
@@ -163,10 +162,11 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
   dispatch_types(z, dz, [&](auto acc_zero, auto out_zero) {
     using Acc = decltype(acc_zero);
     using Out = decltype(out_zero);
-    logit_gradient_kernel<Acc, Out><<<grid, kThreads, 0, stream>>>(
-        z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(), targets.data_ptr<int64_t>(),
-        dz.data_ptr<Out>(), dz.stride(0), rows, cols, columns.first,
-        hm::loss_terms<Acc>(label_smoothing, z_loss, columns.vocabulary), hm::SoftCap<Acc>(Acc(softcap)));
+    logit_gradient_kernel<Acc, Out>
+        <<<grid, kThreads, 0, stream>>>(z.data_ptr<Acc>(), z.stride(0), lse.data_ptr<Acc>(), g.data_ptr<Acc>(),
+                                        targets.data_ptr<int64_t>(), dz.data_ptr<Out>(), dz.stride(0), rows, cols,
+                                        columns.first, hm::loss_terms<Acc>(label_smoothing, z_loss, columns.vocabulary),
+                                        hm::SoftCap<Acc>(Acc(softcap)), !columns.capped && softcap > 0);
   });
   check_launch("linear_head_logit_gradient");
 }
@@ -199,7 +199,7 @@ bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& 
                           targets.data_ptr<int64_t>() + r0, dz.data_ptr<Out>() + r0 * dz.stride(0), dz.stride(0),
                           lse.data_ptr<Acc>() + r0, form_lse, cols, columns.first, slice,
                           hm::loss_terms<Acc>(label_smoothing, z_loss, columns.vocabulary),
-                          hm::SoftCap<Acc>(Acc(softcap))),
+                          hm::SoftCap<Acc>(Acc(softcap)), !columns.capped && softcap > 0),
             "linear head: logit gradient kernel");
     }
   });

@@ -15,9 +15,12 @@ using trellis::HeadRowStats;  // lib/src/head/row_stats.h
 bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
                       double softcap, bool want_sums, HeadRowStats& out);
 
-// Which logits a slab holds: its columns are vocabulary entries [first, first + z.size(1)) of `vocabulary`.
+// Which logits a slab holds: its columns are vocabulary entries [first, first + z.size(1)) of `vocabulary`, soft-capped
+// already or not (then the kernels below apply the soft-cap as they read each logit, and their lse and dz are those of
+// the capped logits).
 struct LogitColumns {
   int64_t first = 0, vocabulary = 0;
+  bool capped = true;
 };
 
 // The gradient of the head's loss with respect to a slab of logits z [n,c] (float32 or float64), in one pass:
@@ -30,11 +33,10 @@ void linear_head_logit_gradient(const at::Tensor& z, const at::Tensor& lse, cons
 
 // The same gradient reading z once through shared memory: a cluster of thread blocks per row on compute capability
 // 9.0 and later. With form_lse the rows' log-sum-exp is formed on the way (the slab then holds whole rows) and written
-// to lse [n], and z holds the logits before the soft-cap, which the kernel applies as it reads them (lse and dz are
-// those of the capped logits); otherwise lse is read and z is capped already. Returns false (nothing done) elsewhere,
-// or when a row's slice does not fit in shared memory. dz ([n, c], unit column stride) may overlay z's own memory as
-// long as row r of dz lies inside row r of z (dz.stride(0)·sizeof(dz) == z.stride(0)·sizeof(z)): each row is on chip
-// before any of its gradient is written, but rows (clusters) are not ordered against each other.
+// to lse [n]; otherwise lse is read. Returns false (nothing done) elsewhere, or when a row's slice does not fit in
+// shared memory. dz ([n, c], unit column stride) may overlay z's own memory as long as row r of dz lies inside row r
+// of z (dz.stride(0)·sizeof(dz) == z.stride(0)·sizeof(z)): each row is on chip before any of its gradient is written,
+// but rows (clusters) are not ordered against each other.
 bool linear_head_logit_gradient_in_place(const at::Tensor& z, const at::Tensor& g, const at::Tensor& targets,
                                          LogitColumns columns, double label_smoothing, double z_loss, double softcap,
                                          bool form_lse, at::Tensor& lse, at::Tensor& dz);

@@ -101,8 +101,8 @@ std::array<at::Tensor, 3> loss_gradients(const Problem& p, const LossOptions& lo
                                        {true, true, true});
 }
 
-// Label smoothing or none: with a soft-cap, the training slabs on CUDA cap the logits in the gradient kernel only
-// without it (its Σ z needs capped logits before that kernel reads them).
+// Label smoothing or none: the training slabs leave the soft-cap to the gradient (on CUDA the kernels, as they read
+// each logit) only without it, whose Σ z needs capped logits first.
 void check_gradients(const Problem& p, const RouteCase& c) {
   for (const Reduction reduction : {Reduction::mean, Reduction::none})
     for (const double label_smoothing : {0.1, 0.0}) {

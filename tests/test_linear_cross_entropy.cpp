@@ -578,7 +578,7 @@ TEST(LinearCrossEntropySmallCuda, SlabAndChunkedStatistics) {
 // the first half of each float32 row), soft-capping the logits as it reads them unless label smoothing wants them
 // capped first. Reduction none forwards without gradients (the fused kernel for 16-bit inputs with D % 8 == 0) and its
 // backward gets the log-sum-exp: logit_gradient_kernel over the slab for float32/float64,
-// logit_gradient_in_place_kernel without form_lse (one block per row) for 16-bit inputs.
+// logit_gradient_in_place_kernel without form_lse (one block per row) for 16-bit inputs, each soft-capping as it reads.
 TEST(LinearCrossEntropySmallCuda, SlabGradients) {
   TRELLIS_REQUIRE_CUDA();
   at::manual_seed(23);

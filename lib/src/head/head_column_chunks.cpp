@@ -139,10 +139,10 @@ Gradients recomputed_gradients(const Head& h, const at::Tensor& g, const at::Ten
             cuda::fused_linear_logit_gradient(h.x, h.weight, h.bias, h.targets, {v0, h.smoothing_vocabulary()}, row_lse,
                                               row_g, o.label_smoothing, o.z_loss, h.softcap.value_or(0), dz),
             "linear head: the fused gradient kernel did not take a chunk it was chosen for");
-      if (!fused) {
+      if (!fused) {  // the soft-cap where dz is formed
         mm_into(slab, h.x, wc.t(), true);
-        finish_logits(h, slab, v0);
-        dz = logit_gradient(h, slab, lse, g, 0, v0, o);
+        finish_logits(h, slab, v0, /*capped=*/false);
+        dz = logit_gradient(h, slab, lse, g, 0, v0, o, /*capped=*/false);
       }
       if (with_dx && want[0]) {
         mm_into(dx_sum, dz, wc, first_dx);

@@ -173,13 +173,15 @@ at::Tensor cpu_logit_gradient(const Head& h, const at::Tensor& z, const at::Tens
 }  // namespace
 
 at::Tensor logit_gradient(const Head& h, at::Tensor z, const at::Tensor& lse, const at::Tensor& g, int64_t r0,
-                          int64_t v0, const LossOptions& o) {
+                          int64_t v0, const LossOptions& o, bool capped) {
   const at::Tensor t = h.targets.narrow(0, r0, z.size(0));
+  const bool kernels = z.is_cuda() && cuda::kernels_built();
+  if (!capped && !kernels) soft_cap(h, z);
   if (!z.is_cuda()) return cpu_logit_gradient(h, z, lse, g, t, v0, o);
   // A build without nvcc has no kernel for it: the CPU's loop, on copies.
-  if (!cuda::kernels_built()) return cpu_logit_gradient(h, z.cpu(), lse.cpu(), g.cpu(), t.cpu(), v0, o).to(z.device());
+  if (!kernels) return cpu_logit_gradient(h, z.cpu(), lse.cpu(), g.cpu(), t.cpu(), v0, o).to(z.device());
   const at::ScalarType type = h.x.scalar_type();
-  const cuda::LogitColumns columns{v0, h.smoothing_vocabulary()};
+  const cuda::LogitColumns columns{v0, h.smoothing_vocabulary(), capped};
   at::Tensor row_lse = lse.contiguous(), dz = z;
   const double cap = h.softcap.value_or(0);
   if (type != z.scalar_type()) {

@@ -85,9 +85,10 @@ at::Tensor row_loss(const Head& h, const SlabStats& s, const at::Tensor& valid, 
 
 // dL/dz for a block of logits z (rows [r0, r0 + n) of vocabulary columns [v0, v0 + c)) in the input type, ready for
 // the GEMMs: head_maths::logit_gradient with each row's lse and weight g (0 for ignored rows). z is consumed: on CUDA
-// one pass writes dz over z's own memory (the first half of each float32 row for 16-bit inputs); on the CPU one loop
-// over the rows.
+// one pass writes dz over z's own memory (the first half of each float32 row for 16-bit inputs), soft-capping each
+// logit as it reads it unless capped says z is capped already; on the CPU the cap by tensor operations (where not
+// capped), then one loop over the rows.
 at::Tensor logit_gradient(const Head& h, at::Tensor z, const at::Tensor& lse, const at::Tensor& g, int64_t r0,
-                          int64_t v0, const LossOptions& o);
+                          int64_t v0, const LossOptions& o, bool capped);
 
 }  // namespace trellis::head_detail

@@ -81,13 +81,13 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
   const int64_t N = h.rows();
   Gradients out = empty_gradients(h, want);
   std::vector<SlabStats> merged_slabs;
-  // On CUDA the log-sum-exp comes with the gradient from one read of the slab, which also soft-caps the logits (the
-  // slab holds them uncapped). Label smoothing's Σ z needs capped logits before that read: with a soft-cap, its slabs
-  // are capped first and their log-sum-exp and gradient take a pass each.
-  const bool one_read = h.x.is_cuda() && !lse.defined() && !merge && !(h.softcap && loss && o.label_smoothing != 0);
+  // The slabs hold the logits before the soft-cap, which the gradient (on CUDA the kernels, as they read each logit)
+  // applies, but where statistics are read from them first: the merge over a split vocabulary, label smoothing's Σ z.
+  const bool capped = merge || (loss && !lse.defined() && o.label_smoothing != 0);
   for (int64_t r0 = 0; r0 < N; r0 += h.rows_per_slab) {
     const int64_t n = std::min(h.rows_per_slab, N - r0);
-    at::Tensor z = slab_logits(h, r0, n, /*capped=*/!one_read);
+    at::Tensor z = slab_logits(h, r0, n, capped);
+    bool z_capped = capped;
     at::Tensor slab_lse, dz;
     if (lse.defined()) {
       slab_lse = lse.narrow(0, r0, n);
@@ -98,28 +98,30 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
       SlabStats s;
       if (loss) {
         target_and_sum(h, z, r0, 0, o.label_smoothing != 0, s);  // before dz may take z's memory
-        if (one_read) soft_cap(h, s.target_logit);
+        if (!capped) soft_cap(h, s.target_logit);
       }
-      // The kernel holds each row on chip before writing its gradient, so dz takes the slab's own memory (the first
-      // half of each float32 row for 16-bit inputs) instead of a second slab-sized buffer.
-      if (one_read) {
+      // On CUDA the log-sum-exp comes with the gradient, from one read of the slab. The kernel holds each row on chip
+      // before writing its gradient, so dz takes the slab's own memory (the first half of each float32 row for 16-bit
+      // inputs) instead of a second slab-sized buffer.
+      if (z.is_cuda()) {
         at::Tensor row_lse = at::empty({n}, z.options());
         at::Tensor d = z.view(h.x.scalar_type()).narrow(1, 0, h.vocabulary());
         if (cuda::linear_head_logit_gradient_in_place(z, g.narrow(0, r0, n).contiguous(),
                                                       h.targets.narrow(0, r0, n).contiguous(),
-                                                      {0, h.smoothing_vocabulary()}, o.label_smoothing, o.z_loss,
-                                                      h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
+                                                      {0, h.smoothing_vocabulary(), capped}, o.label_smoothing,
+                                                      o.z_loss, h.softcap.value_or(0), /*form_lse=*/true, row_lse, d))
           s.lse = row_lse, dz = d;
       }
-      if (!s.lse.defined()) {  // no kernel for it (before compute capability 9.0, or rows too long for a cluster)
-        if (one_read) soft_cap(h, z);
+      if (!s.lse.defined()) {  // the CPU, or no kernel for it (before compute capability 9.0, rows too long)
+        if (!capped) soft_cap(h, z);
+        z_capped = true;
         s.lse = trellis::logsumexp(z, 1);
       }
       slab_lse = s.lse;
       if (loss)
         loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(h.targets.narrow(0, r0, n), h.ignore_index), o));
     }
-    if (!dz.defined()) dz = logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o);
+    if (!dz.defined()) dz = logit_gradient(h, std::move(z), slab_lse, g.narrow(0, r0, n), r0, 0, o, z_capped);
     add_slab_gradients(h, dz, r0, want, out);
   }
   if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
