@@ -20,8 +20,8 @@ bool kernels_built() { return true; }
 DeviceMemory device_memory(c10::Device device) {
   if (!device.is_cuda()) return {};
   namespace alloc = c10::cuda::CUDACachingAllocator;
-  const auto& all = alloc::getDeviceStats(index_of(device))
-                        .allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+  const auto stats = alloc::getDeviceStats(index_of(device));  // a copy: the statistics come by value
+  const auto& all = stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
   return {all.current, all.peak};
 }
 

@@ -210,6 +210,28 @@ __global__ void __launch_bounds__(kThreads)
   write_block_max(a, scratch, block_max_next + b * f.blocks + f.tile);
 }
 
+// The scaled messages v = exp(alpha − max alpha) [running, K] of a step that a GEMM takes, as the step kernel forms
+// them; one thread per (b, j).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    scaled_rows_kernel(const T* __restrict__ alpha, const T* __restrict__ block_max, T* __restrict__ v, int K) {
+  allow_next_launch();
+  const FinishBlock f = finish_block(K);
+  wait_for_previous();
+  if (f.column < K) {
+    const int64_t at = int64_t(f.sequence) * K + f.column;
+    v[at] = exp(alpha[at] - row_max(block_max, f.blocks, f.sequence));
+  }
+}
+
+// With many sequences running, a step is bound by arithmetic rather than by reading P, and cuBLAS's GEMM does the
+// product faster than the step kernel: from kGemmMinRows running sequences at K ≥ kGemmMinStates (measured on an H100,
+// docs/benchmarks.md). Only while LibTorch keeps float32 products in full precision (no TF32).
+constexpr int64_t kGemmMinRows = 64, kGemmMinStates = 4096;
+bool gemm_step(int64_t running, int64_t K) {
+  return running >= kGemmMinRows && K >= kGemmMinStates && !at::globalContext().allowTF32CuBLAS();
+}
+
 template <class T, int NB>
 void launch_step(const T* alpha, const T* block_max, int max_blocks, const T* P, T* partial, int B, int running, int K,
                  const StepPlan& plan, cudaStream_t stream, bool pdl, bool reverse, int keep_permille) {
@@ -260,16 +282,23 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
       const int64_t* len = lengths.data_ptr<int64_t>();
       T* kept = last.defined() ? last.data_ptr<T>() : nullptr;
       T* kept_steps = every_step ? every_step->data_ptr<T>() : nullptr;
+      const at::Tensor rows = gemm_step(B, K) ? at::empty({B, K}, emissions.options()) : at::Tensor();
       for (int t = 0; t < steps; ++t) {
         const int active = static_cast<int>(running(t));
         const T* previous = kept_steps ? kept_steps + (t > 0 ? t - 1 : 0) * B * K : alpha.data_ptr<T>();
         T* current = kept_steps ? kept_steps + t * B * K : next.data_ptr<T>();
-        if (t > 0) {
+        const bool gemm = t > 0 && gemm_step(active, K);
+        if (gemm) {  // the partial sums of one span: v·P into partial[0]
+          launch_dependent(scaled_rows_kernel<T>, finish_grid(K, active), 0, stream, pdl, "scaled chain rows kernel",
+                           previous, block_max.data_ptr<T>(), rows.data_ptr<T>(), int(K));
+          at::Tensor product = partial[0].narrow(0, 0, active);
+          at::mm_out(product, rows.narrow(0, 0, active), scaled);
+        } else if (t > 0) {
           launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B), active,
                              int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
         }
         launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
-                         "scaled chain finish kernel", partial.data_ptr<T>(), plan.splits, previous,
+                         "scaled chain finish kernel", partial.data_ptr<T>(), gemm ? 1 : plan.splits, previous,
                          block_max.data_ptr<T>(), W, cmax, st, E, len, current, next_max.data_ptr<T>(), offset_data,
                          kept, int(B), int(Tn), int(K), t, static_cast<T>(threshold));
         std::swap(alpha, next);

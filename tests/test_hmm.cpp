@@ -406,6 +406,29 @@ TEST(HMMCuda, StreamedKernelsTakeMoreSequencesThanAGridsYExtent) {
   expect_close(a.score.cpu(), b.score, 1e-10, 1e-10);
 }
 
+TEST(HMMCuda, ManySequencesOfManyStatesTakeGemmStepsAndMatchCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // 4096 states and 70 sequences, 65 of them full: the streamed forward and backward take every step as a cuBLAS GEMM
+  // (cuda/scaled_chain_forward.cu: 64 or more sequences running). Log-likelihoods and posteriors against the CPU
+  // (float64), float32 within 1e-4.
+  const int64_t B = 70, T = 4, K = 4096;
+  CategoricalHMM m = CategoricalHMM::random(K, 20, 80);
+  m.log_transitions.select(1, 5).fill_(-kInf);
+  m.log_transitions = at::log_softmax(m.log_transitions, 1);
+  Data d = random_observations(B, T, 20);
+  d.lengths.narrow(0, 2, 64).fill_(T);
+  const at::Tensor ll = log_likelihood(m, d.obs, d.lengths), nodes = posteriors(m, d.obs, d.lengths);
+  const at::Device cuda(at::kCUDA);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    SCOPED_TRACE(c10::str(dtype));
+    const double tol = dtype == at::kDouble ? 1e-10 : 1e-4;
+    const CategoricalHMM g = m.to(at::TensorOptions().device(cuda).dtype(dtype));
+    const at::Tensor obs = d.obs.to(cuda), lengths = d.lengths.to(cuda);
+    expect_close(log_likelihood(g, obs, lengths).cpu().to(at::kDouble), ll, tol, tol);
+    expect_close(posteriors(g, obs, lengths).cpu().to(at::kDouble), nodes, tol, tol);
+  }
+}
+
 namespace {
 
 // Every HMM route (HMMRoute) of every quantity (HMMQuantity), forced, on each device and dtype it takes, against
