@@ -1,10 +1,13 @@
 """trellis.CRF from Python beside pytorch-crf (torchcrf.CRF, 0.7.2) and torch-struct (LinearChainCRF, 0.5) in one
 process: the log-likelihood's forward+backward and Viterbi decoding at the shapes of issue 22's table, float32 and
-bfloat16 emissions. Each Trellis row also times the operator the module wraps, called directly
-(torch.ops.trellis.crf_log_likelihood / crf_viterbi with the arguments the module passes), and, with --trellis-bin, the
-C++ call underneath (`trellis bench crf --device cuda --json`, run as a subprocess on the same GPU: the same workloads
-with the library's log_likelihood_with_gradients, which the module's reduced log-likelihood calls, and viterbi on
-full-length sequences), so that the Python path's overhead is the difference of medians.
+bfloat16 emissions. Each Trellis row also times, in the same process, the library call the module wraps ("library call":
+torch.ops.trellis._crf_score_and_gradients, the score and its gradients as the module's reduced forward forms them,
+without the module or autograd; for decoding the crf_viterbi operator), so that the module's overhead is the difference
+of two medians taken back to back (the GPU's speed drifts by a few percent between processes and minutes); the operator
+a user would call without the module (torch.ops.trellis.crf_log_likelihood unreduced, summed and back-propagated, or
+crf_viterbi); and, with --trellis-bin, the C++ call underneath (`trellis bench crf --device cuda --json`, run as a
+subprocess on the same GPU: the same workloads with the library's log_likelihood_with_gradients, which the module's
+reduced log-likelihood calls, and viterbi on full-length sequences).
 
     # GPU machine: the peers from .whl (scripts/gpu_check.sh's build tree is build-gpu)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytorch_crf-*.whl .whl/torch_struct-*.whl
@@ -231,7 +234,14 @@ def run_workload(workload, B, T, K, with_mask, dtype):
             (-llh.sum()).backward()
             return llh
 
+        detached, wanted = [p.detach() for p in params], [True] * 4
+
+        def library_call():  # the score and its gradients as the module's forward forms them, without autograd
+            return torch.ops.trellis._crf_score_and_gradients(emissions, tags, *detached, None, op_lengths, True, None,
+                                                              None, None, wanted)
+
         times["trellis.CRF"], notes["trellis.CRF"] = measured(module_call, clear_gradients)
+        times[LIBRARY], notes[LIBRARY] = measured(library_call)
         times["torch.ops.trellis"], notes["torch.ops.trellis"] = measured(op_call)
         errors["trellis"] = error(crf(emissions, tags, mask, reduction="none"))
 
@@ -294,6 +304,15 @@ def run_workload(workload, B, T, K, with_mask, dtype):
     return times, errors, {k: v for k, v in notes.items() if v}
 
 
+# The library call trellis.CRF wraps, timed in the same process (the GPU's speed drifts by a few percent between
+# processes and minutes): for the log-likelihood the operator its reduced forward calls, for decoding its operator.
+LIBRARY = "library call"
+
+
+def library_time(row):
+    return row["ms"].get(LIBRARY) or (row["ms"].get("torch.ops.trellis") if row["workload"] == "decode" else None)
+
+
 # The shapes `trellis bench crf` runs (256,128,256 on CUDA only).
 CPP_SHAPES = {(512, 64, 23), (64, 512, 50), (256, 128, 256)}
 
@@ -351,8 +370,9 @@ def main():
             t["trellis C++"], t["trellis C++, values vouched for"] = cpp[key]
         module = t.get("trellis.CRF")
         r["ratio"] = {k: v / module for k, v in t.items() if module and v and k not in ("trellis.CRF",)}
-        r["python_overhead_us"] = {
-            f"vs {k}": (module - t[k]) * 1e3 for k in ("torch.ops.trellis", "trellis C++") if module and t.get(k)}
+        r["python_overhead_us"] = {f"vs {k}": (module - v) * 1e3 for k, v in ((LIBRARY, library_time(r)),
+                                                                               ("trellis C++", t.get("trellis C++")))
+                                   if module and v}
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     report = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(), "gpu": gpu,
@@ -373,16 +393,18 @@ def main():
 
     print(f"\n{gpu or device.type}, torch {torch.__version__}, trellis {trellis.__version__}, commit {report['commit']}, "
           f"{report['date']}; milliseconds (× = the peer's time over trellis.CRF's)\n")
-    print("| workload | B,T,K | emissions | trellis.CRF | torch.ops.trellis | trellis C++ | module − op µs | "
-          "module − C++ µs | pytorch-crf | torch-struct |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| workload | B,T,K | emissions | trellis.CRF | library call | torch.ops.trellis | trellis C++ | "
+          "module − library µs | module − C++ µs | pytorch-crf | torch-struct |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        overhead = [r["python_overhead_us"].get(k) for k in ("vs torch.ops.trellis", "vs trellis C++")]
+        overhead = [r["python_overhead_us"].get(k) for k in (f"vs {LIBRARY}", "vs trellis C++")]
         overhead = ["-" if v is None else f"{v:+.1f}" for v in overhead]
         workload = r["workload"] + (" (mask)" if r["mask"] else "")
+        library = library_time(r)
         print(f"| {workload} | {','.join(map(str, r['shape']))} | {r['dtype']} | {cell(r, 'trellis.CRF')} | "
-              f"{cell(r, 'torch.ops.trellis')} | {cell(r, 'trellis C++')} | {overhead[0]} | {overhead[1]} | "
-              f"{cell(r, 'pytorch-crf')} | {cell(r, 'torch-struct')} |")
+              f"{'-' if library is None else f'{library:.3f}'} | {cell(r, 'torch.ops.trellis')} | "
+              f"{cell(r, 'trellis C++')} | {overhead[0]} | {overhead[1]} | {cell(r, 'pytorch-crf')} | "
+              f"{cell(r, 'torch-struct')} |")
     lists = [r for r in rows if "trellis.CRF decode, lists" in r["ms"]]
     for r in lists:
         print(f"decode {','.join(map(str, r['shape']))} {r['dtype']}: trellis.CRF.decode returning lists "
