@@ -185,9 +185,9 @@ TEST(NeuralTagger, TagsDoNotDependOnTheOtherSentencesTaggedWithThem) {
   }
 }
 
-// A file of many sentences is cut into several chunks and encoded on worker threads ahead of the network (characters
-// packed for the character BiLSTM, sparse features added after the network): each sentence still gets the tags and
-// marginals it gets in a small group.
+// A file of many sentences is cut into several chunks and encoded on worker threads ahead of the network (the
+// character BiLSTM run once over the file's distinct words, sparse features added after the network): each sentence
+// still gets the tags and marginals it gets in a small group.
 TEST(NeuralTagger, AFileOfManyChunksTagsAsItsSentencesDoInSmallGroups) {
   NeuralTaggerOptions o = small_options();
   o.char_encoder = CharEncoder::BiLstm;

@@ -29,6 +29,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -54,6 +55,8 @@ constexpr std::size_t kMaxWordChars = 50;        // longer tokens (URLs) are cut
 // over its longest sentence, kernel launches), so a file is best cut into few of them.
 constexpr int64_t kTagTokens = 65536;
 constexpr int64_t kTagSentences = 8192;
+// Characters per pass of the character BiLSTM over a tagging call's distinct words (its outputs take 2H floats each).
+constexpr int64_t kCharTableCells = int64_t{1} << 19;
 constexpr int64_t kDefaultWordDim = 100;  // without pretrained vectors
 
 using Clock = std::chrono::steady_clock;
@@ -150,18 +153,18 @@ struct Architecture {
 // Token-level tensors list the real tokens row after row; positions maps them into the padded [B,T] layout.
 struct Batch {
   int64_t B = 0, T = 0, N = 0;
-  std::vector<std::size_t> rows;            // the index, among the sentences given, of each row
-  at::Tensor words, shapes;                 // [B,T] int64
-  std::vector<at::Tensor> extra;            // [B,T] int64 each
-  at::Tensor chars, char_lengths;           // [N,L], [N] int64: the tokens' characters, the longest word first
-  at::Tensor char_lengths_cpu;              // the same on the CPU (the character BiLSTM packs by it)
-  at::Tensor char_batch_sizes;              // tagging batches: chars packed (1-D), these its batch sizes on the CPU
-  at::Tensor char_positions;                // [N] int64: b*T + t of each row of chars
-  at::Tensor positions;                     // [N] int64: b*T + t of each token
-  at::Tensor mask;                          // [B,T] bool
-  at::Tensor lengths;                       // [B] int64, on the CPU (packing reads it there)
-  at::Tensor device_lengths;                // [B] int64 on the device
-  at::Tensor tags;                          // [B,T] int64 (0 at padding); undefined without labels
+  std::vector<std::size_t> rows;   // the index, among the sentences given, of each row
+  at::Tensor words, shapes;        // [B,T] int64
+  std::vector<at::Tensor> extra;   // [B,T] int64 each
+  at::Tensor chars, char_lengths;  // [N,L], [N] int64: the tokens' characters, the longest word first
+  at::Tensor char_lengths_cpu;     // the same on the CPU (the character BiLSTM packs by it)
+  at::Tensor char_table;      // tagging with a character BiLSTM: the call's table [U,2H]; chars then [N], rows in it
+  at::Tensor char_positions;  // [N] int64: b*T + t of each row of chars
+  at::Tensor positions;       // [N] int64: b*T + t of each token
+  at::Tensor mask;            // [B,T] bool
+  at::Tensor lengths;         // [B] int64, on the CPU (packing reads it there)
+  at::Tensor device_lengths;  // [B] int64 on the device
+  at::Tensor tags;            // [B,T] int64 (0 at padding); undefined without labels
   at::Tensor feature_ids, feature_offsets;  // hybrid: [nnz], [N]
 };
 
@@ -286,15 +289,14 @@ class NetworkImpl : public torch::nn::Module {
         // Max over each word's own characters only: padding would make a token's representation depend on the
         // longest word of its batch.
         at::Tensor c;
-        if (char_lstm) {
+        if (b.char_table.defined()) {
+          c = b.char_table.index_select(0, b.chars);  // [N,2H]
+        } else if (char_lstm) {
           // The last states of both directions over each word's own characters.
           const NoAutocast fp32;
           namespace rnn = torch::nn::utils::rnn;
-          const at::Tensor embedded = dropout(char_embedding(b.chars));
-          const rnn::PackedSequence packed =
-              b.char_batch_sizes.defined() ? rnn::PackedSequence(embedded, b.char_batch_sizes)
-                                           : rnn::pack_padded_sequence(embedded, b.char_lengths_cpu,
-                                                                       /*batch_first=*/true, /*enforce_sorted=*/true);
+          const auto packed = rnn::pack_padded_sequence(dropout(char_embedding(b.chars)), b.char_lengths_cpu,
+                                                        /*batch_first=*/true, /*enforce_sorted=*/true);
           const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,N,H]
           c = at::cat({last[0], last[1]}, 1);                                                              // [N,2H]
         } else {
@@ -329,6 +331,14 @@ class NetworkImpl : public torch::nn::Module {
     return scores;
   }
 
+  // The character BiLSTM's last states of both directions [n,2H] over words packed as it reads them: `chars` the
+  // characters time-major, longest word first, `batch_sizes` (on the CPU) the words at each step.
+  at::Tensor packed_char_states(const at::Tensor& chars, const at::Tensor& batch_sizes) {
+    const torch::nn::utils::rnn::PackedSequence packed(dropout(char_embedding(chars)), batch_sizes);
+    const at::Tensor last = std::get<0>(std::get<1>(char_lstm->forward_with_packed_input(packed)));  // [2,n,H]
+    return at::cat({last[0], last[1]}, 1);
+  }
+
   // `scores` plus the hybrid's sparse feature weights of the batch's tokens.
   at::Tensor with_sparse_scores(const at::Tensor& scores, const Batch& b) {
     const at::Tensor sparse = std::get<0>(at::embedding_bag(hybrid_weights, b.feature_ids, b.feature_offsets));
@@ -360,6 +370,7 @@ struct EncodedSentence {
 // ---------------------------------------------------------------------------------------------------------------
 
 struct NeuralTagger::Impl {
+  class ChunkedSentences;
   NeuralTaggerOptions options;
   std::vector<std::string> labels;
   std::unordered_map<std::string, int64_t> label_ids;
@@ -500,41 +511,38 @@ struct NeuralTagger::Impl {
   // The sentences as one padded batch on the model's device, longest first. With a random generator, training words
   // become unknown with probability a/(a+c) (c: the word's training count). Every index goes to the device in one
   // copy from pinned memory that does not wait for the device, so the host prepares the next batch while the device
-  // works on this one. A tagging batch (`tagging`) holds a character BiLSTM's characters packed as the LSTM reads
-  // them, with no padding to the longest word, and no sparse feature ids: with_features() adds those, so that the
-  // network can start before they are extracted.
-  Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout,
-              bool tagging = false) const {
+  // works on this one. A tagging batch (`tagging`) holds no sparse feature ids (add_feature_ids() sends them, so that
+  // the network can start before they are extracted) and, given `char_rows` (each sentence's tokens' rows in the
+  // call's character table, char_table()), those rows in place of the characters.
+  Batch batch(const std::vector<const EncodedSentence*>& sentences, std::mt19937_64* word_dropout, bool tagging = false,
+              const std::vector<const std::vector<int64_t>*>* char_rows = nullptr) const {
     Batch b;
     b.B = static_cast<int64_t>(sentences.size());
     b.rows.resize(sentences.size());
     std::iota(b.rows.begin(), b.rows.end(), 0);
     std::stable_sort(b.rows.begin(), b.rows.end(),
                      [&](std::size_t x, std::size_t y) { return sentences[x]->size() > sentences[y]->size(); });
-    const bool packed_chars = tagging && options.char_dim > 0 && options.char_encoder == CharEncoder::BiLstm;
     const bool with_features = hybrid && !tagging;
-    int64_t L = 0, char_total = 0;
+    int64_t L = 0;
     for (const auto* s : sentences) {
       b.T = std::max<int64_t>(b.T, s->size());
       b.N += static_cast<int64_t>(s->size());
-      for (int64_t c : s->char_counts) L = std::max(L, c), char_total += c;
+      for (int64_t c : s->char_counts) L = std::max(L, c);
     }
     const bool labelled = !sentences.empty() && !sentences.front()->tags.empty();
     int64_t nnz = 0;
     if (with_features)
       for (const auto* s : sentences) nnz += static_cast<int64_t>(s->feature_ids.size());
-    // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars ([N,L], or packed: the sum of the
-    // character counts), char lengths, char positions, positions, offsets [N] each, lengths [B], the packed
-    // characters' batch sizes [L], feature ids [nnz].
+    // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars [N,L] (or the char table's rows [N]),
+    // char lengths, char positions, positions, offsets [N] each, lengths [B], feature ids [nnz].
     const int64_t BT = b.B * b.T, E = static_cast<int64_t>(extra.size());
     const int64_t tag_cells = labelled ? BT : 0;
-    const int64_t char_cells = packed_chars ? char_total : b.N * L;
-    const int64_t batch_size_cells = packed_chars ? L : 0;
-    const int64_t total = BT * (2 + E) + tag_cells + char_cells + 4 * b.N + b.B + batch_size_cells + nnz;
+    const int64_t char_cells = char_rows ? b.N : b.N * L;
+    const int64_t total = BT * (2 + E) + tag_cells + char_cells + 4 * b.N + b.B + nnz;
     const bool pinned = device.is_cuda();
     const at::Tensor host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
     int64_t* const h = host.data_ptr<int64_t>();
-    std::fill(h, h + BT * (2 + E) + tag_cells + (packed_chars ? 0 : char_cells), kPad);  // padding; tags 0 there
+    std::fill(h, h + BT * (2 + E) + tag_cells + char_cells, kPad);  // padding; tags 0 there
     int64_t* const w = h;
     int64_t* const sh = w + BT;
     int64_t* const ex = sh + BT;
@@ -545,8 +553,7 @@ struct NeuralTagger::Impl {
     int64_t* const pos = chp + b.N;
     int64_t* const foff = pos + b.N;
     int64_t* const len = foff + b.N;
-    int64_t* const char_batch_sizes = len + b.B;
-    int64_t* const fid = char_batch_sizes + batch_size_cells;
+    int64_t* const fid = len + b.B;
     // Rows of chars, longest word first (the character BiLSTM packs them so): token index, character count, offset.
     struct Word {
       int64_t token, count;
@@ -573,7 +580,13 @@ struct NeuralTagger::Impl {
         sh[p] = s.shapes[t];
         for (int64_t c = 0; c < E; ++c) ex[c * BT + p] = s.extra[c][t];
         if (labelled) tags[p] = s.tags[t];
-        word_rows.push_back({token, s.char_counts[t], s.chars.data() + c0});
+        if (char_rows) {
+          ch[token] = (*(*char_rows)[b.rows[i]])[t];
+          chl[token] = s.char_counts[t];
+          chp[token] = p;
+        } else {
+          word_rows.push_back({token, s.char_counts[t], s.chars.data() + c0});
+        }
         c0 += static_cast<std::size_t>(s.char_counts[t]);
         pos[token] = p;
         if (with_features) {
@@ -587,21 +600,13 @@ struct NeuralTagger::Impl {
         }
       }
     }
-    std::stable_sort(word_rows.begin(), word_rows.end(),
-                     [](const Word& x, const Word& y) { return x.count > y.count; });
-    for (int64_t r = 0; r < b.N; ++r) {
-      if (!packed_chars) std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
-      chl[r] = word_rows[r].count;
-      chp[r] = pos[word_rows[r].token];
-    }
-    if (packed_chars) {
-      // Time-major, as pack_padded_sequence lays out rows sorted longest first: step s holds character s of every
-      // word longer than s.
-      int64_t out = 0, rows_at_step = b.N;
-      for (int64_t step = 0; step < L; ++step) {
-        while (word_rows[rows_at_step - 1].count <= step) --rows_at_step;
-        char_batch_sizes[step] = rows_at_step;
-        for (int64_t r = 0; r < rows_at_step; ++r) ch[out++] = word_rows[r].chars[step];
+    if (!char_rows) {
+      std::stable_sort(word_rows.begin(), word_rows.end(),
+                       [](const Word& x, const Word& y) { return x.count > y.count; });
+      for (int64_t r = 0; r < b.N; ++r) {
+        std::copy(word_rows[r].chars, word_rows[r].chars + word_rows[r].count, ch + r * L);
+        chl[r] = word_rows[r].count;
+        chp[r] = pos[word_rows[r].token];
       }
     }
     const at::Tensor on_device = pinned ? host.to(device, /*non_blocking=*/true) : host.to(device);
@@ -615,16 +620,14 @@ struct NeuralTagger::Impl {
     b.shapes = take(BT).view({b.B, b.T});
     for (int64_t c = 0; c < E; ++c) b.extra.push_back(take(BT).view({b.B, b.T}));
     if (labelled) b.tags = take(BT).view({b.B, b.T});
-    b.chars = packed_chars ? take(char_cells) : take(char_cells).view({b.N, L});
+    b.chars = char_rows ? take(char_cells) : take(char_cells).view({b.N, L});
     b.char_lengths = take(b.N);
     b.char_positions = take(b.N);
     b.positions = take(b.N);
     const at::Tensor offsets = take(b.N);
     b.device_lengths = take(b.B);
-    take(batch_size_cells);  // read on the host
     const at::Tensor ids = take(nnz);
     b.char_lengths_cpu = host.narrow(0, chl - h, b.N);
-    if (packed_chars) b.char_batch_sizes = host.narrow(0, char_batch_sizes - h, L);
     b.lengths = host.narrow(0, len - h, b.B);
     b.mask = at::arange(b.T, b.device_lengths.options()).unsqueeze(0) < b.device_lengths.unsqueeze(1);
     if (with_features) {
@@ -632,6 +635,63 @@ struct NeuralTagger::Impl {
       b.feature_offsets = offsets;
     }
     return b;
+  }
+
+  // The character BiLSTM's representation of every distinct word (by its characters) of a tagging call, [U,2H] on
+  // the device, and in `rows` each token's row, sentence by sentence. A pass of the BiLSTM runs as many steps as its
+  // longest word has characters, so the call runs one pass (several only beyond kCharTableCells characters) instead
+  // of one per chunk. Undefined without a character BiLSTM.
+  at::Tensor char_table(ChunkedSentences& input, std::vector<std::vector<int64_t>>& rows) const {
+    if (!net->char_lstm) return {};
+    for (std::size_t k = 0; k < input.chunks().size(); ++k) input.wait_for(k, false);
+    std::unordered_map<std::string_view, int64_t> distinct;
+    std::vector<std::pair<const int64_t*, int64_t>> words;  // characters, count
+    rows.assign(input.size(), {});
+    for (std::size_t s = 0; s < input.size(); ++s) {
+      const EncodedSentence& e = input.sentence(s);
+      const int64_t* c = e.chars.data();
+      for (std::size_t t = 0; t < e.size(); ++t) {
+        const int64_t n = e.char_counts[t];
+        const std::string_view key(reinterpret_cast<const char*>(c), static_cast<std::size_t>(n) * sizeof(int64_t));
+        const auto [it, fresh] = distinct.emplace(key, static_cast<int64_t>(words.size()));
+        if (fresh) words.emplace_back(c, n);
+        rows[s].push_back(it->second);
+        c += n;
+      }
+    }
+    // Longest first, as the BiLSTM packs them.
+    std::vector<int64_t> order(words.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return words[x].second > words[y].second; });
+    at::Tensor table =
+        at::empty({static_cast<int64_t>(words.size()), 2 * options.char_filters}, at::TensorOptions().device(device));
+    const bool pinned = device.is_cuda();
+    for (std::size_t p = 0; p < order.size();) {
+      std::size_t q = p;
+      int64_t cells = 0;
+      while (q < order.size() && (q == p || cells + words[order[q]].second <= kCharTableCells))
+        cells += words[order[q++]].second;
+      const int64_t n = static_cast<int64_t>(q - p), L = words[order[p]].second;
+      // One int64 buffer: the characters time-major (step s: character s of every word longer than s) [cells], each
+      // word's row in the table [n], the words at each step [L] (read on the host).
+      const at::Tensor host = at::empty({cells + n + L}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
+      int64_t* const ch = host.data_ptr<int64_t>();
+      int64_t* const destination = ch + cells;
+      int64_t* const batch_sizes = destination + n;
+      int64_t out = 0, at_step = n;
+      for (int64_t step = 0; step < L; ++step) {
+        while (words[order[p + at_step - 1]].second <= step) --at_step;
+        batch_sizes[step] = at_step;
+        for (int64_t r = 0; r < at_step; ++r) ch[out++] = words[order[p + r]].first[step];
+      }
+      for (int64_t r = 0; r < n; ++r) destination[r] = order[p + r];
+      const at::Tensor on_device = pinned ? host.to(device, /*non_blocking=*/true) : host.to(device);
+      table.index_copy_(0, on_device.narrow(0, cells, n),
+                        net->packed_char_states(on_device.narrow(0, 0, cells), host.narrow(0, cells + n, L)));
+      p = q;
+    }
+    return table;
   }
 
   // A tagging batch's sparse feature ids, in its token order, sent to the device as batch() sends the rest.
@@ -814,11 +874,22 @@ struct NeuralTagger::Impl {
     std::vector<std::thread> workers_;
   };
 
+  // The characters' representations of a tagging call: a table of its distinct words and each token's row in it
+  // (char_table()), or none where each chunk encodes its own (a character CNN).
+  struct CharTable {
+    at::Tensor table;
+    std::vector<std::vector<int64_t>> rows;  // [sentence][token]
+  };
+
   // Chunk k's emissions as a tagging batch. The network's scores are queued on the device before the chunk's sparse
   // features are waited for.
-  at::Tensor emissions_of(ChunkedSentences& input, std::size_t k, Batch* b) const {
+  at::Tensor emissions_of(ChunkedSentences& input, std::size_t k, const CharTable& chars, Batch* b) const {
     const std::vector<const EncodedSentence*> picked = input.wait_for(k, false);
-    *b = batch(picked, nullptr, /*tagging=*/true);
+    std::vector<const std::vector<int64_t>*> char_rows;
+    if (chars.table.defined())
+      for (const std::size_t s : input.chunks()[k]) char_rows.push_back(&chars.rows[s]);
+    *b = batch(picked, nullptr, /*tagging=*/true, chars.table.defined() ? &char_rows : nullptr);
+    b->char_table = chars.table;
     const at::Tensor scores = net->network_scores(*b, bf16);
     if (!net->hybrid_weights.defined()) return scores;
     add_feature_ids(input.wait_for(k, true), *b);
@@ -835,10 +906,12 @@ struct NeuralTagger::Impl {
       at::Tensor path, chosen, probability;  // on the device until read back
     };
     std::vector<Decoded> decoded;
+    CharTable chars;
+    chars.table = char_table(input, chars.rows);
     for (std::size_t k = 0; k < input.chunks().size(); ++k) {
       const std::vector<std::size_t>& chunk = input.chunks()[k];
       Batch b;
-      const at::Tensor e = emissions_of(input, k, &b);
+      const at::Tensor e = emissions_of(input, k, chars, &b);
       Decoded d;
       for (std::size_t row : b.rows) d.sentence.push_back(chunk[row]);
       const ViterbiResult v = viterbi(potentials(e, b, /*constrained=*/true));
@@ -880,10 +953,12 @@ struct NeuralTagger::Impl {
                     std::to_string(labels.size()) + " labels need more than the " +
                     std::to_string(CrfTagger::kMaxKBestBytes >> 20) + " MiB allowed: ask for fewer");
     std::vector<std::vector<TaggedSentence>> out(sentences.size());
+    CharTable chars;
+    chars.table = char_table(input, chars.rows);
     for (std::size_t c = 0; c < input.chunks().size(); ++c) {
       const std::vector<std::size_t>& chunk = input.chunks()[c];
       Batch b;
-      const at::Tensor e = emissions_of(input, c, &b);
+      const at::Tensor e = emissions_of(input, c, chars, &b);
       const KBestResult kb = net->crf->kbest(e, k, b.mask);
       const at::Tensor prob =
           (kb.scores.cpu() - net->crf->log_partition(e, b.mask).cpu().unsqueeze(1)).exp().to(at::kDouble);
