@@ -393,18 +393,18 @@ def main():
 
     print(f"\n{gpu or device.type}, torch {torch.__version__}, trellis {trellis.__version__}, commit {report['commit']}, "
           f"{report['date']}; milliseconds (× = the peer's time over trellis.CRF's)\n")
-    print("| workload | B,T,K | emissions | trellis.CRF | library call | torch.ops.trellis | trellis C++ | "
-          "module − library µs | module − C++ µs | pytorch-crf | torch-struct |")
+    print("| workload | B,T,K | emissions | trellis.CRF | torch.ops.trellis | trellis C++ | module − library µs | "
+          "module − C++ µs | pytorch-crf | torch-struct | library call |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         overhead = [r["python_overhead_us"].get(k) for k in (f"vs {LIBRARY}", "vs trellis C++")]
         overhead = ["-" if v is None else f"{v:+.1f}" for v in overhead]
         workload = r["workload"] + (" (mask)" if r["mask"] else "")
         library = library_time(r)
+        library = "-" if library is None else f"{library:.3f}"
         print(f"| {workload} | {','.join(map(str, r['shape']))} | {r['dtype']} | {cell(r, 'trellis.CRF')} | "
-              f"{'-' if library is None else f'{library:.3f}'} | {cell(r, 'torch.ops.trellis')} | "
-              f"{cell(r, 'trellis C++')} | {overhead[0]} | {overhead[1]} | {cell(r, 'pytorch-crf')} | "
-              f"{cell(r, 'torch-struct')} |")
+              f"{cell(r, 'torch.ops.trellis')} | {cell(r, 'trellis C++')} | {overhead[0]} | {overhead[1]} | "
+              f"{cell(r, 'pytorch-crf')} | {cell(r, 'torch-struct')} | {library} |")
     lists = [r for r in rows if "trellis.CRF decode, lists" in r["ms"]]
     for r in lists:
         print(f"decode {','.join(map(str, r['shape']))} {r['dtype']}: trellis.CRF.decode returning lists "
