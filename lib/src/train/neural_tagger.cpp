@@ -163,8 +163,11 @@ struct Batch {
   at::Tensor positions;       // [N] int64: b*T + t of each token
   at::Tensor mask;            // [B,T] bool
   at::Tensor lengths;         // [B] int64, on the CPU (packing reads it there)
-  at::Tensor device_lengths;  // [B] int64 on the device
-  at::Tensor tags;            // [B,T] int64 (0 at padding); undefined without labels
+  // Tagging with a BiLSTM encoder: b*T + t of each token time-major (step t: the rows longer than t), [N] on the
+  // device, and the rows at each step [T] on the CPU, to pack the encoder's input without a copy per step.
+  at::Tensor packed_positions, step_sizes;
+  at::Tensor device_lengths;                // [B] int64 on the device
+  at::Tensor tags;                          // [B,T] int64 (0 at padding); undefined without labels
   at::Tensor feature_ids, feature_offsets;  // hybrid: [nnz], [N]
 };
 
@@ -314,9 +317,19 @@ class NetworkImpl : public torch::nn::Module {
       if (lstm) {
         const NoAutocast fp32;
         namespace rnn = torch::nn::utils::rnn;
-        const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/true);
-        h = std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)),
-                                                 /*batch_first=*/true, 0.0, b.T));
+        if (b.packed_positions.defined()) {
+          // Packed and unpacked as pack_padded_sequence and pad_packed_sequence do, by one gather and one scatter.
+          const rnn::PackedSequence packed(x.reshape({b.B * b.T, x.size(2)}).index_select(0, b.packed_positions),
+                                           b.step_sizes);
+          const at::Tensor out = std::get<0>(lstm->forward_with_packed_input(packed)).data();
+          h = at::zeros({b.B * b.T, out.size(1)}, out.options())
+                  .index_copy(0, b.packed_positions, out)
+                  .view({b.B, b.T, out.size(1)});
+        } else {
+          const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/true);
+          h = std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)),
+                                                   /*batch_first=*/true, 0.0, b.T));
+        }
       } else {
         // Padding positions are zero after every layer, so a token's receptive field reads zeros past its sentence
         // whatever the batch.
@@ -534,11 +547,14 @@ struct NeuralTagger::Impl {
     if (with_features)
       for (const auto* s : sentences) nnz += static_cast<int64_t>(s->feature_ids.size());
     // One int64 buffer: words, shapes, extra columns and tags [B,T] each, chars [N,L] (or the char table's rows [N]),
-    // char lengths, char positions, positions, offsets [N] each, lengths [B], feature ids [nnz].
+    // char lengths, char positions, positions, offsets [N] each, lengths [B], feature ids [nnz], and tagging with a
+    // BiLSTM encoder packed positions [N] and step sizes [T].
     const int64_t BT = b.B * b.T, E = static_cast<int64_t>(extra.size());
     const int64_t tag_cells = labelled ? BT : 0;
     const int64_t char_cells = char_rows ? b.N : b.N * L;
-    const int64_t total = BT * (2 + E) + tag_cells + char_cells + 4 * b.N + b.B + nnz;
+    const bool packed = tagging && options.encoder == SentenceEncoder::BiLstm;
+    const int64_t packed_cells = packed ? b.N + b.T : 0;
+    const int64_t total = BT * (2 + E) + tag_cells + char_cells + 4 * b.N + b.B + nnz + packed_cells;
     const bool pinned = device.is_cuda();
     const at::Tensor host = at::empty({total}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
     int64_t* const h = host.data_ptr<int64_t>();
@@ -554,6 +570,8 @@ struct NeuralTagger::Impl {
     int64_t* const foff = pos + b.N;
     int64_t* const len = foff + b.N;
     int64_t* const fid = len + b.B;
+    int64_t* const packed_positions = fid + nnz;
+    int64_t* const step_sizes = packed_positions + (packed ? b.N : 0);
     // Rows of chars, longest word first (the character BiLSTM packs them so): token index, character count, offset.
     struct Word {
       int64_t token, count;
@@ -600,6 +618,14 @@ struct NeuralTagger::Impl {
         }
       }
     }
+    if (packed) {
+      int64_t out = 0, rows_at_step = b.B;
+      for (int64_t t = 0; t < b.T; ++t) {
+        while (len[rows_at_step - 1] <= t) --rows_at_step;
+        step_sizes[t] = rows_at_step;
+        for (int64_t i = 0; i < rows_at_step; ++i) packed_positions[out++] = i * b.T + t;
+      }
+    }
     if (!char_rows) {
       std::stable_sort(word_rows.begin(), word_rows.end(),
                        [](const Word& x, const Word& y) { return x.count > y.count; });
@@ -627,6 +653,10 @@ struct NeuralTagger::Impl {
     const at::Tensor offsets = take(b.N);
     b.device_lengths = take(b.B);
     const at::Tensor ids = take(nnz);
+    if (packed) {
+      b.packed_positions = take(b.N);
+      b.step_sizes = host.narrow(0, step_sizes - h, b.T);
+    }
     b.char_lengths_cpu = host.narrow(0, chl - h, b.N);
     b.lengths = host.narrow(0, len - h, b.B);
     b.mask = at::arange(b.T, b.device_lengths.options()).unsqueeze(0) < b.device_lengths.unsqueeze(1);
