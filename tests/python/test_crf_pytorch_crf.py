@@ -84,6 +84,30 @@ def test_log_likelihood_and_gradients(device, batch_first, reduction, lengths):
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("reduction", ["sum", "mean", "token_mean"])
+@pytest.mark.parametrize("frozen", ["emissions", "parameters"])
+def test_gradients_of_one_side(device, batch_first, reduction, frozen):
+    """Frozen emissions (a fixed encoder) or frozen CRF parameters: the other side's gradients alone, under an upstream
+    gradient other than 1, with int32 tags."""
+    reference, crf = pair(5, batch_first, device)
+    emissions, tags, _ = inputs(6, 4, 5, batch_first, device)
+    tags = tags.int()
+    e_ref, e = (emissions, emissions) if frozen == "emissions" else (leaf(emissions), leaf(emissions))
+    for module in (reference, crf):
+        module.requires_grad_(frozen != "parameters")
+    upstream = torch.tensor(-2.5, device=device)
+    reference(e_ref, tags.long(), reduction=reduction).backward(upstream)
+    crf(e, tags, reduction=reduction).backward(upstream)
+    if frozen == "emissions":
+        for name in ("start_transitions", "end_transitions", "transitions"):
+            torch.testing.assert_close(getattr(crf, name).grad, getattr(reference, name).grad, rtol=1e-4, atol=1e-4,
+                                       msg=name)
+    else:
+        torch.testing.assert_close(e.grad, e_ref.grad, rtol=1e-4, atol=1e-5)
+        assert all(p.grad is None for p in crf.parameters())
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
 def test_default_reduction_is_sum(batch_first):
     reference, crf = pair(4, batch_first, "cpu")
     emissions, tags, _ = inputs(5, 3, 4, batch_first, "cpu")
