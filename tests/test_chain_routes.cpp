@@ -119,6 +119,30 @@ TEST(ChainRoutesTable, CpuHasTwoRoutesPerQuantity) {
   EXPECT_TRUE(detail::route_applies(ChainRoute::kScaledForward, ChainQuantity::kLogPartition, p));
 }
 
+// The CPU's fused Viterbi (columns compared a vector at a time) against the composed recursion's (one column's terms
+// reduced in turn): integer scores, where many paths tie and the lowest label must win in both, at K = 9 and 37 (whole
+// vectors and a remainder of columns in float32 and float64) with ragged lengths.
+TEST(ChainRoutesTable, CpuFusedViterbiBreaksTiesAsTheComposedRecursion) {
+  at::manual_seed(11);
+  for (const int64_t K : {9, 37})
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      SCOPED_TRACE(c10::str("K=", K, " ", dtype));
+      ChainPotentials p = on(random_chain(8, 9, K), false, dtype);
+      for (at::Tensor* t : {&p.emissions, &p.transitions, &p.start, &p.end}) *t = (*t * 2).round();
+      ViterbiResult fused, composed;
+      {
+        const detail::ForcedChainRoute forced(ChainRoute::kFused);
+        fused = viterbi(p);
+      }
+      {
+        const detail::ForcedChainRoute forced(ChainRoute::kComposed);
+        composed = viterbi(p);
+      }
+      EXPECT_TRUE(at::equal(fused.path, composed.path));
+      expect_close(fused.score, composed.score, 0, 0);
+    }
+}
+
 // The automatic choice: the fused passes for small K; the scaled forward for many labels without gradients; edge
 // marginals composed; and a forced route that cannot compute the quantity is an error naming both.
 TEST(ChainRoutesTable, AutomaticChoiceAndForcedErrors) {
@@ -126,9 +150,13 @@ TEST(ChainRoutesTable, AutomaticChoiceAndForcedErrors) {
   EXPECT_EQ(detail::choose_route(ChainQuantity::kLogPartition, small), ChainRoute::kFused);
   EXPECT_EQ(detail::choose_route(ChainQuantity::kMarginals, small, /*with_edges=*/true), ChainRoute::kComposed);
   const ChainPotentials many = random_chain(2, 3, detail::kScaledMinLabels);
+  const ChainPotentials batch = random_chain(detail::kScaledMinSequencesCpu, 3, detail::kScaledMinLabelsCpu);
+  const ChainPotentials fewer = random_chain(detail::kScaledMinSequencesCpu - 1, 3, detail::kScaledMinLabelsCpu);
   {
     c10::NoGradGuard no_grad;
     EXPECT_EQ(detail::choose_route(ChainQuantity::kLogPartition, many), ChainRoute::kScaledForward);
+    EXPECT_EQ(detail::choose_route(ChainQuantity::kLogPartition, batch), ChainRoute::kScaledForward);
+    EXPECT_EQ(detail::choose_route(ChainQuantity::kLogPartition, fewer), ChainRoute::kFused);
   }
   const detail::ForcedChainRoute forced(ChainRoute::kManyLabelViterbi);
   try {

@@ -4,9 +4,12 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "lib/src/semiring/backpointers.h"
@@ -29,15 +32,56 @@ using torch::autograd::variable_list;
 template <class S, class T>
 class SemiringStep {
  public:
-  SemiringStep(const T* w, const T* wt, int64_t k) : W_(w), Wt_(wt), K_(k) {}
+  SemiringStep(const T* w, const T* wt, int64_t k) : W_(w), Wt_(wt), K_(k), from_(k) {}
 
   // pre[j] and the back-pointer of each j, at arg[at + j].
   void forward(const T* a, T* pre, int64_t* arg, int64_t at) {
-    for (int64_t j = 0; j < K_; ++j) {
-      const T* w = Wt_ + j * K_;
-      const auto acc = S::template reduce<T>(K_, [&](int64_t i) { return S::times(a[i], w[i]); });
-      pre[j] = acc.value();
-      S::Backpointers::store(arg, at + j, acc.arg());
+    if constexpr (std::is_same_v<S, MaxSemiring>) {
+      // Row by row of W, a vector of columns at a time: a compare and two selects per term, where a column's own
+      // reduction branches on each term. The same terms in the same order per column (the first row taken, then a row
+      // only on a strictly larger term), so the same maximum and argmax.
+      typedef T Values __attribute__((vector_size(16)));
+      typedef Lane Mask __attribute__((vector_size(16)));  // a comparison's result: all ones where true
+      constexpr int64_t kLanes = 16 / sizeof(T);
+      T* __restrict best = pre;
+      Lane* __restrict from = from_.data();
+      for (int64_t j = 0; j < K_; ++j) {
+        best[j] = S::times(a[0], W_[j]);
+        from[j] = 0;
+      }
+      for (int64_t i = 1; i < K_; ++i) {
+        const T ai = a[i];
+        const T* __restrict w = W_ + i * K_;
+        int64_t j = 0;
+        for (; j + kLanes <= K_; j += kLanes) {
+          Values x, b;
+          Mask f;
+          std::memcpy(&x, w + j, sizeof x);
+          std::memcpy(&b, best + j, sizeof b);
+          std::memcpy(&f, from + j, sizeof f);
+          x = ai + x;  // S::times
+          const Mask larger = x > b;
+          b = larger ? x : b;
+          f = larger ? Mask{} + Lane(i) : f;
+          std::memcpy(best + j, &b, sizeof b);
+          std::memcpy(from + j, &f, sizeof f);
+        }
+        for (; j < K_; ++j) {
+          const T x = S::times(ai, w[j]);
+          if (x > best[j]) {
+            best[j] = x;
+            from[j] = Lane(i);
+          }
+        }
+      }
+      for (int64_t j = 0; j < K_; ++j) S::Backpointers::store(arg, at + j, int64_t(from[j]));
+    } else {
+      for (int64_t j = 0; j < K_; ++j) {
+        const T* w = Wt_ + j * K_;
+        const auto acc = S::template reduce<T>(K_, [&](int64_t i) { return S::times(a[i], w[i]); });
+        pre[j] = acc.value();
+        S::Backpointers::store(arg, at + j, acc.arg());
+      }
     }
   }
 
@@ -59,8 +103,11 @@ class SemiringStep {
   void restore_total(T*, T) const {}
 
  private:
+  // A row index as wide as T, so that a vector of them lines up with a vector of scores.
+  using Lane = std::conditional_t<sizeof(T) == 8, int64_t, int32_t>;
   const T *W_, *Wt_;
   int64_t K_;
+  std::vector<Lane> from_;  // MaxSemiring's forward: each column's best row so far
 };
 
 // LogSemiring's step in scaled probability space: with v = exp(a − max a) and P = exp(W − colmax) (computed once),

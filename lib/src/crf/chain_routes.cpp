@@ -23,8 +23,10 @@ ChainRoute automatic_route(ChainQuantity q, const ChainPotentials& p, bool with_
       !cuda::chain_supported(p.emissions.size(2), at::kDouble))
     return ChainRoute::kManyLabelViterbi;  // rebases every step, so a long float32 chain needs no widening
   if (float32_widened_on_gpu(p)) return ChainRoute::kWidened;
-  if (q == ChainQuantity::kLogPartition && p.emissions.size(2) >= kScaledMinLabels &&
-      route_applies(ChainRoute::kScaledForward, q, p))
+  const int64_t B = p.emissions.size(0), K = p.emissions.size(2);
+  const bool scaled_pays =
+      K >= kScaledMinLabels || (p.emissions.is_cpu() && K >= kScaledMinLabelsCpu && B >= kScaledMinSequencesCpu);
+  if (q == ChainQuantity::kLogPartition && scaled_pays && route_applies(ChainRoute::kScaledForward, q, p))
     return ChainRoute::kScaledForward;
   if (route_applies(ChainRoute::kFused, q, p, with_edges)) return ChainRoute::kFused;
   return ChainRoute::kComposed;

@@ -22,8 +22,11 @@ enum class ChainRoute {
   kWidened,           // a long float32 chain on a GPU route that does not rebase its messages: run in float64
 };
 
-// From this many labels on, log Z without gradients takes a scaled GEMM per step rather than K² log-space terms.
+// From this many labels on, log Z without gradients takes a scaled GEMM per step rather than K² log-space terms; on
+// the CPU also from kScaledMinLabelsCpu labels when at least kScaledMinSequencesCpu sequences share each step's GEMM
+// (fewer leave the step's dozen ATen operations to dominate).
 constexpr int64_t kScaledMinLabels = 128;
+constexpr int64_t kScaledMinLabelsCpu = 64, kScaledMinSequencesCpu = 64;
 
 // Log-space messages grow to about −T·(nats per step), where float32 keeps only about 1e-2 absolutely. The CPU
 // recursion and the shared-memory CUDA kernels rebase their messages each step; the other CUDA routes keep them
