@@ -56,41 +56,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int c0 = blockIdx.y * kCols<T>, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = c0 + lane * kVec<T>;
-  // This warp's rows are k0 + warp + i·kWarps; each lane copies its 16 bytes of them into its own ring slots
-  // asynchronously (no registers held while in flight, and no lane reads another's slot).
-  const int my_rows = n > warp ? (n - warp + kWarps - 1) / kWarps : 0;
-  const bool streamed = K % kVec<T> == 0 && col < K;
+  // This warp's rows are k0 + warp + i·kWarps (in the order of `span`: backwards on every other step).
   T* slots = ring + (warp * kStages) * kCols<T> + lane * kVec<T>;
-  const T* src = P + int64_t(k0 + warp) * K + col;  // row i is src + i·kWarps·K
-  const int64_t src_step = int64_t(kWarps) * K;
-  // Every other step walks the rows backwards: it starts on the rows the previous step read last, which are still
-  // in L2 (a matrix somewhat larger than L2, as P of K=4096 is, then comes partly from L2 instead of memory).
-  const auto row = [&](int i) { return reverse ? my_rows - 1 - i : i; };
-  // The first `keep` rows of the span are loaded with L2's evict-last policy and the others with evict-first, so
-  // that those rows stay in L2 for the next step while the others stream through.
-  const int keep = my_rows * keep_permille / 1000;
-  uint64_t keep_policy, stream_policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy));
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream_policy));
-  // Rows are fetched, and used, in the order i = 0, 1, ...: running pointers step from row to row instead of an
-  // address computed for each (at many sequences the step is issue-bound). Fetches [keep_from, keep_to) are the
-  // span's first `keep` rows.
-  const int64_t fetch_step = reverse ? -src_step : src_step;
-  const T* next_row = src + (reverse ? my_rows - 1 : 0) * src_step;
-  const int keep_from = reverse ? my_rows - keep : 0, keep_to = reverse ? my_rows : keep;
-  const auto fetch = [&](int i, int slot) {
-    if (streamed && i < my_rows) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots + slot * kCols<T>));
-      const uint64_t policy = i >= keep_from && i < keep_to ? keep_policy : stream_policy;
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(next_row), "l"(policy)
-                   : "memory");
-      next_row += fetch_step;
-    }
-    __pipeline_commit();
-  };
+  RowStream<T> span(P, K, k0, n, warp, col, K % kVec<T> == 0, reverse, keep_permille, slots);
+  const int my_rows = span.rows;
+  const bool streamed = span.streamed();
+  const auto row = [&](int i) { return reverse ? my_rows - 1 - i : i; };  // the element loads' order
   allow_next_launch();
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) fetch(i, i);  // in flight while the previous step finishes
+  for (int i = 0; i < kStages - 1; ++i) span.fetch(i, i);  // in flight while the previous step finishes
   wait_for_previous();
   if (threadIdx.x < NB) m[threadIdx.x] = threadIdx.x < nb ? row_max(block_max, max_blocks, b0 + threadIdx.x) : T(0);
   // The messages of this block's rows: a thread's NB loads of a row are in flight together.
@@ -135,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int u = 0; u < kStages; ++u) {  // unrolled over the ring: slot numbers are constants
         const int i = i0 + u;
         if (i >= my_rows) break;
-        fetch(i + kStages - 1, (u + kStages - 1) % kStages);
+        span.fetch(i + kStages - 1, (u + kStages - 1) % kStages);
         __pipeline_wait_prior(kStages - 1);  // row i has landed
         const Vec<T> p = *reinterpret_cast<const Vec<T>*>(slots + u * kCols<T>);
         fma_row(reinterpret_cast<const T*>(&p));

@@ -4,6 +4,8 @@
 // thread reads, the rings of transition rows in flight and the step block's shared memory, the launches' overlap, and
 // the per-block maxima that rebase each step's messages.
 #pragma once
+#include <cuda_pipeline.h>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -44,6 +46,52 @@ __device__ __forceinline__ void wait_for_previous() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+
+// A lane's rows of a step block's span, streamed into its ring slots: its warp's rows k0 + warp + i·kWarps of a
+// [K,K] matrix, 16 bytes at column `col`, copied asynchronously (no registers held while in flight, and no lane reads
+// another's slot) in the order i = 0, 1, ... by a running pointer rather than an address computed per row (at many
+// sequences the step is issue-bound). Every other step walks the span backwards (`reverse`): it starts on the rows the
+// previous step read last, which are still in L2 (a matrix somewhat larger than L2, as one of K=4096 is, then comes
+// partly from L2 instead of memory). The span's first keep_permille/1000 rows are loaded with L2's evict-last policy
+// and the others with evict-first, so that those rows stay in L2 for the next step while the others stream through.
+template <class T>
+struct RowStream {
+  int rows;  // this lane's rows in the span
+  // Lanes whose 16 bytes are past K, or rows not 16-byte aligned (`vector_rows` false), fetch nothing.
+  __device__ RowStream(const T* matrix, int K, int k0, int n, int warp, int col, bool vector_rows, bool reverse,
+                       int keep_permille, T* slots)
+      : rows(n > warp ? (n - warp + kWarps - 1) / kWarps : 0), on_(vector_rows && col < K), slots_(slots) {
+    const int64_t step = int64_t(kWarps) * K;
+    const int keep = rows * keep_permille / 1000;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_policy_));
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream_policy_));
+    step_ = reverse ? -step : step;
+    next_ = matrix + int64_t(k0 + warp) * K + col + (reverse ? rows - 1 : 0) * step;
+    keep_from_ = reverse ? rows - keep : 0;
+    keep_to_ = reverse ? rows : keep;
+  }
+  // Whether the lane streams its rows (else the caller loads them element by element).
+  __device__ bool streamed() const { return on_; }
+  // Starts copying row i (the next in order) into ring slot `slot`, and commits a group whether or not it copied.
+  __device__ void fetch(int i, int slot) {
+    if (on_ && i < rows) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slots_ + slot * kCols<T>));
+      const uint64_t policy = i >= keep_from_ && i < keep_to_ ? keep_policy_ : stream_policy_;
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(next_), "l"(policy)
+                   : "memory");
+      next_ += step_;
+    }
+    __pipeline_commit();
+  }
+
+ private:
+  bool on_;
+  T* slots_;
+  const T* next_;
+  int64_t step_;
+  int keep_from_, keep_to_;
+  uint64_t keep_policy_, stream_policy_;
+};
 
 // Row stride of a step block's messages in shared memory: a row's NB values are read as 16-byte vectors, padded by one
 // vector so that the transposing stores spread over the banks.
