@@ -1,8 +1,9 @@
 // What the streamed many-label chain kernels share (cuda/scaled_chain_forward.cu, the LogSemiring forward, and
 // cuda/many_label_viterbi.cu, its MaxSemiring counterpart): the block shape, the sequence group that shares one read of
 // the transitions per step (and the launches' choice of a smaller group for fewer sequences), the 16-byte vectors a
-// thread reads, the rings of transition rows in flight and the step block's shared memory, the launches' overlap, and
-// the per-block maxima that rebase each step's messages.
+// thread reads, the rings of transition rows in flight (and each lane's stream of rows into them) and the step block's
+// shared memory, the finish kernels' grid, the launches' overlap, and the per-block maxima that rebase each step's
+// messages.
 #pragma once
 #include <cuda_pipeline.h>
 
