@@ -110,4 +110,16 @@ bool many_label_viterbi_supported(int64_t K);
 void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                         const at::Tensor& end, const at::Tensor& lengths, at::Tensor& path, at::Tensor& score);
 
+// `hmm infer`'s two quantities at once (cuda/many_label_viterbi.cu): the log-likelihoods log_likelihood [B] (set) and
+// the Viterbi paths and scores (written into path [B,T] and score [B], as many_label_viterbi writes them) of float32
+// emissions [B,T,K] and transitions W [K,K] whose entries are all ≤ 0 (an HMM's log-probabilities), with colmax [K]
+// the largest entry of each column of W (0 for an all -inf column), start [K], end [K], lengths [B] int64 in [1, T].
+// Each step reads W once for both recursions (the streamed forward's and the many-label Viterbi's, with their results:
+// the same paths, and the forward's sums from the same P = exp(W − colmax)); outputs whose scaled sum is below
+// threshold are recomputed exactly. many_label_infer_supported says whether it takes the dtypes and K.
+bool many_label_infer_supported(const at::Tensor& emissions, const at::Tensor& transitions);
+void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& colmax,
+                      const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths, double threshold,
+                      at::Tensor& log_likelihood, at::Tensor& path, at::Tensor& score);
+
 }  // namespace trellis::cuda

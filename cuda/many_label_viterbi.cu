@@ -16,6 +16,10 @@
 // messages with the same additions as the step (so the same maximum, exactly): one column of W per position of the
 // path instead of a back-pointer per (position, label) written at every step.
 //
+// many_label_infer runs this Viterbi beside the streamed forward (`hmm infer`: log-likelihoods and paths) with one
+// step kernel for both, infer_step_kernel, which reads each row of W once for the two recursions; each step's two
+// finish kernels are the forward's and the Viterbi's own.
+//
 // Every message is rebased by its largest entry before the next step, the offsets summed in float64, exactly as the
 // CPU recursion (lib/src/crf/chain_fused.cpp, forward_cpu) does it: the same additions in the same order, so float32
 // stays exact on long sequences and the paths match the CPU's, ties going to the lowest label as MaxSemiring's
@@ -215,6 +219,170 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// One step of `hmm infer` (log-likelihood and Viterbi) at once, for float32 over non-positive transitions read as
+// 16-byte vectors: each row of W a lane streams serves both recursions, so a step reads W once instead of twice. The
+// forward's term is P = exp(W − colmax), formed from the row as lib/src/semiring's scaled copy of W is formed (the same
+// float operations, so the same P), and summed as scaled_step_kernel (cuda/scaled_chain_forward.cu) sums it; the
+// Viterbi's is kept as viterbi_step_kernel's three-way minimum keeps it. alpha_f [B,K] and block_max_f are the
+// forward's previous messages and their per-block maxima, alpha_v and block_max_v the Viterbi's; partial_f and
+// partial_v take the block's sums and maxima for scaled_finish_kernel and viterbi_finish_kernel. Both accumulators
+// of 16 sequences take 128 registers: one block per SM.
+template <int NB>
+__global__ void __launch_bounds__(kThreads, 1)
+    infer_step_kernel(const float* __restrict__ alpha_f, const float* __restrict__ block_max_f,
+                      const float* __restrict__ alpha_v, const float* __restrict__ block_max_v, int max_blocks,
+                      const float* __restrict__ W, const float* __restrict__ colmax, double* __restrict__ offset_v,
+                      float* __restrict__ step_max, float* __restrict__ partial_f, float* __restrict__ partial_v,
+                      int B, int running, int K, int rows, bool reverse, int keep_permille) {
+  constexpr int kStride = v_stride<float, NB>(), kC = kCols<float>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* ring = reinterpret_cast<float*>(smem_raw);  // as in viterbi_step_kernel
+  float* vf = ring + kWarps * kStages * kC;           // [rows][kStride]: exp(alpha_f − max alpha_f)
+  float* vv = vf + rows * kStride;                    // [rows][kStride]: alpha_v − max alpha_v
+  __shared__ float mf[NB], mv[NB];
+  const int b0 = blockIdx.x * NB, nb = min(NB, running - b0);
+  const int c0 = blockIdx.y * kC, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = c0 + lane * 4;
+  float* slots = ring + (warp * kStages) * kC + lane * 4;
+  RowStream<float> span(W, K, k0, n, warp, col, /*vector_rows=*/true, reverse, keep_permille, slots);
+  const int my_rows = span.rows;
+  allow_next_launch();
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) span.fetch(i, i);  // in flight while the previous step finishes
+  float cm[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) cm[c] = col + c < K ? colmax[col + c] : 0.f;  // no kernel writes colmax
+  wait_for_previous();
+  if (threadIdx.x < NB) {
+    float f = 0.f, v = 0.f;
+    if (int(threadIdx.x) < nb) {
+      const int b = b0 + threadIdx.x;
+      f = row_max(block_max_f, max_blocks, b);
+      v = row_max(block_max_v, max_blocks, b);
+      if (blockIdx.y == 0 && blockIdx.z == 0) {  // one block per sequence group
+        offset_v[b] += double(v);
+        step_max[b] = v;
+      }
+    }
+    mf[threadIdx.x] = f;
+    mv[threadIdx.x] = v;
+  }
+  for (int pass = 0; pass * kThreads < n; ++pass) {
+    const int k = pass * kThreads + threadIdx.x;
+    float a[NB], c[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const bool in = k < n && b < nb;
+      a[b] = in ? alpha_f[int64_t(b0 + b) * K + k0 + k] : 0.f;
+      c[b] = in ? alpha_v[int64_t(b0 + b) * K + k0 + k] : 0.f;
+    }
+    if (pass == 0) __syncthreads();  // mf and mv are written
+    if (k < n)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        vf[k * kStride + b] = b < nb ? exp(a[b] - mf[b]) : 0.f;
+        vv[k * kStride + b] = b < nb ? c[b] - mv[b] : 0.f;
+      }
+  }
+  __syncthreads();
+  float acc[NB][4];
+  unsigned top[NB][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      acc[b][c] = 0.f;
+      top[b][c] = __float_as_uint(-INFINITY);
+    }
+  const int first = (warp + (reverse ? my_rows - 1 : 0) * kWarps) * kStride;
+  const float *fk = vf + first, *vk = vv + first;
+  const int v_step = (reverse ? -kWarps : kWarps) * kStride;
+  if (col < K) {
+    for (int i0 = 0; i0 < my_rows; i0 += kStages) {
+#pragma unroll
+      for (int u = 0; u < kStages; u += 2) {  // rows in pairs, as viterbi_step_kernel's minimum takes them
+        const int i = i0 + u;
+        if (i >= my_rows) break;
+        span.fetch(i + kStages - 1, (u + kStages - 1) % kStages);
+        __pipeline_wait_prior(kStages - 2);  // rows i and i + 1 have landed
+        const bool pair = i + 1 < my_rows;   // else row i twice: the maximum is the same, the sum adds P2 = 0
+        const float4 p1 = *reinterpret_cast<const float4*>(slots + u * kC);
+        const float4 p2 = pair ? *reinterpret_cast<const float4*>(slots + (u + 1) * kC) : p1;
+        const float w1[4] = {p1.x, p1.y, p1.z, p1.w}, w2[4] = {p2.x, p2.y, p2.z, p2.w};
+        float P1[4], P2[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          P1[c] = exp(w1[c] - cm[c]);
+          P2[c] = pair ? exp(w2[c] - cm[c]) : 0.f;
+        }
+        const float* f2 = pair ? fk + v_step : fk;
+        const float* v2 = pair ? vk + v_step : vk;
+#pragma unroll
+        for (int q = 0; q < (NB + 3) / 4; ++q) {
+          float a1[4], a2[4], c1[4], c2[4];
+          if constexpr (NB % 4 == 0) {
+            *reinterpret_cast<float4*>(a1) = reinterpret_cast<const float4*>(fk)[q];
+            *reinterpret_cast<float4*>(a2) = reinterpret_cast<const float4*>(f2)[q];
+            *reinterpret_cast<float4*>(c1) = reinterpret_cast<const float4*>(vk)[q];
+            *reinterpret_cast<float4*>(c2) = reinterpret_cast<const float4*>(v2)[q];
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              a1[e] = q * 4 + e < NB ? fk[q * 4 + e] : 0.f;
+              a2[e] = q * 4 + e < NB ? f2[q * 4 + e] : 0.f;
+              c1[e] = q * 4 + e < NB ? vk[q * 4 + e] : 0.f;
+              c2[e] = q * 4 + e < NB ? v2[q * 4 + e] : 0.f;
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int b = q * 4 + e;
+            if (b >= NB) break;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              acc[b][c] += a1[e] * P1[c];
+              acc[b][c] += a2[e] * P2[c];
+              top[b][c] = __vimin3_u32(top[b][c], __float_as_uint(c1[e] + w1[c]), __float_as_uint(c2[e] + w2[c]));
+            }
+          }
+        }
+        fk += 2 * v_step;
+        vk += 2 * v_step;
+        span.fetch(i + kStages, u);  // into row i's slot, read
+      }
+    }
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();  // the rings are read no more: their memory takes the warps' sums, then their maxima
+  float* red = ring;
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[(warp * NB + b) * kC + lane * 4 + c] = acc[b][c];
+  __syncthreads();
+  for (int e = threadIdx.x; e < NB * kC; e += kThreads) {
+    const int b = e / kC, j = c0 + e % kC;
+    if (b >= nb || j >= K) continue;
+    float s = 0.f;
+    for (int w = 0; w < kWarps; ++w) s += red[w * NB * kC + e];
+    partial_f[(int64_t(blockIdx.z) * B + b0 + b) * K + j] = s;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[(warp * NB + b) * kC + lane * 4 + c] = __uint_as_float(top[b][c]);
+  __syncthreads();
+  for (int e = threadIdx.x; e < NB * kC; e += kThreads) {
+    const int b = e / kC, j = c0 + e % kC;
+    if (b >= nb || j >= K) continue;
+    float s = red[e];
+    for (int w = 1; w < kWarps; ++w) s = max(s, red[w * NB * kC + e]);
+    partial_v[(int64_t(blockIdx.z) * B + b0 + b) * K + j] = s;
+  }
+}
+
 // alpha_t [b, j] from the spans' maxima (t ≥ 1) or the start scores (t = 0); one thread per (b, j), b in the
 // longest-first order (sequence order[b] of the batch).
 template <class T>
@@ -397,6 +565,84 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
       check_launch("many-label Viterbi backtrace");
     });
   });
+}
+
+bool many_label_infer_supported(const at::Tensor& emissions, const at::Tensor& transitions) {
+  const int64_t K = emissions.size(2);
+  return emissions.scalar_type() == at::kFloat && transitions.scalar_type() == at::kFloat && K % 4 == 0 &&
+         many_label_viterbi_supported(K) && reinterpret_cast<std::uintptr_t>(transitions.data_ptr()) % 16 == 0;
+}
+
+void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& colmax,
+                      const at::Tensor& start, const at::Tensor& end, const at::Tensor& lengths, double threshold,
+                      at::Tensor& log_likelihood, at::Tensor& path, at::Tensor& score) {
+  const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
+  if (B == 0) return;
+  const c10::cuda::CUDAGuard guard(emissions.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int sms = prop->multiProcessorCount;
+  const bool pdl = prop->major >= 9;
+  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
+  const int keep_permille =
+      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(transitions.nbytes())));
+  // Longest first: the sequences running at step t are the first running(t) of this order.
+  const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
+  const at::Tensor order = order_host.to(emissions.device()), sorted = sorted_host.to(emissions.device());
+  const int64_t* sorted_lengths = sorted_host.data_ptr<int64_t>();
+  const int64_t steps = sorted_lengths[0];
+  const auto running = [&](int64_t t) {
+    return std::upper_bound(sorted_lengths, sorted_lengths + B, t,
+                            [](int64_t u, int64_t length) { return length <= u; }) -
+           sorted_lengths;
+  };
+  const auto options = emissions.options();
+  // The Viterbi's messages of every step [S,B,K] and maxima [S,B]; the forward's of the previous and this step.
+  const at::Tensor alphas = at::empty({steps, B, K}, options), step_max = at::empty({steps, B}, options);
+  at::Tensor viterbi_max = at::empty({B, finish_blocks}, options), viterbi_next_max = at::empty_like(viterbi_max);
+  const at::Tensor viterbi_offset = at::zeros({B}, options.dtype(at::kDouble));
+  at::Tensor forward = at::empty({B, K}, options), forward_next = at::empty_like(forward);
+  at::Tensor forward_max = at::empty({B, finish_blocks}, options), forward_next_max = at::empty_like(forward_max);
+  const at::Tensor forward_offset = at::zeros({B}, options.dtype(at::kDouble)), last = at::empty({B, K}, options);
+  with_group(B, [&](auto group) {
+    constexpr int NB = decltype(group)::value;
+    const StepPlan plan = plan_step<float, NB, 2>(infer_step_kernel<NB>, B, K, sms, "hmm infer step kernel");
+    const at::Tensor partial_f = at::empty({plan.splits, B, K}, options), partial_v = at::empty_like(partial_f);
+    const float *W = transitions.data_ptr<float>(), *cm = colmax.data_ptr<float>(), *st = start.data_ptr<float>();
+    const float* E = emissions.data_ptr<float>();
+    const int64_t *ord = order.data_ptr<int64_t>(), *len = sorted.data_ptr<int64_t>();
+    float* kept = alphas.data_ptr<float>();
+    for (int64_t t = 0; t < steps; ++t) {
+      const int active = static_cast<int>(running(t));
+      float* current = kept + t * B * K;
+      if (t > 0) {
+        const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<float>), plan.splits);
+        launch_dependent(infer_step_kernel<NB>, grid, plan.smem, stream, pdl, "hmm infer step kernel",
+                         forward.data_ptr<float>(), forward_max.data_ptr<float>(), current - B * K,
+                         viterbi_max.data_ptr<float>(), finish_blocks, W, cm, viterbi_offset.data_ptr<double>(),
+                         step_max.data_ptr<float>() + t * B, partial_f.data_ptr<float>(), partial_v.data_ptr<float>(),
+                         int(B), active, int(K), plan.rows, t % 2 == 0, keep_permille);
+      }
+      launch_dependent(scaled_finish_kernel<float>, finish_grid(K, active), 0, stream, pdl && t > 0,
+                       "hmm infer forward finish kernel", partial_f.data_ptr<float>(), plan.splits,
+                       forward.data_ptr<float>(), forward_max.data_ptr<float>(), W, cm, st, E, ord, len,
+                       forward_next.data_ptr<float>(), forward_next_max.data_ptr<float>(),
+                       forward_offset.data_ptr<double>(), last.data_ptr<float>(), int(B), int(Tn), int(K), int(t),
+                       static_cast<float>(threshold));
+      launch_dependent(viterbi_finish_kernel<float>, finish_grid(K, active), 0, stream, pdl && t > 0,
+                       "hmm infer Viterbi finish kernel", partial_v.data_ptr<float>(), plan.splits, st, E, ord,
+                       current, viterbi_next_max.data_ptr<float>(), int(B), int(Tn), int(K), int(t));
+      std::swap(forward, forward_next);
+      std::swap(forward_max, forward_next_max);
+      std::swap(viterbi_max, viterbi_next_max);
+    }
+    viterbi_backtrace_kernel<float><<<B, kBacktraceThreads, 0, stream>>>(
+        kept, step_max.data_ptr<float>(), W, end.data_ptr<float>(), ord, lengths.data_ptr<int64_t>(),
+        viterbi_offset.data_ptr<double>(), score.data_ptr<float>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
+    check_launch("hmm infer Viterbi backtrace");
+  });
+  log_likelihood = at::empty({B}, options).index_copy_(
+      0, order, (at::logsumexp(last + end, -1).to(at::kDouble) + forward_offset).to(at::kFloat));
 }
 
 }  // namespace trellis::cuda

@@ -88,6 +88,11 @@ void many_label_viterbi(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         at::Tensor&, at::Tensor&) {
   no_kernels("many_label_viterbi");
 }
+bool many_label_infer_supported(const at::Tensor&, const at::Tensor&) { return false; }
+void many_label_infer(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, double, at::Tensor&, at::Tensor&, at::Tensor&) {
+  no_kernels("many_label_infer");
+}
 
 // cuda/hmm_expectations.h
 void hmm_posterior_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

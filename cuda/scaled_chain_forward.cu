@@ -10,7 +10,7 @@
 //   owns 16 bytes of columns and accumulates them for every sequence, the block's warps split the rows and merge in
 //   shared memory, and the block writes one partial sum per (sequence, column) (no atomics: results do not depend on
 //   scheduling).
-// - scaled_finish_kernel: sums the partials, takes the log, and recomputes exactly in log space every output whose
+// - scaled_finish_kernel (cuda/streamed_chain.cuh): sums the partials, takes the log, and recomputes exactly in log space every output whose
 //   scaled sum is below the underflow threshold (so the result is exact to rounding for any input range); sequences
 //   past their length keep their message. It also writes per-block maxima that the next step reduces to max alpha.
 //   Given an offset per sequence, it rebases: each message is stored minus the previous one's max, which the offset
@@ -141,49 +141,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// alpha' [b, j] from the partial sums (t ≥ 1) or the start scores (t = 0); one thread per (b, j).
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    scaled_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ alpha,
-                         const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
-                         const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ len,
-                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, double* __restrict__ offset,
-                         T* __restrict__ last, int B, int Tn, int K, int t, T threshold) {
-  __shared__ T scratch[kWarps];
-  allow_next_launch();
-  // What no kernel of the chain writes is read before waiting for the step kernel.
-  const FinishBlock f = finish_block(K);
-  const int b = f.sequence, j = f.column;
-  const bool active = j < K && t < len[b];
-  const T e = active ? E[(int64_t(b) * Tn + t) * K + j] : T(0), cmax = active ? colmax[j] : T(0);
-  wait_for_previous();
-  T a = neg_inf<T>();
-  if (j < K) {
-    const int64_t row = int64_t(b) * K;
-    if (t == 0) {
-      a = start[j] + e;
-    } else if (active) {
-      T s = T(0);
-      for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
-      const T m = row_max(block_max, f.blocks, b);  // loaded alongside the partial sums
-      if (offset && f.tile == 0 && threadIdx.x == 0) offset[b] += double(m);
-      T pre;
-      if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
-        pre = exact_log_dot(alpha + row, W + j, K, K);
-        if (offset) pre -= m;
-      } else {
-        pre = offset ? log(s) + cmax : log(s) + m + cmax;
-      }
-      a = pre + e;
-    } else {
-      a = alpha[row + j];
-    }
-    alpha_next[row + j] = a;
-    if (last && t == len[b] - 1) last[row + j] = a;
-  }
-  write_block_max(a, scratch, block_max_next + b * f.blocks + f.tile);
-}
-
 // The scaled messages v = exp(alpha − max alpha) [running, K] of a step that a GEMM takes, as the step kernel forms
 // them; one thread per (b, j).
 template <class T>
@@ -273,7 +230,8 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
         }
         launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
                          "scaled chain finish kernel", partial.data_ptr<T>(), gemm ? 1 : plan.splits, previous,
-                         block_max.data_ptr<T>(), W, cmax, st, E, len, current, next_max.data_ptr<T>(), offset_data,
+                         block_max.data_ptr<T>(), W, cmax, st, E, static_cast<const int64_t*>(nullptr), len, current,
+                         next_max.data_ptr<T>(), offset_data,
                          kept, int(B), int(Tn), int(K), t, static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);

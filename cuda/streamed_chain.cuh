@@ -102,11 +102,12 @@ constexpr int v_stride() {
 }
 
 // Shared memory of a step block, in elements: the lanes' rings of transition rows in flight, whose space the warps'
-// partial results reuse for the merge, then the messages of the block's rows.
-template <class T, int NB>
+// partial results reuse for the merge, then the messages of the block's rows (`messages` sets of them: two where one
+// read of the transitions serves the forward and the Viterbi).
+template <class T, int NB, int messages = 1>
 __host__ __device__ std::size_t step_smem_elements(int rows) {
   static_assert(NB <= kStages, "the merge reuses the rings");
-  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(rows) * v_stride<T, NB>();
+  return std::size_t(kWarps) * kStages * kCols<T> + std::size_t(messages) * rows * v_stride<T, NB>();
 }
 
 // A finish kernel's block: one tile of kFinishCols columns of one sequence's message. The grid is one-dimensional,
@@ -160,6 +161,56 @@ __device__ void write_block_max(T m, T* scratch, T* out) {
   }
 }
 
+namespace {  // a kernel per translation unit that launches it (no relocatable device code)
+
+// The streamed forward's step, after its product: alpha' [b, j] from the partial sums (t ≥ 1) or the start scores
+// (t = 0); one thread per (b, j). Sequence b's emissions are row order[b] of E, or row b without `order`. Outputs
+// whose scaled sum is below `threshold` are recomputed exactly in log space; given `offset`, messages are rebased.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    scaled_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ alpha,
+                         const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
+                         const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ order,
+                         const int64_t* __restrict__ len,
+                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, double* __restrict__ offset,
+                         T* __restrict__ last, int B, int Tn, int K, int t, T threshold) {
+  __shared__ T scratch[kWarps];
+  allow_next_launch();
+  // What no kernel of the chain writes is read before waiting for the step kernel.
+  const FinishBlock f = finish_block(K);
+  const int b = f.sequence, j = f.column;
+  const bool active = j < K && t < len[b];
+  const T e = active ? E[((order ? order[b] : int64_t(b)) * Tn + t) * K + j] : T(0), cmax = active ? colmax[j] : T(0);
+  wait_for_previous();
+  T a = neg_inf<T>();
+  if (j < K) {
+    const int64_t row = int64_t(b) * K;
+    if (t == 0) {
+      a = start[j] + e;
+    } else if (active) {
+      T s = T(0);
+      for (int q = 0; q < splits; ++q) s += partial[(int64_t(q) * B + b) * K + j];
+      const T m = row_max(block_max, f.blocks, b);  // loaded alongside the partial sums
+      if (offset && f.tile == 0 && threadIdx.x == 0) offset[b] += double(m);
+      T pre;
+      if (s < threshold) {  // terms may have underflowed: this output exactly, in log space
+        pre = exact_log_dot(alpha + row, W + j, K, K);
+        if (offset) pre -= m;
+      } else {
+        pre = offset ? log(s) + cmax : log(s) + m + cmax;
+      }
+      a = pre + e;
+    } else {
+      a = alpha[row + j];
+    }
+    alpha_next[row + j] = a;
+    if (last && t == len[b] - 1) last[row + j] = a;
+  }
+  write_block_max(a, scratch, block_max_next + b * f.blocks + f.tile);
+}
+
+}  // namespace
+
 // The step grid: sequence groups × column tiles × row spans. Row spans are as long as the messages' shared memory
 // allows (fewer partial results to merge and write), and short enough that the grid fills every SM's block slots.
 struct StepPlan {
@@ -167,12 +218,12 @@ struct StepPlan {
   std::size_t smem;
 };
 
-// The plan of `kernel` (a step kernel of group NB over T) for B sequences of K labels on `sms` multiprocessors;
-// `what` names the kernel in errors.
-template <class T, int NB, class Kernel>
+// The plan of `kernel` (a step kernel of group NB over T, with `messages` sets of messages) for B sequences of K labels
+// on `sms` multiprocessors; `what` names the kernel in errors.
+template <class T, int NB, int messages = 1, class Kernel>
 StepPlan plan_step(Kernel kernel, int64_t B, int64_t K, int sms, const char* what) {
   const int max_rows = std::min<int>(512, static_cast<int>((32 << 10) / (NB * sizeof(T))));
-  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB>(max_rows);
+  const std::size_t max_smem = sizeof(T) * step_smem_elements<T, NB, messages>(max_rows);
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_smem)), what);
   int per_sm = 1;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, max_smem), what);
@@ -180,7 +231,7 @@ StepPlan plan_step(Kernel kernel, int64_t B, int64_t K, int sms, const char* wha
   const int64_t splits = std::max<int64_t>(grid_dim(K, max_rows), std::max<int64_t>(1, per_sm * sms / tiles));
   int rows = static_cast<int>(grid_dim(K, splits));
   rows = (rows + kWarps - 1) / kWarps * kWarps;
-  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB>(rows)};
+  return {rows, static_cast<int>(grid_dim(K, rows)), sizeof(T) * step_smem_elements<T, NB, messages>(rows)};
 }
 
 // Launches kernel<<<grid, kThreads, smem, stream>>>(args...), as a programmatic dependent of the previous kernel in

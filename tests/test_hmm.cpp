@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "lib/src/crf/chain_routes.h"
+#include "lib/src/hmm/hmm_infer.h"
 #include "test_util.h"
 
 using namespace trellis;
@@ -351,6 +352,45 @@ TEST(HMMCuda, ManyStatesFloat32LongSequences) {
   const ViterbiResult a = viterbi(g, d.obs.to(cuda), d.lengths.to(cuda)), b = viterbi(f32, d.obs, d.lengths);
   EXPECT_TRUE(at::equal(a.path.cpu(), b.path));
   expect_close(a.score, b.score, 1e-6, 0);
+}
+
+TEST(HMMCuda, InferStepReadsTransitionsOnceForLikelihoodAndViterbiAndMatchesCpu) {
+  TRELLIS_REQUIRE_CUDA();
+  // hmm infer's fused route (cuda::many_label_infer: one read of the transitions per step for the forward and the
+  // Viterbi): log-likelihoods against the CPU's float64 and the separate CUDA forward, Viterbi paths equal to the CPU's
+  // float32 paths. 300 states (a partial column tile, one or two rows per warp) for groups of 1, 4 and 16 sequences
+  // (two groups at 20, the second partly full), and 2044 states (31 or 32 rows per warp: the ring wraps and a warp
+  // ends on a single row) for a group of 8; ragged lengths (1 and T among them) and a masked transition column. Only
+  // float32 potentials with transitions ≤ 0 take it.
+  const at::Device cuda(at::kCUDA);
+  const auto check = [&](int64_t K, int64_t B, int64_t T) {
+    SCOPED_TRACE(c10::str("K=", K, " B=", B));
+    CategoricalHMM m = CategoricalHMM::random(K, 40, 71);
+    m.log_transitions.select(1, 5).fill_(-kInf);
+    m.log_transitions = at::log_softmax(m.log_transitions, 1);
+    const CategoricalHMM f32 = m.to(at::TensorOptions().dtype(at::kFloat));
+    const CategoricalHMM g = f32.to(at::TensorOptions().device(cuda));
+    Data d{at::randint(0, 40, {B, T}, at::kLong), at::randint(1, T + 1, {B}, at::kLong)};
+    d.lengths[0] = T;
+    if (B > 1) d.lengths[1] = 1;
+    const at::Tensor obs = d.obs.to(cuda), lengths = d.lengths.to(cuda);
+    const std::optional<trellis::detail::LikelihoodAndPath> both =
+        trellis::detail::likelihood_and_path(g.potentials(obs, lengths));
+    ASSERT_TRUE(both.has_value());
+    expect_close(both->log_likelihood, log_likelihood(m, d.obs, d.lengths), 1e-6, 0);
+    expect_close(both->log_likelihood, log_likelihood(g, obs, lengths), 1e-6, 0);
+    const ViterbiResult cpu = viterbi(f32, d.obs, d.lengths);
+    EXPECT_TRUE(at::equal(both->viterbi.path.cpu(), cpu.path));
+    expect_close(both->viterbi.score, cpu.score, 1e-6, 0);
+    if (K > 300) return;
+    const CategoricalHMM g64 = m.to(at::TensorOptions().device(cuda));
+    EXPECT_FALSE(trellis::detail::likelihood_and_path(g64.potentials(obs, lengths)).has_value());
+    ChainPotentials positive = g.potentials(obs, lengths);
+    positive.transitions = positive.transitions + 1;
+    EXPECT_FALSE(trellis::detail::likelihood_and_path(positive).has_value());
+  };
+  for (const int64_t B : {1, 3, 20}) check(300, B, 333);
+  check(2044, 5, 40);
 }
 
 TEST(HMMCuda, ManyStatesPosteriorsAndExpectedCountsMatchCpu) {

@@ -12,9 +12,10 @@
 # bench (hmmlearn is not on the GPU machine).
 # With TRELLIS_HMM_BENCH_LARGE=1, also the transition-read floor at K = 16384 (and the K listed in
 # TRELLIS_HMM_BENCH_LARGE_K, e.g. "16384 32768"): `hmm infer` over 16 sequences of 1000 (K >= 32768: 500)
-# observations, one batch, so the command runs that many steps, each reading the transitions twice (the forward's
-# scaled copy and Viterbi's); the row "hmm infer floor" gives compute_seconds ÷ (steps × 2 × 4·K² bytes ÷
-# TRELLIS_HMM_BENCH_BANDWIDTH, default 3.0e12 bytes/s, an H100's measured copy rate).
+# observations, one batch, so the command runs that many steps; the floor counts two reads of the transitions per step
+# (the forward's and the Viterbi's, as two separate recursions read them; a batch of at most 32 float32 sequences
+# takes one step kernel that reads them once for both); the row "hmm infer floor" gives compute_seconds ÷ (steps × 2 ×
+# 4·K² bytes ÷ TRELLIS_HMM_BENCH_BANDWIDTH, default 3.0e12 bytes/s, an H100's measured copy rate).
 # Usage: hmm_bench.sh TRELLIS WORK_DIR [DEVICES...]   (devices for K = 64, default cuda; larger K run on cuda)
 #   env: JSON_OUT=FILE, TRELLIS_HMM_BENCH_LARGE=1, TRELLIS_HMM_BENCH_LARGE_K, TRELLIS_HMM_BENCH_BANDWIDTH,
 #        TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300), TRELLIS_HMM_BENCH_K (the throughput rows' K,

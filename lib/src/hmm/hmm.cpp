@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lib/src/hmm/hmm_infer.h"
 #include "lib/src/io/message.h"
 #include "lib/src/semiring/scaled_log_matmul.h"
 #include "trellis/error.h"
@@ -496,6 +497,28 @@ at::Tensor chain_log_likelihood(const ChainPotentials& p) {
   c10::NoGradGuard no_grad;
   return log_partition(p);
 }
+
+namespace detail {
+
+std::optional<LikelihoodAndPath> likelihood_and_path(const ChainPotentials& p) {
+  if (choose_route(HMMQuantity::log_likelihood, p) != HMMRoute::streamed) return std::nullopt;
+  const at::Tensor& e = p.emissions;
+  const int64_t B = e.size(0), T = e.size(1), K = e.size(2);
+  const at::Tensor w = p.transitions.contiguous();
+  if (!cuda::scaled_chain_supported(B, K) || !cuda::many_label_infer_supported(e, w)) return std::nullopt;
+  if (w.max().item<float>() > 0.f) return std::nullopt;  // the Viterbi's integer comparison needs terms ≤ 0
+  c10::NoGradGuard no_grad;
+  const at::Tensor lengths = checked_lengths(p);
+  const at::Tensor colmax = w.amax(0);
+  LikelihoodAndPath r{at::Tensor(), {at::empty({B, T}, lengths.options()), at::empty({B}, e.options())}};
+  cuda::many_label_infer(e.contiguous(), w, at::where(colmax.isinf(), at::zeros({}, colmax.options()), colmax),
+                         state_vector(p.start, e), state_vector(p.end, e), lengths,
+                         underflow_threshold(e.scalar_type(), K), r.log_likelihood, r.viterbi.path, r.viterbi.score);
+  r.viterbi.path.masked_fill_(r.viterbi.score.isneginf().unsqueeze(1), -1);  // no label sequence allowed, as viterbi
+  return r;
+}
+
+}  // namespace detail
 
 Marginals chain_posteriors(const ChainPotentials& p) {
   if (choose_route(HMMQuantity::posteriors, p) == HMMRoute::streamed) {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "cuda/kernels_built.h"
+#include "lib/src/hmm/hmm_infer.h"
 #include "trellis/io/atomic_file.h"
 #include "trellis/io/conll.h"
 #include "trellis/error.h"
@@ -389,8 +390,11 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
               nodes = mg.nodes;
             }
             c10::NoGradGuard no_grad;
-            if (!with_posteriors) ll = chain_log_likelihood(p);
-            const ViterbiResult v = viterbi(p);
+            std::optional<detail::LikelihoodAndPath> both;
+            if (!with_posteriors) both = detail::likelihood_and_path(p);
+            if (both) ll = both->log_likelihood;
+            else if (!with_posteriors) ll = chain_log_likelihood(p);
+            const ViterbiResult v = both ? both->viterbi : viterbi(p);
             log_likelihood += ll.sum().item<double>();  // waits for the batch's kernels: the compute time ends here
             sum.compute_seconds += since(phase);
             phase = Clock::now();
