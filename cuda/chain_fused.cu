@@ -184,8 +184,9 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
 }
 
 template <class S, class T>
-__global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ end,
-                                      const int64_t* __restrict__ len, const int64_t* __restrict__ tags,
+__global__ void chain_backward_kernel(const T* __restrict__ G, int64_t g_stride, const T* __restrict__ W,
+                                      const T* __restrict__ end, const int64_t* __restrict__ len,
+                                      const int64_t* __restrict__ tags,
                                       const T* __restrict__ alpha, const T* __restrict__ pre,
                                       const int64_t* __restrict__ arg, const int64_t* __restrict__ end_arg,
                                       const T* __restrict__ score, T* __restrict__ g_em, T* __restrict__ part, int B,
@@ -212,9 +213,10 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, const T* __restri
   const int64_t off = static_cast<int64_t>(b) * Tn * K;
   T *as = adj + s * K, *rs = res + s * K, *gws = gw + s * K * ld(K);
   int* bs = best + s * K;
+  // Sequence b's G is G[b·g_stride] (stride 0: one value for every sequence, as a sum's backward hands it out).
   // With tags the output was the log-likelihood, gold − score: the score's adjoint is −G. A sequence the forward pass
   // scored NaN (a length or tag out of range) gets NaN gradients: S::weight would take its NaN score for a zero one.
-  const T g = G ? G[b < B ? b : 0] : T(1);
+  const T g = G ? G[(b < B ? b : 0) * g_stride] : T(1);
   const T gb = b < B ? (isnan(score[b]) ? T(NAN) : tags ? -g : g) : T(0);
   const auto at_pos = [&](int t) { return off + static_cast<int64_t>(t) * K + i; };
   using BP = typename S::Backpointers;
@@ -398,7 +400,8 @@ void chain_backward(const at::Tensor& grad, const ChainInputs& in, const ChainRe
     auto kernel = chain_backward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
-        detail::data_or_null<scalar_t>(grad), in.transitions.data_ptr<scalar_t>(), in.end.data_ptr<scalar_t>(),
+        detail::data_or_null<scalar_t>(grad), grad.defined() ? grad.stride(0) : int64_t(0),
+        in.transitions.data_ptr<scalar_t>(), in.end.data_ptr<scalar_t>(),
         detail::data_or_null<int64_t>(in.lengths), detail::data_or_null<int64_t>(in.tags),
         record.alpha.data_ptr<scalar_t>(), record.pre.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(record.arg),
         detail::data_or_null<int64_t>(record.end_arg), record.frame_score.data_ptr<scalar_t>(),

@@ -247,13 +247,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Reverse mode of the forward kernel for the score's adjoint (−G with tags: the output was gold − score; the gold
-// indicators are taken off by the launcher). Fills g_em (zero at padding), V[b,t] = v and Q[b,t] = q of step t
-// (left zero where a sequence has no step t), and adds the exact columns' share of the transitions' gradient to
-// g_exact.
+// indicators are taken off by the launcher), sequence b's G at G[b·g_stride] (stride 0: one value for every sequence).
+// Fills g_em (zero at padding), V[b,t] = v and Q[b,t] = q of step t (left zero where a sequence has no step t), and
+// adds the exact columns' share of the transitions' gradient to g_exact.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    scaled_chain_backward_kernel(const T* __restrict__ G, const T* __restrict__ W, const T* __restrict__ P,
-                                 const T* __restrict__ colmax, const T* __restrict__ end,
+    scaled_chain_backward_kernel(const T* __restrict__ G, int64_t g_stride, const T* __restrict__ W,
+                                 const T* __restrict__ P, const T* __restrict__ colmax, const T* __restrict__ end,
                                  const int64_t* __restrict__ len, bool tagged, const T* __restrict__ alpha,
                                  const T* __restrict__ pre, const T* __restrict__ score, T* __restrict__ g_em,
                                  T* __restrict__ V, T* __restrict__ Q, T* __restrict__ g_exact, Chain c) {
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads)
     T a = T(0);
     if (b < c.B) {
       const int64_t row = int64_t(b) * c.Tn * K;
-      const T gb = tagged ? -G[b] : G[b];
+      const T gb = tagged ? -G[b * g_stride] : G[b * g_stride];
       a = gb * LogSemiring::weight(alpha[row + int64_t(lens[g] - 1) * K + k] + end[k], score[b], k, -1);
       if (k >= c0 && k < c0 + c.Kc) {
         g_em[row + int64_t(lens[g] - 1) * K + k] = a;
@@ -389,8 +389,8 @@ void scaled_chain_crf_backward(const at::Tensor& grad, const ChainInputs& in, co
     AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "scaled_chain_crf_backward", [&] {
       const Plan p = make_plan<scalar_t>(K);
       launch(scaled_chain_backward_kernel<scalar_t>, p, int(B), "scaled_chain_crf_backward", grad.data_ptr<scalar_t>(),
-             in.transitions.data_ptr<scalar_t>(), w.scaled.data_ptr<scalar_t>(), w.colmax.data_ptr<scalar_t>(),
-             in.end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0, alpha.data_ptr<scalar_t>(),
+             grad.stride(0), in.transitions.data_ptr<scalar_t>(), w.scaled.data_ptr<scalar_t>(),
+             w.colmax.data_ptr<scalar_t>(), in.end.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), tags.numel() > 0, alpha.data_ptr<scalar_t>(),
              record.pre.data_ptr<scalar_t>(), record.frame_score.data_ptr<scalar_t>(), g_em.data_ptr<scalar_t>(),
              V.data_ptr<scalar_t>(), Q.data_ptr<scalar_t>(), g_exact.data_ptr<scalar_t>(),
              chain_of(p, B, Tn, K, w.threshold));

@@ -41,10 +41,11 @@ bool chain_supported(int64_t K, at::ScalarType dtype);
 template <class S>
 void chain_forward(const ChainInputs& in, ChainRecord& record);
 
-// Given the gradient of the forward's output [B] (score, or loglik with tags; undefined: all ones), the inputs (all but
-// emissions and start are read) and the forward's record (its frame_score is the score the gradients start from),
-// fills grads: emissions (zero at padding; NaN for a sequence the forward pass scored NaN), transitions, start and end
-// (preallocated, contiguous, each its own storage).
+// Given the gradient of the forward's output [B] (score, or loglik with tags; undefined: all ones; any stride, so that
+// a sum's backward, one value expanded with stride 0, is read as it is), the inputs (all but emissions and start are
+// read) and the forward's record (its frame_score is the score the gradients start from), fills grads: emissions
+// (zero at padding; NaN for a sequence the forward pass scored NaN), transitions, start and end (preallocated,
+// contiguous, each its own storage).
 template <class S>
 void chain_backward(const at::Tensor& grad_score, const ChainInputs& in, const ChainRecord& record,
                     ChainGradients& grads);

@@ -17,8 +17,10 @@
 //                      Tensor? lengths, bool batch_first=True, str reduction="none") -> Tensor
 //       gold score − log Z [B], or its sum, batch mean or mean per token ("sum", "mean", "token_mean": a scalar).
 //       Both differentiable w.r.t. emissions, transitions, start and end (_crf_score_backward). A reduced
-//       log-likelihood forms its gradients in the forward pass (_crf_score_and_gradients: one pass of the library's
-//       chain forward and backward) and its backward only scales them; unreduced, the backward forms the score again.
+//       log-likelihood of eager tensors goes through the library's own autograd (the backward kernels run in the
+//       backward pass and read the upstream gradient on the device); traced (torch.compile), it forms its gradients in
+//       the forward pass (_crf_score_and_gradients: one pass of the library's chain forward and backward) and its
+//       backward only scales them; unreduced, the backward forms the score again.
 //   crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths,
 //                 bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None,
 //                 Tensor? allowed_end=None) -> (Tensor, Tensor)
@@ -53,6 +55,7 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -608,19 +611,46 @@ at::Tensor crf_log_partition_autograd(const at::Tensor& emissions, const at::Ten
                                  score_grads_wanted(emissions, transitions, start, end), Reduction::none);
 }
 
+// Whether these tensors are plain CPU or CUDA tensors outside any tracing: no Python dispatch mode (opcheck's) is on,
+// and none is a meta tensor, has symbolic sizes or carries a key of torch.compile's fake and functional tensors, of a
+// tensor subclass or of functorch's transforms.
+bool eager(std::initializer_list<at::Tensor> tensors) {
+  if (c10::impl::dispatch_mode_enabled()) return false;
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                    c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                    c10::DispatchKey::FuncTorchGradWrapper});
+  for (const at::Tensor& t : tensors)
+    if (t.defined() &&
+        (t.is_meta() || t.key_set().has_any(traced) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()))
+      return false;
+  return true;
+}
+
 at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags,
                                        const at::Tensor& transitions, const OptionalTensor& start,
                                        const OptionalTensor& end, const OptionalTensor& mask,
                                        const OptionalTensor& lengths, bool batch_first, c10::string_view reduction) {
+  const char* what = "trellis::crf_log_likelihood";
   const std::array<bool, 4> want = score_grads_wanted(emissions, transitions, start, end);
   if (!(want[0] || want[1] || want[2] || want[3])) {  // nothing to differentiate: the kernel alone
     static const auto op = find<decltype(crf_log_likelihood)>("trellis::crf_log_likelihood");
     at::AutoDispatchBelowADInplaceOrView below;
     return op.call(emissions, tags, transitions, start, end, mask, lengths, batch_first, reduction);
   }
+  const Reduction r = reduction_of(reduction, what);
+  if (r != Reduction::none && emissions.dim() == 3 && emissions.size(batch_first ? 0 : 1) > 0 &&
+      eager({emissions, tags, transitions, get(start), get(end), get(mask), get(lengths)})) {
+    // A reduced log-likelihood of eager tensors: the library's own autograd, whose fused node launches the backward
+    // kernels when the backward runs and has them read the upstream gradient where it lies (the reduction's one value,
+    // expanded with stride 0). Nothing then scales gradients formed in the forward pass, a pass over B·T·K values and
+    // launches after the kernels. Traced tensors take CrfScoreFunction, whose backward a compiled graph holds.
+    const trellis::ChainInputs in{emissions, transitions, get(start), get(end), get(mask), get(lengths), batch_first};
+    const at::Tensor score =
+        trellis::log_likelihood(trellis::chain_potentials(in, what), trellis::batch_first_tags(tags, in, what));
+    return reduced(r, score, emissions, mask, lengths);
+  }
   return CrfScoreFunction::apply(emissions, OptionalTensor(tags), transitions, start, end, mask, lengths, batch_first,
-                                 OptionalTensor(), OptionalTensor(), OptionalTensor(), want,
-                                 reduction_of(reduction, "trellis::crf_log_likelihood"));
+                                 OptionalTensor(), OptionalTensor(), OptionalTensor(), want, r);
 }
 
 // Operators without a gradient: their kernels below autograd, so that their outputs never require grad.

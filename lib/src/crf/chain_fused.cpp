@@ -292,6 +292,7 @@ void backward_cpu(const at::Tensor& grad, const ChainInputs& in, const ChainReco
   at::Tensor part_s = at::zeros({chunks, K}, options), part_e = at::zeros({chunks, K}, options);
   const T *G = grad.data_ptr<T>(), *En = in.end.data_ptr<T>(), *A = r.alpha.data_ptr<T>(), *P = r.pre.data_ptr<T>(),
           *Z = r.frame_score.data_ptr<T>();
+  const int64_t g_stride = grad.stride(0);
   const int64_t* len = in.lengths.data_ptr<int64_t>();
   const int64_t* Y = data_or_null<int64_t>(in.tags);
   const int64_t *I = data_or_null<int64_t>(r.arg), *IE = data_or_null<int64_t>(r.end_arg);
@@ -305,7 +306,7 @@ void backward_cpu(const at::Tensor& grad, const ChainInputs& in, const ChainReco
         const int64_t off = b * Tn * K, L = len[b];
         const T *a = A + off, *p = P + off;
         T* gem = GE + off;
-        const T gb = Y ? -G[b] : G[b];  // with tags the output was gold − score
+        const T gb = Y ? -G[b * g_stride] : G[b * g_stride];  // with tags the output was gold − score
         const int64_t best_end = S::Backpointers::load(IE, b);
         for (int64_t k = 0; k < K; ++k) {
           adj[k] = gb * S::weight(S::times(a[(L - 1) * K + k], En[k]), Z[b], k, best_end);
@@ -424,9 +425,9 @@ template <class S>
 ChainGradients backward_pass(const at::Tensor& grad, const SavedChain& saved) {
   const ChainRecord& r = saved.record;
   const bool shared = r.alpha.is_cuda() && !saved.scaled.scaled.defined();
-  const at::Tensor g = grad.defined() ? grad.contiguous()
-                       : shared       ? grad  // the shared-memory kernel reads no gradient as all ones
-                                      : at::ones({r.alpha.size(0)}, r.alpha.options());
+  // grad is read with its stride: 0 where it is one value expanded, as a sum's backward hands it out (a contiguous
+  // copy would be a launch of its own). The shared-memory kernel reads no gradient as all ones.
+  const at::Tensor g = grad.defined() || shared ? grad : at::ones({r.alpha.size(0)}, r.alpha.options());
   // The CUDA kernel writes the padding's zeros itself.
   ChainGradients grads{r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
                        at::empty_like(saved.in.transitions), at::empty_like(saved.in.end),
