@@ -25,6 +25,7 @@ namespace {
 namespace hm = trellis::head_maths;  // the loss gradient and the (max, sum) merge, shared with the CPU path
 
 constexpr int kThreads = 256;
+static_assert(kExponentialTileColumns == sm90::kExponentialTileColumns, "linear_head.h's tile is the fused kernel's");
 
 // z and dz may be one array (not restrict): each thread reads its element before writing it.
 template <class Acc, class Out>
@@ -257,8 +258,11 @@ bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, 
   return true;
 }
 
-bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
-                      double softcap, bool want_sums, HeadRowStats& out) {
+namespace {
+
+// fused_linear_lse, and with slab the exponentials beside the statistics (fused_linear_exponentials).
+bool fused_statistics(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
+                      double softcap, bool want_sums, HeadRowStats& out, const sm90::ExponentialSlabArgs* slab) {
   const int64_t N = x.size(0);
   if (!fused_linear_head_applies(x, weight)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -278,7 +282,9 @@ bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.pz_pairs = reinterpret_cast<unsigned long long*>(pz_pairs.data_ptr<int64_t>());
     a.logit_sum = out.logit_sum.data_ptr<float>();
   }
-  check(sm90::linear_lse(a, at::cuda::getCurrentCUDAStream(x.get_device())), "fused linear_lse kernel");
+  const auto stream = at::cuda::getCurrentCUDAStream(x.get_device());
+  if (slab) check(sm90::linear_lse_exponentials(a, *slab, stream), "fused linear exponentials kernel");
+  else check(sm90::linear_lse(a, stream), "fused linear_lse kernel");
   const at::Tensor pairs = lse_pairs.view(at::kFloat).view({N, 2});
   const at::Tensor sum_exp = pairs.select(1, 1);
   out.lse = pairs.select(1, 0) + sum_exp.log();
@@ -286,6 +292,103 @@ bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::T
   if (want_sums)
     out.expected_logit = head_maths::expected_logit(pz_pairs.view(at::kFloat).view({N, 2}).select(1, 1), sum_exp);
   return true;
+}
+
+}  // namespace
+
+bool fused_linear_lse(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
+                      double softcap, bool want_sums, HeadRowStats& out) {
+  return fused_statistics(x, weight, bias, targets, softcap, want_sums, out, nullptr);
+}
+
+bool fused_linear_exponentials(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& targets, double softcap, bool want_sums, HeadRowStats& out,
+                               at::Tensor& e, at::Tensor& ref) {
+  if (!targets.defined() || e.stride(1) != 1 || ref.stride(1) != 1 || e.scalar_type() != x.scalar_type() ||
+      reinterpret_cast<uintptr_t>(e.data_ptr()) % 4 != 0)
+    return false;
+  sm90::ExponentialSlabArgs slab;
+  slab.e = e.data_ptr();
+  slab.e_stride = e.stride(0);
+  slab.ref = ref.data_ptr<float>();
+  slab.ref_stride = ref.stride(0);
+  return fused_statistics(x, weight, bias, targets, softcap, want_sums, out, &slab);
+}
+
+namespace {
+
+// exponential_slab_gradient's pass: kPer consecutive columns per thread (inside one reference's tile), in one 16-byte
+// load and store where rows are aligned for it (kVector).
+template <class Out, bool kVector>
+__global__ void exponential_gradient_kernel(Out* e, int64_t e_stride, const float* __restrict__ ref, int64_t ref_stride,
+                                            const float* __restrict__ lse, const float* __restrict__ g,
+                                            const int64_t* __restrict__ targets, const float* __restrict__ target_logit,
+                                            int64_t rows, int64_t cols, hm::LossTerms<float> terms,
+                                            hm::SoftCap<float> cap) {
+  constexpr int kPer = 8;
+  static_assert(sm90::kExponentialTileColumns % kPer == 0, "a thread's columns share one reference");
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float l = lse[r];
+    const hm::RowGradient<float> row = hm::row_gradient(g[r], l, terms);
+    const int64_t t = targets[r];
+    Out* er = e + r * e_stride;
+    const float* rr = ref + r * ref_stride;
+    for (int64_t v0 = (blockIdx.x * int64_t(kThreads) + threadIdx.x) * kPer; v0 < cols;
+         v0 += int64_t(gridDim.x) * kThreads * kPer) {
+      const float tile_ref = rr[v0 / sm90::kExponentialTileColumns];
+      const float factor = expf(tile_ref - l);
+      const int64_t n = cols - v0 < kPer ? cols - v0 : kPer;
+      alignas(16) Out vals[kPer];
+      if (kVector && n == kPer) {
+        *reinterpret_cast<uint4*>(vals) = *reinterpret_cast<const uint4*>(er + v0);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k)
+          if (k < n) vals[k] = er[v0 + k];
+      }
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        float d;
+        if (v0 + k == t) {
+          const float zt = target_logit[r];
+          d = hm::logit_gradient(expf(zt - l), zt, row, true, cap);
+        } else {
+          d = hm::exponential_logit_gradient(static_cast<float>(vals[k]), tile_ref, factor, row, cap);
+        }
+        vals[k] = static_cast<Out>(d);
+      }
+      if (kVector && n == kPer) {
+        *reinterpret_cast<uint4*>(er + v0) = *reinterpret_cast<const uint4*>(vals);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k)
+          if (k < n) er[v0 + k] = vals[k];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void exponential_slab_gradient(at::Tensor& e, const at::Tensor& ref, const at::Tensor& lse, const at::Tensor& g,
+                               const at::Tensor& targets, const at::Tensor& target_logit, double label_smoothing,
+                               double z_loss, int64_t vocabulary, double softcap) {
+  const int64_t rows = e.size(0), cols = e.size(1);
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((cols + kThreads * 8 - 1) / (kThreads * 8), 64)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  const c10::cuda::CUDAGuard guard(e.device());
+  const auto stream = at::cuda::getCurrentCUDAStream(e.get_device());
+  const bool vector = e.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(e.scalar_type(), "exponential_slab_gradient", [&] {
+    const auto kernel =
+        vector ? exponential_gradient_kernel<scalar_t, true> : exponential_gradient_kernel<scalar_t, false>;
+    kernel<<<grid, kThreads, 0, stream>>>(
+        e.data_ptr<scalar_t>(), e.stride(0), ref.data_ptr<float>(), ref.stride(0), lse.data_ptr<float>(),
+        g.data_ptr<float>(), targets.data_ptr<int64_t>(), target_logit.data_ptr<float>(), rows, cols,
+        hm::loss_terms<float>(label_smoothing, z_loss, vocabulary), hm::SoftCap<float>(static_cast<float>(softcap)));
+  });
+  check_launch("exponential_slab_gradient");
 }
 
 }  // namespace trellis::cuda

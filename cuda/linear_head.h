@@ -9,6 +9,10 @@ namespace trellis::cuda {
 
 using trellis::HeadRowStats;  // lib/src/head/row_stats.h
 
+// The columns that share one reference in the training slabs in x's type (fused_linear_exponentials): the fused
+// kernel's tile (sm90::kExponentialTileColumns, kept equal to it there).
+constexpr int64_t kExponentialTileColumns = 256;
+
 // The fused Hopper kernel (cuda/linear_lse_sm90.cu), which never forms the logits in device memory, when it applies:
 // a compute capability 9.0 device, bfloat16/float16 x and W with D % 8 == 0. Returns false otherwise (nothing is done).
 // x [N,D], weight [V,D], bias [V] or undefined, targets [N] int64 or undefined; all contiguous.
@@ -53,5 +57,20 @@ bool fused_linear_logit_gradient(const at::Tensor& x, const at::Tensor& weight, 
                                  const at::Tensor& targets, LogitColumns columns, const at::Tensor& lse,
                                  const at::Tensor& g, double label_smoothing, double z_loss, double softcap,
                                  at::Tensor& dz);
+
+// The training slabs in x's type (16-bit), in two passes over a slab of rows. First the fused kernel's statistics of
+// x's rows, as fused_linear_lse with the targets (want_sums: Σ z and Σ p·z too), and beside them the exponentials
+// e = e^(z − ref) rounded to x's type into e [N, V] (unit column stride) and each row's reference per 256-column tile
+// into ref [N, ceil(V / 256)] float32 (sm90::ExponentialSlabArgs). Applies where fused_linear_lse does; returns false
+// otherwise, with nothing done.
+bool fused_linear_exponentials(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& targets, double softcap, bool want_sums, HeadRowStats& out,
+                               at::Tensor& e, at::Tensor& ref);
+// Then the loss gradient written over e (linear_head_logit_gradient's formula, rows in order, V = e.size(1) columns of
+// a vocabulary of `vocabulary` for label smoothing): p = e·e^(ref − lse) (head_maths::exponential_logit_gradient),
+// but the target's p = e^(target_logit − lse) from its float32 logit. lse, g and target_logit float32 [N].
+void exponential_slab_gradient(at::Tensor& e, const at::Tensor& ref, const at::Tensor& lse, const at::Tensor& g,
+                               const at::Tensor& targets, const at::Tensor& target_logit, double label_smoothing,
+                               double z_loss, int64_t vocabulary, double softcap);
 
 }  // namespace trellis::cuda

@@ -29,7 +29,8 @@ namespace hm = trellis::head_maths;  // the loss gradient and the (max, sum) mer
 
 constexpr int kBlockRows = 128;  // two consumer warpgroups of 64 rows
 constexpr int kBlockCols = 256;  // one m64n256k16 wgmma per warpgroup and k-step
-constexpr int kBlockK = 64;      // 64 16-bit values = one 128-byte swizzle row
+static_assert(kBlockCols == kExponentialTileColumns, "one reference per tile of the exponentials mode");
+constexpr int kBlockK = 64;  // 64 16-bit values = one 128-byte swizzle row
 constexpr int kStages = 4;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (kConsumers + 1);
@@ -273,7 +274,7 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
   }
 }
 
-// bfloat16/float16 pairs and singles from float32, for the gradient tiles' stores.
+// bfloat16/float16 pairs and singles from float32, for the gradient and exponential tiles' stores.
 template <class T>
 struct Store;
 template <>
@@ -356,6 +357,68 @@ __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const
   }
 }
 
+// The exponentials mode's fold (ExponentialSlabArgs): as fold_tile, but the four lanes that share a row first agree
+// on its maximum, so that every exponential of the row in this tile has one reference, which one lane records; each
+// exponential, rounded to T, goes to the slab (columns at or past V are not written, pairs as in store_gradient_tile).
+template <class T, bool kExtras, bool kMaybeInf>
+__device__ __forceinline__ void fold_store_tile(const float (&d)[128], RowStats (&st)[2],
+                                                const ExponentialSlabArgs& out, const int64_t (&rows)[2], int64_t N,
+                                                int64_t V, int tile, int quad_col) {
+  constexpr int kLanes = 4;
+  const int64_t col0 = int64_t(tile) * kBlockCols;
+  const bool paired = out.e_stride % 2 == 0;
+  const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx[kLanes];
+#pragma unroll
+    for (int i = 0; i < kLanes; ++i) mx[i] = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) mx[c % kLanes] = fmaxf(mx[c % kLanes], d[4 * c + 2 * h + j]);
+    float tile_max = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float m = fmaxf(st[h].m, tile_max);
+    const float scale = hm::rescale(st[h].m, m);
+    const float ref = m == -INFINITY ? 0.f : m * kLog2e;
+    const bool live = rows[h] < N;
+    T* o = static_cast<T*>(out.e) + rows[h] * out.e_stride + col0 + quad_col;
+    float s[kLanes] = {}, pz[kLanes] = {}, sum[kLanes] = {};
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      float e[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float z = d[4 * c + 2 * h + j];
+        e[j] = hm::approx_exp2(fmaf(z, kLog2e, -ref));
+        s[c % kLanes] += e[j];
+        if constexpr (kExtras) {
+          if (!kMaybeInf || z != -INFINITY) {
+            pz[c % kLanes] = fmaf(e[j], z, pz[c % kLanes]);
+            sum[c % kLanes] += z;
+          }
+        }
+      }
+      const int col = 8 * c + quad_col;
+      if (live && paired && col + 1 < left) {
+        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(o + 8 * c) = Store<T>::pair(e[0], e[1]);
+      } else if (live) {
+        if (col < left) o[8 * c] = Store<T>::one(e[0]);
+        if (col + 1 < left) o[8 * c + 1] = Store<T>::one(e[1]);
+      }
+    }
+    if (live && quad_col == 0) out.ref[rows[h] * out.ref_stride + tile] = m;
+    st[h].m = m;
+    st[h].s = st[h].s * scale + ((s[0] + s[1]) + (s[2] + s[3]));
+    if constexpr (kExtras) {
+      st[h].pz = st[h].pz * scale + ((pz[0] + pz[1]) + (pz[2] + pz[3]));
+      st[h].sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    }
+  }
+}
+
 struct Schedule {
   int row_blocks, col_tiles, tiles_per_unit, units_per_row_block, band;
   int64_t units;
@@ -372,14 +435,18 @@ struct Schedule {
   }
 };
 
-// kGradient: each tile's loss gradient goes to grad.dz instead of being folded into statistics.
-template <class T, bool kExtras, bool kGradient>
+// What the kernel makes of each tile: statistics; the loss gradient (to grad.dz) instead; or statistics and the
+// tile's exponentials (to slab, ExponentialSlabArgs).
+enum class Mode { kStatistics, kGradient, kExponentials };
+
+template <class T, bool kExtras, Mode kMode>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_lse_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const T* __restrict__ bias, const int64_t* __restrict__ targets, hm::SoftCap<float> cap,
                       int64_t N, int64_t V, int64_t D, Schedule sched, unsigned long long* __restrict__ lse_pairs,
                       unsigned long long* __restrict__ pz_pairs, float* __restrict__ logit_sum,
-                      float* __restrict__ target_logit, LogitGradientArgs grad) {
+                      float* __restrict__ target_logit, LogitGradientArgs grad, ExponentialSlabArgs slab) {
+  constexpr bool kGradient = kMode == Mode::kGradient;
   extern __shared__ uint8_t raw_smem[];
   auto& smem = *reinterpret_cast<SharedStorage<T>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
@@ -482,7 +549,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           store_gradient_tile<T>(d, grad, rows, target, rg, N, V, col0, quad_col, cap);
           continue;
         }
-        if (edge || bias || cap.on()) {
+        if constexpr (kMode == Mode::kExponentials) {
+          if (edge || bias || cap.on()) {
+            prepare_tile(d, bias, cap, col0, V, quad_col);
+            fold_store_tile<T, kExtras, true>(d, st, slab, rows, N, V, tile, quad_col);
+          } else {
+            fold_store_tile<T, kExtras, false>(d, st, slab, rows, N, V, tile, quad_col);
+          }
+        } else if (edge || bias || cap.on()) {
           prepare_tile(d, bias, cap, col0, V, quad_col);
           fold_tile<kExtras, true>(d, st);
         } else {
@@ -562,10 +636,11 @@ CUtensorMap tile_map(const void* data, bool bf16, int64_t rows, int64_t D, int b
   return map;
 }
 
-template <class T, bool kExtras, bool kGradient>
-cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaStream_t stream) {
+template <class T, bool kExtras, Mode kMode>
+cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, const ExponentialSlabArgs& slab,
+                   cudaStream_t stream) {
   const size_t smem_bytes = sizeof(SharedStorage<T>) + 1024;
-  auto kernel = linear_lse_kernel<T, kExtras, kGradient>;
+  auto kernel = linear_lse_kernel<T, kExtras, kMode>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
   if (e != cudaSuccess) return e;
@@ -587,7 +662,7 @@ cudaError_t launch(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaSt
   const LaunchShape shape{dim3(clusters * kCluster), dim3(kThreads), smem_bytes, stream, kCluster};
   return launch_kernel(kernel, shape, x_map, w_map, static_cast<const T*>(a.bias), a.targets,
                        hm::SoftCap<float>(a.softcap), a.N, a.V, a.D, s, a.lse_pairs, a.pz_pairs, a.logit_sum,
-                       a.target_logit, grad);
+                       a.target_logit, grad, slab);
 }
 
 }  // namespace
@@ -603,16 +678,25 @@ bool linear_lse_available(int device) {
 
 cudaError_t linear_lse(const LinearLseArgs& a, cudaStream_t stream) {
   const bool sums = a.pz_pairs != nullptr;
-  const LogitGradientArgs none;
+  constexpr Mode kStats = Mode::kStatistics;
   if (a.dtype == HalfType::bfloat16)
-    return sums ? launch<__nv_bfloat16, true, false>(a, none, stream)
-                : launch<__nv_bfloat16, false, false>(a, none, stream);
-  return sums ? launch<__half, true, false>(a, none, stream) : launch<__half, false, false>(a, none, stream);
+    return sums ? launch<__nv_bfloat16, true, kStats>(a, {}, {}, stream)
+                : launch<__nv_bfloat16, false, kStats>(a, {}, {}, stream);
+  return sums ? launch<__half, true, kStats>(a, {}, {}, stream) : launch<__half, false, kStats>(a, {}, {}, stream);
 }
 
 cudaError_t linear_logit_gradient(const LinearLseArgs& a, const LogitGradientArgs& grad, cudaStream_t stream) {
-  if (a.dtype == HalfType::bfloat16) return launch<__nv_bfloat16, false, true>(a, grad, stream);
-  return launch<__half, false, true>(a, grad, stream);
+  if (a.dtype == HalfType::bfloat16) return launch<__nv_bfloat16, false, Mode::kGradient>(a, grad, {}, stream);
+  return launch<__half, false, Mode::kGradient>(a, grad, {}, stream);
+}
+
+cudaError_t linear_lse_exponentials(const LinearLseArgs& a, const ExponentialSlabArgs& slab, cudaStream_t stream) {
+  const bool sums = a.pz_pairs != nullptr;
+  constexpr Mode kExp = Mode::kExponentials;
+  if (a.dtype == HalfType::bfloat16)
+    return sums ? launch<__nv_bfloat16, true, kExp>(a, {}, slab, stream)
+                : launch<__nv_bfloat16, false, kExp>(a, {}, slab, stream);
+  return sums ? launch<__half, true, kExp>(a, {}, slab, stream) : launch<__half, false, kExp>(a, {}, slab, stream);
 }
 
 }  // namespace trellis::cuda::sm90

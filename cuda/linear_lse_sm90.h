@@ -41,10 +41,26 @@ struct LogitGradientArgs {
   head_maths::LossTerms<float> terms;  // ε / (whole vocabulary), 1 - ε, 2·z_loss
 };
 
+// The exponentials mode (the training slabs in x's type): the statistics as linear_lse forms them, and beside them
+// each logit's exponential relative to a reference, rounded once to x's type:
+//   e[r, v] = e^(z − ref[r, v / 256]),  ref[r, k] = the largest logit of row r in 256-column tiles up to k of k's work
+// unit (so e ≤ 1; a tile past every finite logit, never met inside V, would give ref −inf and e 0). The row's p is then
+// e·e^(ref − lse) once lse is known, one rounding away from the float32 logit's: 16-bit slabs hold the information of
+// the gradient without the float32 logits.
+struct ExponentialSlabArgs {
+  void* e = nullptr;  // [N, V] in x's type, row stride e_stride (elements), unit column stride
+  int64_t e_stride = 0;
+  float* ref = nullptr;  // [N, ceil(V / 256)], row stride ref_stride
+  int64_t ref_stride = 0;
+};
+constexpr int64_t kExponentialTileColumns = 256;  // the columns that share one reference (cuda/linear_head.h's too)
+
 // Whether the kernel can run on this device (compute capability 9.0 and a driver with tensor maps).
 bool linear_lse_available(int device);
 
 cudaError_t linear_lse(const LinearLseArgs& args, cudaStream_t stream);
 cudaError_t linear_logit_gradient(const LinearLseArgs& args, const LogitGradientArgs& grad, cudaStream_t stream);
+// linear_lse's statistics (args' outputs, lse_pairs and target_logit required) and the slab of exponentials.
+cudaError_t linear_lse_exponentials(const LinearLseArgs& args, const ExponentialSlabArgs& slab, cudaStream_t stream);
 
 }  // namespace trellis::cuda::sm90

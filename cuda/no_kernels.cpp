@@ -119,6 +119,14 @@ bool fused_linear_logit_gradient(const at::Tensor&, const at::Tensor&, const at:
                                  at::Tensor&) {
   return false;
 }
+bool fused_linear_exponentials(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                               bool, HeadRowStats&, at::Tensor&, at::Tensor&) {
+  return false;
+}
+void exponential_slab_gradient(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, double, double, int64_t, double) {
+  no_kernels("exponential_slab_gradient");
+}
 
 #define TRELLIS_SEMIRING_STUBS(S)                                                                           \
   template void semiring_matmul_forward<S>(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&); \

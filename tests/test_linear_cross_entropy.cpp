@@ -523,6 +523,12 @@ TEST(LinearCrossEntropyCuda, MemoryBudgetIsRespected) {
       HeadOptions h;
       h.memory_budget = budget;
       const HeadMemoryPlan plan = plan_head_memory(x, w, h);
+      // On Hopper a bfloat16 slab holds exponentials in x's type: 1 GiB takes every row, 80 MiB 1280 (float32: 512).
+      const bool hopper = at::cuda::getCurrentDeviceProperties()->major == 9;
+      if (!plan.recompute_logits && hopper && dtype == at::kBFloat16) {
+        EXPECT_EQ(plan.slab_type, at::kBFloat16);
+        EXPECT_EQ(plan.slab_bytes / (V * 2 + (V + 255) / 256 * 4), budget == 80 * MiB ? 1280 : N);
+      }
       x.mutable_grad() = at::Tensor();
       w.mutable_grad() = at::Tensor();
       linear_cross_entropy(x, w, t, h).backward();  // cuBLAS' workspace for these shapes, before measuring

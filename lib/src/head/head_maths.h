@@ -171,6 +171,16 @@ TRELLIS_HD T logit_gradient(T p, T z, const RowGradient<T>& row, bool target, co
   return d;
 }
 
+// One logit's gradient from its exponential relative to a reference, e = e^(z − ref) (the training slabs in x's type:
+// e was rounded to 16 bits, ref is its tile's reference), and factor = e^(ref − lse), so that p = e·factor; not the
+// target's column (its p comes from its float32 logit). The soft-cap's derivative needs z = ref + log e, taken as −c
+// (where it is 0) for an e that underflowed, which only a cap over 43 leaves room for (capped logits differ by < 2c).
+template <class T>
+TRELLIS_HD T exponential_logit_gradient(T e, T ref, T factor, const RowGradient<T>& row, const SoftCap<T>& cap) {
+  const T z = cap.on() ? (e > T(0) ? ref + log_(e) : -cap.cap) : T(0);
+  return logit_gradient(e * factor, z, row, false, cap);
+}
+
 // ---- The entropy ----
 // Σ_v p_v·z_v from the two sums kept relative to one maximum, Σ e^(z−m)·z and Σ e^(z−m).
 template <class T>

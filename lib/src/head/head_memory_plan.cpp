@@ -21,6 +21,21 @@ int64_t slab_rows(const Head& h, int64_t bytes) {
 
 bool fused_applies(const Head& h) { return h.x.is_cuda() && cuda::fused_linear_head_applies(h.x, h.weight); }
 
+int64_t input_type_slab_row_bytes(const Head& h) {
+  const int64_t tiles = (h.vocabulary() + cuda::kExponentialTileColumns - 1) / cuda::kExponentialTileColumns;
+  return h.vocabulary() * h.x.element_size() + tiles * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t input_type_slab_rows(const Head& h, int64_t bytes) {
+  const int64_t rows = std::max<int64_t>(1, bytes / input_type_slab_row_bytes(h));
+  return rows >= 256 ? rows - rows % 256 : rows;
+}
+
+bool input_type_slabs_apply(const Head& h) {
+  const at::ScalarType t = h.x.scalar_type();
+  return t == at::kBFloat16 || (t == at::kHalf && !h.softcap);
+}
+
 namespace {
 
 // What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
@@ -78,11 +93,15 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
     return p;
   }
   const int64_t budget = o.memory_budget - f.fixed;
-  const int64_t rows = budget > 0 ? budget / (V * f.slab_element) : 0;
+  // Where the fused kernel runs, slabs in x's type (half the bytes of float32 logits per row: twice the rows).
+  const bool input_type = fused && input_type_slabs_apply(h);
+  const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) : V * f.slab_element;
+  const int64_t rows = budget > 0 ? budget / slab_row : 0;
   const auto slabs = [&] {
     const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);
-    p.slab_bytes = whole * V * acc;
-    p.extra_bytes = f.fixed + whole * V * f.slab_element;
+    p.slab_type = input_type ? h.x.scalar_type() : h.acc;
+    p.slab_bytes = whole * (input_type ? slab_row : V * acc);
+    p.extra_bytes = f.fixed + whole * slab_row;
     return p;
   };
   if (rows >= std::min(kBudgetMinSlabRows, N)) return slabs();

@@ -75,6 +75,8 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
   if (o.memory_budget >= 0 && plan.recompute_logits)
     h.chunk_columns = plan.slab_bytes / (std::max<int64_t>(h.rows(), 1) * at::elementSize(plan.slab_type));
   h.rows_per_slab = slab_rows(h, h.chunk_bytes);
+  h.input_type_rows_per_slab = input_type_slab_rows(h, h.chunk_bytes);
+  h.input_type_slabs = !plan.recompute_logits && plan.slab_type == h.x.scalar_type() && plan.slab_type != h.acc;
   return h;
 }
 

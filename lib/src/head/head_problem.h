@@ -24,6 +24,10 @@ struct Head {
   at::ScalarType acc = at::kFloat;  // the type logits and statistics are formed in
   std::vector<int64_t> row_shape;   // x's leading dimensions, the shape of per-row results
   int64_t rows_per_slab = 1;
+  // The training slabs in x's type (HeadRoute::kInputTypeSlabs): the rows of one (chunk_bytes of them), and whether
+  // the plan picks them.
+  int64_t input_type_rows_per_slab = 1;
+  bool input_type_slabs = false;
   int64_t chunk_bytes = 0;
   bool recompute = false;  // HeadOptions::recompute_logits
   // Under a memory_budget: the recompute route's chunk of vocabulary columns (0: chunk_bytes and 2 KiB per row
@@ -53,6 +57,12 @@ Head prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ta
 // head_memory_plan.cpp: rows of a slab of `bytes` of logits, and the route, slab and type that o picks for h
 // (HeadOptions::memory_budget, else chunk_bytes and recompute_logits), assuming gradients for x and W.
 int64_t slab_rows(const Head& h, int64_t bytes);
+// The same for the training slabs in x's type, whose row is V values in x's type and a float32 reference per 256
+// columns (input_type_slab_row_bytes); input_type_slabs_apply: x is 16-bit, and not float16 with a soft-cap (whose
+// derivative needs logits that float16's exponentials may have lost to underflow).
+int64_t input_type_slab_row_bytes(const Head& h);
+int64_t input_type_slab_rows(const Head& h, int64_t bytes);
+bool input_type_slabs_apply(const Head& h);
 HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o);
 
 // Whether the fused Hopper kernel forms the statistics and the recompute route's gradient chunks for x and W.

@@ -21,7 +21,9 @@ HeadRoute automatic_route(HeadQuantity q, const Head& h, bool want_expected) {
     if (h.recompute && route_applies(HeadRoute::kColumnChunks, h, want_expected)) return HeadRoute::kColumnChunks;
     return HeadRoute::kRowSlabs;
   }
-  if (!h.recompute) return HeadRoute::kTrainingSlabs;
+  if (!h.recompute)
+    return h.input_type_slabs && route_applies(HeadRoute::kInputTypeSlabs, h) ? HeadRoute::kInputTypeSlabs
+                                                                              : HeadRoute::kTrainingSlabs;
   return route_applies(HeadRoute::kRecomputedFused, h) ? HeadRoute::kRecomputedFused : HeadRoute::kRecomputed;
 }
 
@@ -33,6 +35,7 @@ HeadQuantity quantity_of(HeadRoute route) {
     case HeadRoute::kColumnChunks:
     case HeadRoute::kRowSlabs: return HeadQuantity::kStatistics;
     case HeadRoute::kTrainingSlabs:
+    case HeadRoute::kInputTypeSlabs:
     case HeadRoute::kRecomputed:
     case HeadRoute::kRecomputedFused: return HeadQuantity::kGradients;
   }
@@ -45,6 +48,7 @@ const char* route_name(HeadRoute route) {
     case HeadRoute::kColumnChunks: return "column chunks";
     case HeadRoute::kRowSlabs: return "row slabs";
     case HeadRoute::kTrainingSlabs: return "training slabs";
+    case HeadRoute::kInputTypeSlabs: return "training slabs in x's type";
     case HeadRoute::kRecomputed: return "recomputed gradients";
     case HeadRoute::kRecomputedFused: return "recomputed gradients on the fused kernel";
   }
@@ -59,6 +63,8 @@ bool route_applies(HeadRoute route, const Head& h, bool want_expected) {
     case HeadRoute::kTrainingSlabs:
     case HeadRoute::kRecomputed: return true;
     case HeadRoute::kRecomputedFused: return h.targets.defined() && fused_applies(h);
+    case HeadRoute::kInputTypeSlabs:
+      return h.targets.defined() && input_type_slabs_apply(h) && (!h.x.is_cuda() || fused_applies(h));
   }
   return false;
 }

@@ -24,6 +24,9 @@ enum class HeadRoute {
   kRowSlabs,         // head_row_slabs.cpp: a slab of rows' logits at a time
   // Gradients:
   kTrainingSlabs,    // head_row_slabs.cpp: a slab of rows' logits becomes dL/dz, then dx rows and dW += dzᵀ·x
+  kInputTypeSlabs,   // head_row_slabs.cpp: the same with a slab in x's type (16-bit): the fused kernel writes each
+                     // logit's exponential relative to its tile's maximum beside the statistics, a pass turns them
+                     // into dL/dz in place (Hopper; the CPU runs the same steps as their reference)
   kRecomputed,       // head_column_chunks.cpp: the logits formed again a chunk of columns at a time by a GEMM
   kRecomputedFused,  // the same chunks, dz formed on the fused kernel's tiles (Hopper, 16-bit inputs, targets given)
 };
@@ -70,6 +73,10 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
                          SlabStats* merged = nullptr);
 // head_row_slabs.cpp: gradients of Σ_i (a_i·lse_i + b_i·log p_i(t_i) + c_i·H_i) (a, b or c undefined: 0), the
 // backward of the statistics, a slab of rows at a time.
+// head_row_slabs.cpp, the training slabs in x's type (HeadRoute::kInputTypeSlabs): as slab_gradients without a merge
+// (lse, when given, is the gradient's; each slab forms its own statistics all the same).
+Gradients input_type_slab_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
+                                    std::array<bool, 3> want, at::Tensor* loss = nullptr);
 Gradients statistics_gradients(const Head& h, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                                std::array<bool, 3> want);
 // head_column_chunks.cpp, the recompute routes: gradients of Σ_i g_i·loss_i given every row's lse, the logits formed

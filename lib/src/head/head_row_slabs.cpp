@@ -3,7 +3,10 @@
 // gathers, Σ z, Σ p·z), and for training the slab's loss gradient, which two more GEMMs turn into dx rows (complete
 // per slab) and a dW accumulation. The same code runs on CPU and CUDA tensors.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -136,6 +139,94 @@ Gradients slab_gradients(const Head& h, const at::Tensor& g, at::Tensor lse, con
     merged->target_logit = join(&SlabStats::target_logit);
     merged->logit_sum = join(&SlabStats::logit_sum);
   }
+  return out;
+}
+
+namespace {
+
+// The CPU's steps of the training slabs in x's type, the reference for the fused kernel and its pass: the slab's
+// statistics from float32 logits (formed whole here: the CPU path is not the one that saves memory), the exponentials
+// e^(z − ref) rounded to x's type into e and each tile's reference into ref, where ref is the tile's own maximum (the
+// kernel's is the largest up to the tile within its work unit: as good a reference, e ≤ 1 either way).
+SlabStats cpu_exponentials(const Head& h, int64_t r0, int64_t n, bool want_sum, at::Tensor& e, at::Tensor& ref) {
+  const int64_t V = h.vocabulary(), tiles = ref.size(1), padded = tiles * cuda::kExponentialTileColumns;
+  const at::Tensor z = slab_logits(h, r0, n);
+  SlabStats s;
+  s.lse = trellis::logsumexp(z, 1);
+  target_and_sum(h, z, r0, 0, want_sum, s);
+  const at::Tensor by_tile = at::constant_pad_nd(z, {0, padded - V}, -INFINITY).view({n, tiles, -1});
+  const at::Tensor tile_max = std::get<0>(by_tile.max(2));
+  ref.copy_(tile_max);
+  e.copy_((by_tile - tile_max.unsqueeze(2)).exp_().view({n, padded}).narrow(1, 0, V));
+  return s;
+}
+
+// cuda::exponential_slab_gradient's pass on the CPU: the same formulas, row by row, in parallel over rows.
+void cpu_exponential_gradient(const Head& h, at::Tensor& e, const at::Tensor& ref, const at::Tensor& row_lse,
+                              const at::Tensor& row_target_logit, const at::Tensor& g, const at::Tensor& targets,
+                              const LossOptions& o) {
+  const int64_t n = e.size(0), V = e.size(1), tiles = ref.size(1);
+  const auto terms = head_maths::loss_terms<float>(o.label_smoothing, o.z_loss, h.smoothing_vocabulary());
+  const head_maths::SoftCap<float> cap(static_cast<float>(h.softcap.value_or(0)));
+  const at::Tensor lse = row_lse.contiguous(), target_logit = row_target_logit.contiguous(), row_g = g.contiguous(),
+                   t = targets.contiguous();
+  const float *lp = lse.data_ptr<float>(), *zp = target_logit.data_ptr<float>(), *gp = row_g.data_ptr<float>(),
+              *rp = ref.data_ptr<float>();
+  const int64_t* tp = t.data_ptr<int64_t>();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(e.scalar_type(), "linear head: exponential slab gradient", [&] {
+    scalar_t* ep = e.data_ptr<scalar_t>();
+    at::parallel_for(0, n, std::max<int64_t>(1, 32768 / V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float l = lp[r];
+        const head_maths::RowGradient<float> row = head_maths::row_gradient(gp[r], l, terms);
+        scalar_t* er = ep + r * e.stride(0);
+        for (int64_t v = 0; v < V; ++v) {
+          const float tile_ref = rp[r * tiles + v / cuda::kExponentialTileColumns];
+          const float d = v == tp[r] ? head_maths::logit_gradient(std::exp(zp[r] - l), zp[r], row, true, cap)
+                                     : head_maths::exponential_logit_gradient(static_cast<float>(er[v]), tile_ref,
+                                                                              std::exp(tile_ref - l), row, cap);
+          er[v] = static_cast<scalar_t>(d);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+// A slab of rows at a time: the statistics and exponentials (the fused kernel), dL/dz over the exponentials (one pass),
+// then dx rows and dW += dzᵀ·x as the float32 slabs do. One slab buffer for every slab; each slab's statistics give its
+// rows' loss, and its lse the gradient's unless lse is given (a vocabulary slice's gradient needs the whole one's).
+Gradients input_type_slab_gradients(const Head& h, const at::Tensor& g, const at::Tensor& lse, const LossOptions& o,
+                                    std::array<bool, 3> want, at::Tensor* loss) {
+  const int64_t N = h.rows(), V = h.vocabulary();
+  Gradients out = empty_gradients(h, want);
+  const int64_t slab_rows = std::min(h.input_type_rows_per_slab, N);
+  const int64_t tiles = (V + cuda::kExponentialTileColumns - 1) / cuda::kExponentialTileColumns;
+  const at::Tensor e_slab = at::empty({slab_rows, V}, h.x.options());
+  const at::Tensor ref_slab = at::empty({slab_rows, tiles}, h.x.options().dtype(at::kFloat));
+  const bool want_sum = o.label_smoothing != 0;
+  for (int64_t r0 = 0; r0 < N; r0 += slab_rows) {
+    const int64_t n = std::min(slab_rows, N - r0);
+    at::Tensor e = e_slab.narrow(0, 0, n), ref = ref_slab.narrow(0, 0, n);
+    const at::Tensor targets = h.targets.narrow(0, r0, n), row_g = g.narrow(0, r0, n);
+    SlabStats s;
+    if (h.x.is_cuda()) {
+      TORCH_CHECK(cuda::fused_linear_exponentials(h.x.narrow(0, r0, n), h.weight, h.bias, targets,
+                                                  h.softcap.value_or(0), want_sum, s, e, ref),
+                  "linear head: the fused kernel did not take the slab of exponentials it was chosen for");
+    } else {
+      s = cpu_exponentials(h, r0, n, want_sum, e, ref);
+    }
+    const at::Tensor slab_lse = lse.defined() ? lse.narrow(0, r0, n).contiguous() : s.lse;
+    if (h.x.is_cuda())
+      cuda::exponential_slab_gradient(e, ref, slab_lse, row_g.contiguous(), targets, s.target_logit, o.label_smoothing,
+                                      o.z_loss, h.smoothing_vocabulary(), h.softcap.value_or(0));
+    else cpu_exponential_gradient(h, e, ref, slab_lse, s.target_logit, row_g, targets, o);
+    if (loss) loss->narrow(0, r0, n).copy_(row_loss(h, s, valid_targets(targets, h.ignore_index), o));
+    add_slab_gradients(h, e, r0, want, out);
+  }
+  if (want[2]) out.bias = out.bias.to(h.weight.scalar_type());
   return out;
 }
 

@@ -49,6 +49,7 @@ SlabStats all_row_stats(const Head& h, bool want_sum, bool want_expected) {
 Gradients loss_gradients(const Head& h, HeadRoute route, const at::Tensor& g, const at::Tensor& lse,
                          const LossOptions& o, std::array<bool, 3> want, at::Tensor* loss = nullptr) {
   if (route == HeadRoute::kTrainingSlabs) return slab_gradients(h, g, lse, o, want, loss);
+  if (route == HeadRoute::kInputTypeSlabs) return input_type_slab_gradients(h, g, lse, o, want, loss);
   return recomputed_gradients(h, g, lse, o, want, route == HeadRoute::kRecomputedFused);
 }
 
@@ -164,7 +165,7 @@ LinearCrossEntropyForward linear_cross_entropy_forward(const at::Tensor& x, cons
     const HeadRoute route = choose_route(HeadQuantity::kGradients, h);
     at::Tensor rows;
     Gradients g;
-    if (route == HeadRoute::kTrainingSlabs) {
+    if (route == HeadRoute::kTrainingSlabs || route == HeadRoute::kInputTypeSlabs) {
       // The slabs form each row's statistics and loss with its gradients.
       rows = at::empty({h.rows()}, h.x.options().dtype(h.acc));
       g = loss_gradients(h, route, weights, {}, loss, want, &rows);

@@ -44,11 +44,14 @@ struct HeadOptions {
   bool recompute_logits = false;
   // Bytes that training may hold beyond its inputs, its gradients and the loss: when set (>= 0), it picks the route,
   // the slab and the slab's type for x and W's shapes (plan_head_memory says which) and overrides chunk_bytes and
-  // recompute_logits. Where it holds a slab of at least kBudgetMinSlabRows rows of float32 logits, the slab route
-  // (three GEMMs) with the largest such slab; else recompute_logits, whose vocabulary chunks take the budget (16-bit
-  // inputs: the fused kernel writes their gradient in x's type) and, where it fits beside them, dx's float32 sum (so
-  // that no chunk runs twice). A budget below the recompute route's least (O(N): a few bytes per row and
-  // kBudgetMinColumns columns of a chunk) is an error. The budget assumes gradients for both x and W and is kept on
+  // recompute_logits. Where it holds a slab of at least kBudgetMinSlabRows rows, the slab route (three GEMMs) with the
+  // largest such slab: of float32 logits, or where the fused Hopper kernel runs (bfloat16, or float16 without a
+  // soft-cap) a slab in x's type, twice the rows: the kernel forms each slab's statistics and writes every logit's
+  // exponential relative to its 256-column tile's maximum, rounded once to x's type, and one pass turns them into
+  // dL/dz in place (the target's from its float32 logit). Else recompute_logits, whose vocabulary chunks take the
+  // budget (16-bit inputs: the fused kernel writes their gradient in x's type) and, where it fits beside them, dx's
+  // float32 sum (so that no chunk runs twice). A budget below the recompute route's least (O(N): a few bytes per row
+  // and kBudgetMinColumns columns of a chunk) is an error. The budget assumes gradients for both x and W and is kept on
   // CUDA devices; the CPU path (the reference) may take more for temporaries where a chunk lands in dW's unwritten
   // rows. Negative: chunk_bytes and recompute_logits decide.
   int64_t memory_budget = -1;
@@ -65,9 +68,10 @@ inline constexpr int64_t kBudgetMinColumns = 8;
 // with gradients for both (and the bias when head.bias is given).
 struct HeadMemoryPlan {
   bool recompute_logits = false;  // the route: logits formed twice, or a slab of rows' logits at a time
-  int64_t slab_bytes = 0;         // one slab: rows × V float32 logits, or the recompute route's chunk of columns
-  at::ScalarType slab_type = at::kFloat;  // the slab's element type: float32/float64 logits, or x's type for the
-                                          // recompute route's fused gradient chunks
+  int64_t slab_bytes = 0;  // one slab: rows × V float32 logits, rows × (V values in x's type and a float32 reference
+                           // per 256 columns), or the recompute route's chunk of columns
+  at::ScalarType slab_type = at::kFloat;  // the slab's element type: float32/float64 logits, or x's type for the slab
+                                          // route's exponentials and the recompute route's fused gradient chunks
   bool own_dx_sum = false;  // recompute route, 16-bit x: dx's float32 sum in a buffer of its own (not in dW)
   int64_t extra_bytes = 0;  // the most the step allocates beyond inputs and gradients (an upper estimate)
 };
