@@ -353,7 +353,9 @@ TEST(LinearChainCRFCuda, Float32AgreesWithFloat64OnLongSequences) {
 
 namespace {
 
-// log_likelihood_with_gradients against log_likelihood differentiated by autograd, on `device`.
+// log_likelihood_with_gradients against log_likelihood differentiated by autograd, on `device`. The autograd side
+// back-propagates -2.5 through the sum of the batch, whose backward hands the fused passes one value expanded with
+// stride 0 (read in place, not copied): each sequence's gradients are the direct ones times -2.5.
 void expect_gradients_as_autograd(int64_t B, int64_t T, int64_t K, bool with_ends, const at::Device& device) {
   SCOPED_TRACE("K=" + std::to_string(K) + (with_ends ? " with ends" : "") + " on " + device.str());
   ChainPotentials p = random_chain(B, T, K, with_ends);
@@ -366,16 +368,17 @@ void expect_gradients_as_autograd(int64_t B, int64_t T, int64_t K, bool with_end
   for (at::Tensor* t : {&q.emissions, &q.transitions, &q.start, &q.end})
     if (t->defined()) *t = t->detach().requires_grad_();
   const at::Tensor ll = log_likelihood(q, tags);
-  ll.sum().backward();
+  const double upstream = -2.5;
+  (ll.sum() * upstream).backward();
   EXPECT_FALSE(direct.log_likelihood.requires_grad());
   expect_close(direct.log_likelihood, ll, 1e-10, 1e-10);
-  expect_close(direct.emissions, q.emissions.grad(), 1e-10, 1e-10);
-  expect_close(direct.transitions, q.transitions.grad(), 1e-10, 1e-10);
+  expect_close(direct.emissions * upstream, q.emissions.grad(), 1e-10, 1e-10);
+  expect_close(direct.transitions * upstream, q.transitions.grad(), 1e-10, 1e-10);
   EXPECT_EQ(direct.start.defined(), with_ends);
   EXPECT_EQ(direct.end.defined(), with_ends);
   if (with_ends) {
-    expect_close(direct.start, q.start.grad(), 1e-10, 1e-10);
-    expect_close(direct.end, q.end.grad(), 1e-10, 1e-10);
+    expect_close(direct.start * upstream, q.start.grad(), 1e-10, 1e-10);
+    expect_close(direct.end * upstream, q.end.grad(), 1e-10, 1e-10);
   }
 }
 
