@@ -38,6 +38,11 @@ bool input_type_slabs_apply(const Head& h) {
 
 namespace {
 
+// Bytes beside the per-row values for the small temporaries of a route's steps: ATen's tensor operations, or the
+// training slabs in x's type, whose steps are kernels and GEMMs into the buffers they hold.
+constexpr int64_t kTemporariesMargin = int64_t(1) << 20;
+constexpr int64_t kInputTypeSlabsMargin = int64_t(64) << 10;
+
 // What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
 struct Footprint {
   int64_t fixed = 0;          // per-row values (targets, weights, lse, loss), the bias' float sums
@@ -51,7 +56,7 @@ Footprint footprint(const Head& h) {
   const int64_t acc = at::elementSize(h.acc), in = h.x.element_size(), N = h.rows(), V = h.vocabulary();
   const bool cuda = h.x.is_cuda(), fused = fused_applies(h), half = in != acc;
   Footprint f;
-  f.fixed = N * 64 + (h.bias.defined() ? 2 * V * acc : 0) + (int64_t(1) << 20);
+  f.fixed = N * 64 + (h.bias.defined() ? 2 * V * acc : 0) + kTemporariesMargin;
   // CPU: the logits and the gradient in x's type beside them, with a second slab of float32 as a margin for ATen's
   // temporaries; CUDA: the gradient beside 16-bit logits only where the in-place kernel (compute capability 9.0) does
   // not run.
@@ -95,13 +100,14 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
   const int64_t budget = o.memory_budget - f.fixed;
   // Where the fused kernel runs, slabs in x's type (half the bytes of float32 logits per row: twice the rows).
   const bool input_type = fused && input_type_slabs_apply(h);
+  const int64_t slab_fixed = input_type ? f.fixed - kTemporariesMargin + kInputTypeSlabsMargin : f.fixed;
   const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) : V * f.slab_element;
-  const int64_t rows = budget > 0 ? budget / slab_row : 0;
+  const int64_t rows = o.memory_budget > slab_fixed ? (o.memory_budget - slab_fixed) / slab_row : 0;
   const auto slabs = [&] {
     const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);
     p.slab_type = input_type ? h.x.scalar_type() : h.acc;
     p.slab_bytes = whole * (input_type ? slab_row : V * acc);
-    p.extra_bytes = f.fixed + whole * slab_row;
+    p.extra_bytes = slab_fixed + whole * slab_row;
     return p;
   };
   if (rows >= std::min(kBudgetMinSlabRows, N)) return slabs();
