@@ -1,13 +1,13 @@
 """trellis.CRF from Python beside pytorch-crf (torchcrf.CRF, 0.7.2) and torch-struct (LinearChainCRF, 0.5) in one
 process: the log-likelihood's forward+backward and Viterbi decoding at the shapes of issue 22's table, float32 and
 bfloat16 emissions. Each Trellis row also times, in the same process, the library call the module wraps ("library call":
-torch.ops.trellis._crf_score_and_gradients, the score and its gradients as the module's reduced forward forms them,
-without the module or autograd; for decoding the crf_viterbi operator), so that the module's overhead is the difference
+torch.ops.trellis._crf_score_and_gradients, the score and its gradients in one call, the library's forward and
+backward kernels without the module or autograd; for decoding the crf_viterbi operator), so that the module's overhead is the difference
 of two medians taken back to back (the GPU's speed drifts by a few percent between processes and minutes); the operator
 a user would call without the module (torch.ops.trellis.crf_log_likelihood unreduced, summed and back-propagated, or
 crf_viterbi); and, with --trellis-bin, the C++ call underneath (`trellis bench crf --device cuda --json`, run as a
 subprocess on the same GPU: the same workloads with the library's log_likelihood_with_gradients, which the module's
-reduced log-likelihood calls, and viterbi on full-length sequences).
+reduced log-likelihood calls for short chains, and viterbi on full-length sequences).
 
     # GPU machine: the peers from .whl (scripts/gpu_check.sh's build tree is build-gpu)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytorch_crf-*.whl .whl/torch_struct-*.whl
@@ -236,7 +236,7 @@ def run_workload(workload, B, T, K, with_mask, dtype):
 
         detached, wanted = [p.detach() for p in params], [True] * 4
 
-        def library_call():  # the score and its gradients as the module's forward forms them, without autograd
+        def library_call():  # the score and its gradients by the library's kernels, without autograd
             return torch.ops.trellis._crf_score_and_gradients(emissions, tags, *detached, None, op_lengths, True, None,
                                                               None, None, wanted)
 
@@ -305,7 +305,7 @@ def run_workload(workload, B, T, K, with_mask, dtype):
 
 
 # The library call trellis.CRF wraps, timed in the same process (the GPU's speed drifts by a few percent between
-# processes and minutes): for the log-likelihood the operator its reduced forward calls, for decoding its operator.
+# processes and minutes): for the log-likelihood the score and its gradients in one call, for decoding its operator.
 LIBRARY = "library call"
 
 
@@ -336,8 +336,9 @@ def cpp_timings():
         shape = dict(part.split("=") for part in r["shape"].split())
         key = (r["workload"], int(shape["B"]), int(shape["T"]), int(shape["K"]))
         found.setdefault(key, {})[r["implementation"]] = r["ms"]
-    # The C++ call trellis.CRF wraps: log_likelihood_with_gradients for the log-likelihood (a reduced one forms its
-    # gradients in the forward pass), viterbi for decoding.
+    # The C++ call trellis.CRF wraps: log_likelihood_with_gradients for the log-likelihood (what a reduced one of short
+    # chains calls in its forward pass; long chains run the same kernels, the backward ones in the backward pass),
+    # viterbi for decoding.
     return {key: [impls.get("trellis, log_likelihood_with_gradients", impls.get("trellis")),
                   impls.get("trellis, values vouched for")] for key, impls in found.items()}
 

@@ -297,23 +297,40 @@ torch.autograd.gradcheck(lambda e, t: ops.crf_log_partition(e, t, None, None, No
 e_ = em.clone().requires_grad_()
 ops.crf_log_partition(e_, trans, start, end, None, lengths).sum().backward()
 close("d log Z / d emissions = marginals", e_.grad, ref.nodes, 1e-12)
-# Reduced log-likelihoods (their gradients formed in the forward pass): the reductions of the unreduced one, with its
-# gradients, under an upstream gradient other than 1.
-tokens = {"mask": mask.sum(), "lengths": lengths.sum(), "neither": em.shape[0] * em.shape[1]}
-for given in ("mask", "lengths", "neither"):
-    kw = dict(mask=mask if given == "mask" else None, lengths=lengths if given == "lengths" else None)
-    for reduction, divide in (("sum", 1), ("mean", em.shape[0]), ("token_mean", tokens[given])):
-        plain, reduced = grad_inputs(), grad_inputs()
-        ll = ops.crf_log_likelihood(plain[0], tags, *plain[1:], kw["mask"], kw["lengths"])
-        expected = ll.sum() / divide
-        got = ops.crf_log_likelihood(reduced[0], tags, *reduced[1:], kw["mask"], kw["lengths"], reduction=reduction)
-        if got.shape != ():
-            raise SystemExit(f"crf_log_likelihood reduction={reduction} has shape {tuple(got.shape)}")
-        close(f"crf_log_likelihood reduction={reduction} ({given})", got, expected, 1e-12)
-        (2.5 * expected).backward()
-        (2.5 * got).backward()
-        for name, a, b in zip(("emissions", "transitions", "start", "end"), reduced, plain):
-            close(f"d crf_log_likelihood(reduction={reduction}, {given}) / d {name}", a.grad, b.grad, 1e-12)
+
+
+def check_reductions(chain, tags, lengths, what):
+    """The reductions of the log-likelihood of chain = (emissions, transitions, start, end) against the unreduced one's,
+    with its gradients, under an upstream gradient other than 1."""
+    mask = torch.arange(chain[0].shape[1], device=dev).unsqueeze(0) < lengths.unsqueeze(1)
+    tokens = {"mask": mask.sum(), "lengths": lengths.sum(), "neither": chain[0].shape[0] * chain[0].shape[1]}
+    for given in ("mask", "lengths", "neither"):
+        kw = dict(mask=mask if given == "mask" else None, lengths=lengths if given == "lengths" else None)
+        for reduction, divide in (("sum", 1), ("mean", chain[0].shape[0]), ("token_mean", tokens[given])):
+            plain, reduced = ([t.clone().requires_grad_() for t in chain] for _ in range(2))
+            ll = ops.crf_log_likelihood(plain[0], tags, *plain[1:], kw["mask"], kw["lengths"])
+            expected = ll.sum() / divide
+            got = ops.crf_log_likelihood(reduced[0], tags, *reduced[1:], kw["mask"], kw["lengths"],
+                                         reduction=reduction)
+            if got.shape != ():
+                raise SystemExit(f"crf_log_likelihood reduction={reduction} has shape {tuple(got.shape)}")
+            close(f"crf_log_likelihood reduction={reduction} ({given}, {what})", got, expected, 1e-12)
+            (2.5 * expected).backward()
+            (2.5 * got).backward()
+            for name, a, b in zip(("emissions", "transitions", "start", "end"), reduced, plain):
+                close(f"d crf_log_likelihood(reduction={reduction}, {given}, {what}) / d {name}", a.grad, b.grad,
+                      1e-12)
+
+
+# Reduced log-likelihoods: of short chains, their gradients formed in the forward pass and scaled in the backward;
+# of long ones (256 steps or more, or 128 labels or more: on CUDA the shared-memory and the many-label kernels), the
+# library's own autograd, whose backward kernels read the upstream gradient.
+check_reductions((em, trans, start, end), tags, lengths, "short chains")
+for long_b, long_t, long_k in ((3, 260, 4), (2, 6, 130)):
+    long_chain = (torch.randn(long_b, long_t, long_k, **f64), torch.randn(long_k, long_k, **f64),
+                  torch.randn(long_k, **f64), torch.randn(long_k, **f64))
+    check_reductions(long_chain, torch.randint(0, long_k, (long_b, long_t), device=dev),
+                     torch.tensor([long_t, 1, long_t - 3][:long_b], device=dev), f"B,T,K = {long_b},{long_t},{long_k}")
 e_, t_, s_, n_ = grad_inputs()
 torch.autograd.gradcheck(lambda e, t, s, n: ops.crf_log_likelihood(e, tags, t, s, n, mask, None, reduction="token_mean"),
                          (e_, t_, s_, n_), nondet_tol=nondet_tol)

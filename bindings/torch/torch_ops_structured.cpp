@@ -17,10 +17,11 @@
 //                      Tensor? lengths, bool batch_first=True, str reduction="none") -> Tensor
 //       gold score − log Z [B], or its sum, batch mean or mean per token ("sum", "mean", "token_mean": a scalar).
 //       Both differentiable w.r.t. emissions, transitions, start and end (_crf_score_backward). A reduced
-//       log-likelihood of eager tensors goes through the library's own autograd (the backward kernels run in the
-//       backward pass and read the upstream gradient on the device); traced (torch.compile), it forms its gradients in
-//       the forward pass (_crf_score_and_gradients: one pass of the library's chain forward and backward) and its
-//       backward only scales them; unreduced, the backward forms the score again.
+//       log-likelihood of long chains of eager tensors goes through the library's own autograd (the backward kernels
+//       run in the backward pass and read the upstream gradient on the device); of short chains, or traced
+//       (torch.compile), it forms its gradients in the forward pass (_crf_score_and_gradients: one pass of the
+//       library's chain forward and backward) and its backward only scales them; unreduced, the backward forms the
+//       score again.
 //   crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths,
 //                 bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None,
 //                 Tensor? allowed_end=None) -> (Tensor, Tensor)
@@ -626,6 +627,17 @@ bool eager(std::initializer_list<at::Tensor> tensors) {
   return true;
 }
 
+// Whether a batch of chains is long enough for its backward kernels to wait for the backward pass. The GPU finishes the
+// forward kernel of a short chain before the host has got from it through Python and the autograd engine to the
+// fused node's backward, and would then wait for the host; from 256 steps, or from 128 labels (whose steps take
+// several times longer), the forward kernel outlasts that way. A batch that is not 3-d, or empty, is left to the
+// operator's own checks.
+constexpr int64_t kLongChainSteps = 256, kLongChainLabels = 128;
+bool long_chains(const at::Tensor& emissions, bool batch_first) {
+  if (emissions.dim() != 3 || emissions.size(batch_first ? 0 : 1) == 0) return false;
+  return emissions.size(batch_first ? 1 : 0) >= kLongChainSteps || emissions.size(2) >= kLongChainLabels;
+}
+
 at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Tensor& tags,
                                        const at::Tensor& transitions, const OptionalTensor& start,
                                        const OptionalTensor& end, const OptionalTensor& mask,
@@ -638,12 +650,13 @@ at::Tensor crf_log_likelihood_autograd(const at::Tensor& emissions, const at::Te
     return op.call(emissions, tags, transitions, start, end, mask, lengths, batch_first, reduction);
   }
   const Reduction r = reduction_of(reduction, what);
-  if (r != Reduction::none && emissions.dim() == 3 && emissions.size(batch_first ? 0 : 1) > 0 &&
+  if (r != Reduction::none && long_chains(emissions, batch_first) &&
       eager({emissions, tags, transitions, get(start), get(end), get(mask), get(lengths)})) {
-    // A reduced log-likelihood of eager tensors: the library's own autograd, whose fused node launches the backward
-    // kernels when the backward runs and has them read the upstream gradient where it lies (the reduction's one value,
-    // expanded with stride 0). Nothing then scales gradients formed in the forward pass, a pass over B·T·K values and
-    // launches after the kernels. Traced tensors take CrfScoreFunction, whose backward a compiled graph holds.
+    // A reduced log-likelihood of long chains of eager tensors: the library's own autograd, whose fused node launches
+    // the backward kernels when the backward runs and has them read the upstream gradient where it lies (the
+    // reduction's one value, expanded with stride 0). Nothing then scales gradients formed in the forward pass, a pass
+    // over B·T·K values and launches after the kernels. Short chains and traced tensors take CrfScoreFunction, whose
+    // backward kernels run with the forward one (and a compiled graph holds its backward).
     const trellis::ChainInputs in{emissions, transitions, get(start), get(end), get(mask), get(lengths), batch_first};
     const at::Tensor score =
         trellis::log_likelihood(trellis::chain_potentials(in, what), trellis::batch_first_tags(tags, in, what));

@@ -172,7 +172,8 @@ class CRF(nn.Module):
         if tags.dtype != torch.int64:
             tags = tags.long()
         # The operator takes the caller's layout (no transposed views for autograd to track) and reduces the
-        # log-likelihood itself, forming its gradients in the forward pass: one operator call is the whole forward.
+        # log-likelihood itself (short chains: forming its gradients in the forward pass; long ones: through the
+        # library's autograd, the backward kernels in the backward pass): one operator call is the whole forward.
         return torch.ops.trellis.crf_log_likelihood.default(emissions, tags, self.transitions, self.start_transitions,
                                                             self.end_transitions, None, lengths, self.batch_first,
                                                             reduction)
