@@ -52,7 +52,8 @@ int train(const std::vector<std::string>& args) {
   std::string train_path, dev_path, model_path, template_path, input_columns;
   int label_column = -1;
   bool hybrid = false;
-  int64_t batch_size = 32;  // signed: Boost would read -1 into an unsigned option as its largest value
+  int64_t batch_size =
+      static_cast<int64_t>(o.batch_size);  // signed: Boost would read -1 into an unsigned option as its largest value
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")("train", po::value(&train_path)->required(),
                                                "training data: CoNLL columns, a blank line between sentences")(
@@ -65,16 +66,16 @@ int train(const std::vector<std::string>& args) {
       "the input columns, e.g. 0,1: the first is the word, each other one (POS, ...) is embedded "
       "(default: those before the label column)")("epochs", po::value(&o.epochs)->default_value(o.epochs),
                                                   "maximum epochs")(
-      "batch-size", po::value(&batch_size)->default_value(64), "sentences per minibatch (bucketed by length)")(
+      "batch-size", po::value(&batch_size)->default_value(batch_size), "sentences per minibatch (bucketed by length)")(
       "lr", po::value(&o.learning_rate)->default_value(o.learning_rate, "0.004"), "Adam learning rate")(
       "lr-decay", po::value(&o.lr_decay)->default_value(o.lr_decay, "0.95"), "learning rate factor per epoch")(
       "beta2", po::value(&o.beta2)->default_value(o.beta2, "0.999"), "Adam's decay of the squared-gradient average")(
       "average", po::value(&o.average)->default_value(o.average, "0.999"),
       "decay per step of a moving average of the weights, which the dev set scores and the model keeps (0: off, "
       "the last weights)")("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")(
-      "dropout", po::value(&o.dropout)->default_value(o.dropout, "0.33"),
+      "dropout", po::value(&o.dropout)->default_value(o.dropout, "0.5"),
       "dropout on inputs, between layers and before the emissions")(
-      "word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.25"),
+      "word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.5"),
       "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")(
       "embedding-dim", po::value(&o.word_dim)->default_value(0),
       "word embedding size (0: 100, or the --embeddings file's)")(

@@ -42,17 +42,17 @@ struct NeuralTaggerOptions {
   SentenceEncoder encoder = SentenceEncoder::BiLstm;
   int64_t word_dim = 0;        // word embedding size; 0: the pretrained vectors' size, or 100 without them
   int64_t char_dim = 50;       // character embedding size (0: no character representation)
-  int64_t char_filters = 100;  // char CNN filters, or char BiLSTM units per direction
+  int64_t char_filters = 200;  // char CNN filters, or char BiLSTM units per direction
   CharEncoder char_encoder = CharEncoder::BiLstm;
   int64_t feature_dim = 20;           // embedding size of the word shape and of each extra input column
-  int64_t hidden = 200;               // BiLSTM units per direction; convolution channels are twice this
+  int64_t hidden = 300;               // BiLSTM units per direction; convolution channels are twice this
   int64_t layers = 2;                 // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
-  double dropout = 0.33;              // on the token inputs, between layers and before the emissions
-  double word_dropout = 0.25;         // a training word seen c times becomes unknown with probability a/(a+c)
+  double dropout = 0.5;               // on the token inputs, between layers and before the emissions
+  double word_dropout = 0.5;          // a training word seen c times becomes unknown with probability a/(a+c)
   std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;              // passes over the training set at most
-  std::size_t batch_size = 64;  // sentences per minibatch (of similar lengths)
+  std::size_t batch_size = 32;  // sentences per minibatch (of similar lengths)
   double learning_rate = 4e-3;  // Adam
   double beta2 = 0.999;         // Adam's decay of the squared-gradient average
   // Decay per step of an exponential moving average of the weights (Polyak averaging), which is what the dev set
