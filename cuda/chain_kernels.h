@@ -115,8 +115,8 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
 // the Viterbi paths and scores (written into path [B,T] and score [B], as many_label_viterbi writes them) of float32
 // emissions [B,T,K] and transitions W [K,K] whose entries are all ≤ 0 (an HMM's log-probabilities), with colmax [K]
 // the largest entry of each column of W (0 for an all -inf column), start [K], end [K], lengths [B] int64 in [1, T].
-// Each step reads W once for both recursions (the streamed forward's and the many-label Viterbi's, with their results:
-// the same paths, and the forward's sums from the same P = exp(W − colmax)); outputs whose scaled sum is below
+// Each step reads W once for both recursions (the streamed forward's and the many-label Viterbi's: the same paths, and
+// the forward's sums of P = exp(W − colmax) formed within about 1e-6 relative); outputs whose scaled sum is below
 // threshold are recomputed exactly. many_label_infer_supported says whether it takes the dtypes and K.
 bool many_label_infer_supported(const at::Tensor& emissions, const at::Tensor& transitions);
 void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& colmax,

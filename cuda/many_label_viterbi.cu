@@ -221,14 +221,23 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // One step of `hmm infer` (log-likelihood and Viterbi) at once, for float32 over non-positive transitions read as
 // 16-byte vectors: each row of W a lane streams serves both recursions, so a step reads W once instead of twice. The
-// forward's term is P = exp(W − colmax), formed from the row as lib/src/semiring's scaled copy of W is formed (the same
-// float operations, so the same P), and summed as scaled_step_kernel (cuda/scaled_chain_forward.cu) sums it; the
-// Viterbi's is kept as viterbi_step_kernel's three-way minimum keeps it. alpha_f [B,K] and block_max_f are the
-// forward's previous messages and their per-block maxima, alpha_v and block_max_v the Viterbi's; partial_f and
-// partial_v take the block's sums and maxima for scaled_finish_kernel and viterbi_finish_kernel. Both accumulators
-// of 16 sequences take 128 registers: one block per SM.
+// forward's term P = exp(W − colmax) is formed from the row as 2^(W·log2 e − colmax·log2 e) (one fused multiply-add
+// and the hardware's base-2 exponential, about 1e-6 relative of the scaled copy's P: the step is bound by issuing
+// instructions, of which an exact exponential per element would take a quarter) and summed as scaled_step_kernel
+// (cuda/scaled_chain_forward.cu) sums it; the Viterbi's term is kept as viterbi_step_kernel's three-way minimum keeps
+// it, so the paths are the many-label Viterbi's exactly. alpha_f [B,K] and block_max_f are the forward's previous
+// messages and their per-block maxima, alpha_v and block_max_v the Viterbi's; partial_f and partial_v take the block's
+// sums and maxima for scaled_finish_kernel and viterbi_finish_kernel. Groups of at most kInferGroup sequences: the two
+// accumulators then fit 128 registers and two blocks share an SM (at 16 sequences one block took the register file,
+// two warps per scheduler, too few to hide the latencies).
+constexpr int kInferGroup = 8;
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 template <int NB>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     infer_step_kernel(const float* __restrict__ alpha_f, const float* __restrict__ block_max_f,
                       const float* __restrict__ alpha_v, const float* __restrict__ block_max_v, int max_blocks,
                       const float* __restrict__ W, const float* __restrict__ colmax, double* __restrict__ offset_v,
@@ -250,9 +259,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   allow_next_launch();
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) span.fetch(i, i);  // in flight while the previous step finishes
-  float cm[4];
+  constexpr float kLog2e = 1.4426950408889634f;
+  float shift[4];  // −colmax · log2 e of this lane's columns (no kernel writes colmax)
 #pragma unroll
-  for (int c = 0; c < 4; ++c) cm[c] = col + c < K ? colmax[col + c] : 0.f;  // no kernel writes colmax
+  for (int c = 0; c < 4; ++c) shift[c] = col + c < K ? -colmax[col + c] * kLog2e : 0.f;
   wait_for_previous();
   if (threadIdx.x < NB) {
     float f = 0.f, v = 0.f;
@@ -313,8 +323,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         float P1[4], P2[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          P1[c] = exp(w1[c] - cm[c]);
-          P2[c] = pair ? exp(w2[c] - cm[c]) : 0.f;
+          P1[c] = exp2_approx(fmaf(w1[c], kLog2e, shift[c]));
+          P2[c] = pair ? exp2_approx(fmaf(w2[c], kLog2e, shift[c])) : 0.f;
         }
         const float* f2 = pair ? fk + v_step : fk;
         const float* v2 = pair ? vk + v_step : vk;
@@ -604,7 +614,7 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
   at::Tensor forward = at::empty({B, K}, options), forward_next = at::empty_like(forward);
   at::Tensor forward_max = at::empty({B, finish_blocks}, options), forward_next_max = at::empty_like(forward_max);
   const at::Tensor forward_offset = at::zeros({B}, options.dtype(at::kDouble)), last = at::empty({B, K}, options);
-  with_group(B, [&](auto group) {
+  with_group<kInferGroup>(B, [&](auto group) {
     constexpr int NB = decltype(group)::value;
     const StepPlan plan = plan_step<float, NB, 2>(infer_step_kernel<NB>, B, K, sms, "hmm infer step kernel");
     const at::Tensor partial_f = at::empty({plan.splits, B, K}, options), partial_v = at::empty_like(partial_f);
