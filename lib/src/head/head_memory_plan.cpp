@@ -42,6 +42,8 @@ namespace {
 // training slabs in x's type, whose steps are kernels and GEMMs into the buffers they hold.
 constexpr int64_t kTemporariesMargin = int64_t(1) << 20;
 constexpr int64_t kInputTypeSlabsMargin = int64_t(64) << 10;
+// The training slabs in x's type: bytes per slab row beside the slab for the slab's statistics and loss.
+constexpr int64_t kInputTypeSlabRowValues = 256;
 
 // What training allocates beyond inputs and gradients, by route (an upper estimate, HeadMemoryPlan::extra_bytes).
 struct Footprint {
@@ -101,12 +103,12 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
   // Where the fused kernel runs, slabs in x's type (half the bytes of float32 logits per row: twice the rows).
   const bool input_type = fused && input_type_slabs_apply(h);
   const int64_t slab_fixed = input_type ? f.fixed - kTemporariesMargin + kInputTypeSlabsMargin : f.fixed;
-  const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) : V * f.slab_element;
+  const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) + kInputTypeSlabRowValues : V * f.slab_element;
   const int64_t rows = o.memory_budget > slab_fixed ? (o.memory_budget - slab_fixed) / slab_row : 0;
   const auto slabs = [&] {
     const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);
     p.slab_type = input_type ? h.x.scalar_type() : h.acc;
-    p.slab_bytes = whole * (input_type ? slab_row : V * acc);
+    p.slab_bytes = whole * (input_type ? input_type_slab_row_bytes(h) : V * acc);
     p.extra_bytes = slab_fixed + whole * slab_row;
     return p;
   };
