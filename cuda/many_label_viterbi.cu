@@ -616,6 +616,10 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
   const at::Tensor forward_offset = at::zeros({B}, options.dtype(at::kDouble)), last = at::empty({B, K}, options);
   with_group<kInferGroup>(B, [&](auto group) {
     constexpr int NB = decltype(group)::value;
+    // Shared memory before L1 (the rows arrive by cp.async.cg, which bypasses L1), so that two blocks fit an SM.
+    check(cudaFuncSetAttribute(infer_step_kernel<NB>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared),
+          "hmm infer step kernel");
     const StepPlan plan = plan_step<float, NB, 2>(infer_step_kernel<NB>, B, K, sms, "hmm infer step kernel");
     const at::Tensor partial_f = at::empty({plan.splits, B, K}, options), partial_v = at::empty_like(partial_f);
     const float *W = transitions.data_ptr<float>(), *cm = colmax.data_ptr<float>(), *st = start.data_ptr<float>();
