@@ -241,13 +241,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     infer_step_kernel(const float* __restrict__ alpha_f, const float* __restrict__ block_max_f,
                       const float* __restrict__ alpha_v, const float* __restrict__ block_max_v, int max_blocks,
                       const float* __restrict__ W, const float* __restrict__ colmax, double* __restrict__ offset_v,
-                      float* __restrict__ step_max, float* __restrict__ partial_f, float* __restrict__ partial_v,
-                      int B, int running, int K, int rows, bool reverse, int keep_permille) {
+                      float* __restrict__ step_max, float* __restrict__ partial_f, float* __restrict__ partial_v, int B,
+                      int running, int K, int rows, bool reverse, int keep_permille) {
   constexpr int kStride = v_stride<float, NB>(), kC = kCols<float>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* ring = reinterpret_cast<float*>(smem_raw);  // as in viterbi_step_kernel
-  float* vf = ring + kWarps * kStages * kC;           // [rows][kStride]: exp(alpha_f − max alpha_f)
-  float* vv = vf + rows * kStride;                    // [rows][kStride]: alpha_v − max alpha_v
+  float* vf = ring + kWarps * kStages * kC;          // [rows][kStride]: exp(alpha_f − max alpha_f)
+  float* vv = vf + rows * kStride;                   // [rows][kStride]: alpha_v − max alpha_v
   __shared__ float mf[NB], mv[NB];
   const int b0 = blockIdx.x * NB, nb = min(NB, running - b0);
   const int c0 = blockIdx.y * kC, k0 = blockIdx.z * rows, k1 = min(K, k0 + rows), n = k1 - k0;
@@ -644,8 +644,8 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
                        forward_offset.data_ptr<double>(), last.data_ptr<float>(), int(B), int(Tn), int(K), int(t),
                        static_cast<float>(threshold));
       launch_dependent(viterbi_finish_kernel<float>, finish_grid(K, active), 0, stream, pdl && t > 0,
-                       "hmm infer Viterbi finish kernel", partial_v.data_ptr<float>(), plan.splits, st, E, ord,
-                       current, viterbi_next_max.data_ptr<float>(), int(B), int(Tn), int(K), int(t));
+                       "hmm infer Viterbi finish kernel", partial_v.data_ptr<float>(), plan.splits, st, E, ord, current,
+                       viterbi_next_max.data_ptr<float>(), int(B), int(Tn), int(K), int(t));
       std::swap(forward, forward_next);
       std::swap(forward_max, forward_next_max);
       std::swap(viterbi_max, viterbi_next_max);
@@ -655,8 +655,9 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
         viterbi_offset.data_ptr<double>(), score.data_ptr<float>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
     check_launch("hmm infer Viterbi backtrace");
   });
-  log_likelihood = at::empty({B}, options).index_copy_(
-      0, order, (at::logsumexp(last + end, -1).to(at::kDouble) + forward_offset).to(at::kFloat));
+  log_likelihood =
+      at::empty({B}, options)
+          .index_copy_(0, order, (at::logsumexp(last + end, -1).to(at::kDouble) + forward_offset).to(at::kFloat));
 }
 
 }  // namespace trellis::cuda

@@ -10,9 +10,10 @@
 //   owns 16 bytes of columns and accumulates them for every sequence, the block's warps split the rows and merge in
 //   shared memory, and the block writes one partial sum per (sequence, column) (no atomics: results do not depend on
 //   scheduling).
-// - scaled_finish_kernel (cuda/streamed_chain.cuh): sums the partials, takes the log, and recomputes exactly in log space every output whose
-//   scaled sum is below the underflow threshold (so the result is exact to rounding for any input range); sequences
-//   past their length keep their message. It also writes per-block maxima that the next step reduces to max alpha.
+// - scaled_finish_kernel (cuda/streamed_chain.cuh): sums the partials, takes the log, and recomputes exactly in log
+//   space every output whose scaled sum is below the underflow threshold (so the result is exact to rounding for any
+//   input range); sequences past their length keep their message. It also writes per-block maxima that the next step
+//   reduces to max alpha.
 //   Given an offset per sequence, it rebases: each message is stored minus the previous one's max, which the offset
 //   sums in float64, so that float32 messages stay near 0 on long sequences instead of growing to about −T.
 //
@@ -231,8 +232,8 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
         launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
                          "scaled chain finish kernel", partial.data_ptr<T>(), gemm ? 1 : plan.splits, previous,
                          block_max.data_ptr<T>(), W, cmax, st, E, static_cast<const int64_t*>(nullptr), len, current,
-                         next_max.data_ptr<T>(), offset_data,
-                         kept, int(B), int(Tn), int(K), t, static_cast<T>(threshold));
+                         next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn), int(K), t,
+                         static_cast<T>(threshold));
         std::swap(alpha, next);
         std::swap(block_max, next_max);
       }

@@ -171,9 +171,8 @@ __global__ void __launch_bounds__(kThreads)
     scaled_finish_kernel(const T* __restrict__ partial, int splits, const T* __restrict__ alpha,
                          const T* __restrict__ block_max, const T* __restrict__ W, const T* __restrict__ colmax,
                          const T* __restrict__ start, const T* __restrict__ E, const int64_t* __restrict__ order,
-                         const int64_t* __restrict__ len,
-                         T* __restrict__ alpha_next, T* __restrict__ block_max_next, double* __restrict__ offset,
-                         T* __restrict__ last, int B, int Tn, int K, int t, T threshold) {
+                         const int64_t* __restrict__ len, T* __restrict__ alpha_next, T* __restrict__ block_max_next,
+                         double* __restrict__ offset, T* __restrict__ last, int B, int Tn, int K, int t, T threshold) {
   __shared__ T scratch[kWarps];
   allow_next_launch();
   // What no kernel of the chain writes is read before waiting for the step kernel.
