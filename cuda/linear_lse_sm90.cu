@@ -233,9 +233,11 @@ __device__ __forceinline__ void prepare_tile(float (&d)[128], const T* bias, con
 
 // Folds a finished tile of logits into the thread's running statistics of its two rows. Four partial maxima and sums
 // per row keep the dependent chains short (two warps per scheduler have little else to interleave). kMaybeInf: the
-// tile may hold -inf logits, which the sums of z and p·z skip.
-template <bool kExtras, bool kMaybeInf>
-__device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[2]) {
+// tile may hold -inf logits, which the sums of z and p·z skip. `out` sees the fold (StatisticsOnly: nothing more;
+// ExponentialTile: the exponentials): out.row_max widens the thread's maximum of a row in this tile, out.exponentials
+// takes each pair of the row's exponentials e^(z − m) and out.row_done the row's new maximum m.
+template <bool kExtras, bool kMaybeInf, class Out>
+__device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[2], const Out& out) {
   constexpr int kLanes = 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -246,25 +248,28 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
     for (int c = 0; c < 32; ++c)
 #pragma unroll
       for (int j = 0; j < 2; ++j) mx[c % kLanes] = fmaxf(mx[c % kLanes], d[4 * c + 2 * h + j]);
-    const float m = fmaxf(st[h].m, fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])));
+    const float m = fmaxf(st[h].m, out.row_max(fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]))));
     const float scale = hm::rescale(st[h].m, m);
     const float ref = m == -INFINITY ? 0.f : m * kLog2e;
     float s[kLanes] = {}, pz[kLanes] = {}, sum[kLanes] = {};
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
+      float e[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float z = d[4 * c + 2 * h + j];
-        const float e = hm::approx_exp2(fmaf(z, kLog2e, -ref));
-        s[c % kLanes] += e;
+        e[j] = hm::approx_exp2(fmaf(z, kLog2e, -ref));
+        s[c % kLanes] += e[j];
         if constexpr (kExtras) {
           if (!kMaybeInf || z != -INFINITY) {
-            pz[c % kLanes] = fmaf(e, z, pz[c % kLanes]);
+            pz[c % kLanes] = fmaf(e[j], z, pz[c % kLanes]);
             sum[c % kLanes] += z;
           }
         }
       }
+      out.exponentials(h, c, e);
     }
+    out.row_done(h, m);
     st[h].m = m;
     st[h].s = st[h].s * scale + ((s[0] + s[1]) + (s[2] + s[3]));
     if constexpr (kExtras) {
@@ -273,6 +278,13 @@ __device__ __forceinline__ void fold_tile(const float (&d)[128], RowStats (&st)[
     }
   }
 }
+
+// fold_tile's output for the statistics alone.
+struct StatisticsOnly {
+  __device__ __forceinline__ float row_max(float m) const { return m; }
+  __device__ __forceinline__ void exponentials(int, int, const float (&)[2]) const {}
+  __device__ __forceinline__ void row_done(int, float) const {}
+};
 
 // bfloat16/float16 pairs and singles from float32, for the gradient and exponential tiles' stores.
 template <class T>
@@ -357,67 +369,47 @@ __device__ __forceinline__ void store_gradient_tile(const float (&d)[128], const
   }
 }
 
-// The exponentials mode's fold (ExponentialSlabArgs): as fold_tile, but the four lanes that share a row first agree
-// on its maximum, so that every exponential of the row in this tile has one reference, which one lane records; each
+// fold_tile's output in the exponentials mode (ExponentialSlabArgs): the four lanes that share a row first agree on
+// its maximum, so that every exponential of the row in this tile has one reference, which one lane records; each
 // exponential, rounded to T, goes to the slab (columns at or past V are not written, pairs as in store_gradient_tile).
-template <class T, bool kExtras, bool kMaybeInf>
-__device__ __forceinline__ void fold_store_tile(const float (&d)[128], RowStats (&st)[2],
-                                                const ExponentialSlabArgs& out, const int64_t (&rows)[2], int64_t N,
-                                                int64_t V, int tile, int quad_col) {
-  constexpr int kLanes = 4;
-  const int64_t col0 = int64_t(tile) * kBlockCols;
-  const bool paired = out.e_stride % 2 == 0;
-  const int left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;
+template <class T>
+struct ExponentialTile {
+  const ExponentialSlabArgs& out;
+  T* o[2];  // the thread's first column of each row's tile in the slab
+  bool live[2];
+  int left, tile, quad_col;
+  bool paired;
+  float* ref[2];
+
+  __device__ __forceinline__ ExponentialTile(const ExponentialSlabArgs& out, const int64_t (&rows)[2], int64_t N,
+                                             int64_t V, int tile, int quad_col)
+      : out(out), tile(tile), quad_col(quad_col), paired(out.e_stride % 2 == 0) {
+    const int64_t col0 = int64_t(tile) * kBlockCols;
+    left = V - col0 < kBlockCols ? static_cast<int>(V - col0) : kBlockCols;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx[kLanes];
-#pragma unroll
-    for (int i = 0; i < kLanes; ++i) mx[i] = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < 32; ++c)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) mx[c % kLanes] = fmaxf(mx[c % kLanes], d[4 * c + 2 * h + j]);
-    float tile_max = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float m = fmaxf(st[h].m, tile_max);
-    const float scale = hm::rescale(st[h].m, m);
-    const float ref = m == -INFINITY ? 0.f : m * kLog2e;
-    const bool live = rows[h] < N;
-    T* o = static_cast<T*>(out.e) + rows[h] * out.e_stride + col0 + quad_col;
-    float s[kLanes] = {}, pz[kLanes] = {}, sum[kLanes] = {};
-#pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      float e[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float z = d[4 * c + 2 * h + j];
-        e[j] = hm::approx_exp2(fmaf(z, kLog2e, -ref));
-        s[c % kLanes] += e[j];
-        if constexpr (kExtras) {
-          if (!kMaybeInf || z != -INFINITY) {
-            pz[c % kLanes] = fmaf(e[j], z, pz[c % kLanes]);
-            sum[c % kLanes] += z;
-          }
-        }
-      }
-      const int col = 8 * c + quad_col;
-      if (live && paired && col + 1 < left) {
-        *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(o + 8 * c) = Store<T>::pair(e[0], e[1]);
-      } else if (live) {
-        if (col < left) o[8 * c] = Store<T>::one(e[0]);
-        if (col + 1 < left) o[8 * c + 1] = Store<T>::one(e[1]);
-      }
-    }
-    if (live && quad_col == 0) out.ref[rows[h] * out.ref_stride + tile] = m;
-    st[h].m = m;
-    st[h].s = st[h].s * scale + ((s[0] + s[1]) + (s[2] + s[3]));
-    if constexpr (kExtras) {
-      st[h].pz = st[h].pz * scale + ((pz[0] + pz[1]) + (pz[2] + pz[3]));
-      st[h].sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    for (int h = 0; h < 2; ++h) {
+      live[h] = rows[h] < N;
+      o[h] = static_cast<T*>(out.e) + rows[h] * out.e_stride + col0 + quad_col;
+      ref[h] = out.ref + rows[h] * out.ref_stride + tile;
     }
   }
-}
+  __device__ __forceinline__ float row_max(float m) const {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  }
+  __device__ __forceinline__ void exponentials(int h, int c, const float (&e)[2]) const {
+    const int col = 8 * c + quad_col;
+    if (live[h] && paired && col + 1 < left) {
+      *reinterpret_cast<decltype(Store<T>::pair(0.f, 0.f))*>(o[h] + 8 * c) = Store<T>::pair(e[0], e[1]);
+    } else if (live[h]) {
+      if (col < left) o[h][8 * c] = Store<T>::one(e[0]);
+      if (col + 1 < left) o[h][8 * c + 1] = Store<T>::one(e[1]);
+    }
+  }
+  __device__ __forceinline__ void row_done(int h, float m) const {
+    if (live[h] && quad_col == 0) *ref[h] = m;
+  }
+};
 
 struct Schedule {
   int row_blocks, col_tiles, tiles_per_unit, units_per_row_block, band;
@@ -550,17 +542,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           continue;
         }
         if constexpr (kMode == Mode::kExponentials) {
+          const ExponentialTile<T> exponentials(slab, rows, N, V, tile, quad_col);
           if (edge || bias || cap.on()) {
             prepare_tile(d, bias, cap, col0, V, quad_col);
-            fold_store_tile<T, kExtras, true>(d, st, slab, rows, N, V, tile, quad_col);
+            fold_tile<kExtras, true>(d, st, exponentials);
           } else {
-            fold_store_tile<T, kExtras, false>(d, st, slab, rows, N, V, tile, quad_col);
+            fold_tile<kExtras, false>(d, st, exponentials);
           }
         } else if (edge || bias || cap.on()) {
           prepare_tile(d, bias, cap, col0, V, quad_col);
-          fold_tile<kExtras, true>(d, st);
+          fold_tile<kExtras, true>(d, st, StatisticsOnly{});
         } else {
-          fold_tile<kExtras, false>(d, st);
+          fold_tile<kExtras, false>(d, st, StatisticsOnly{});
         }
         // The target's logit, stored by the one thread that holds it. Few tiles hold a target of the warp's rows: the
         // vote keeps the compiler from predicating the selection into every tile.

@@ -151,16 +151,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
           for (int q = 0; q < (NB + 3) / 4; ++q) {
             float a1[4], a2[4];
-            if constexpr (NB % 4 == 0) {
-              *reinterpret_cast<float4*>(a1) = reinterpret_cast<const float4*>(vk)[q];
-              *reinterpret_cast<float4*>(a2) = reinterpret_cast<const float4*>(v2)[q];
-            } else {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                a1[e] = q * 4 + e < NB ? vk[q * 4 + e] : 0.f;
-                a2[e] = q * 4 + e < NB ? v2[q * 4 + e] : 0.f;
-              }
-            }
+            four_messages<NB>(vk, q, a1);
+            four_messages<NB>(v2, q, a2);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int b = q * 4 + e;
@@ -331,20 +323,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int q = 0; q < (NB + 3) / 4; ++q) {
           float a1[4], a2[4], c1[4], c2[4];
-          if constexpr (NB % 4 == 0) {
-            *reinterpret_cast<float4*>(a1) = reinterpret_cast<const float4*>(fk)[q];
-            *reinterpret_cast<float4*>(a2) = reinterpret_cast<const float4*>(f2)[q];
-            *reinterpret_cast<float4*>(c1) = reinterpret_cast<const float4*>(vk)[q];
-            *reinterpret_cast<float4*>(c2) = reinterpret_cast<const float4*>(v2)[q];
-          } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              a1[e] = q * 4 + e < NB ? fk[q * 4 + e] : 0.f;
-              a2[e] = q * 4 + e < NB ? f2[q * 4 + e] : 0.f;
-              c1[e] = q * 4 + e < NB ? vk[q * 4 + e] : 0.f;
-              c2[e] = q * 4 + e < NB ? v2[q * 4 + e] : 0.f;
-            }
-          }
+          four_messages<NB>(fk, q, a1);
+          four_messages<NB>(f2, q, a2);
+          four_messages<NB>(vk, q, c1);
+          four_messages<NB>(v2, q, c2);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int b = q * 4 + e;

@@ -101,6 +101,18 @@ constexpr int v_stride() {
   return NB < kVec<T> ? NB : NB + kVec<T>;
 }
 
+// Sequences 4q .. 4q+3 of a float32 row of NB messages in shared memory (0 past NB): one 16-byte load when NB is a
+// multiple of four.
+template <int NB>
+__device__ __forceinline__ void four_messages(const float* row, int q, float (&out)[4]) {
+  if constexpr (NB % 4 == 0) {
+    *reinterpret_cast<float4*>(out) = reinterpret_cast<const float4*>(row)[q];
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = q * 4 + e < NB ? row[q * 4 + e] : 0.f;
+  }
+}
+
 // Shared memory of a step block, in elements: the lanes' rings of transition rows in flight, whose space the warps'
 // partial results reuse for the merge, then the messages of the block's rows (`messages` sets of them: two where one
 // read of the transitions serves the forward and the Viterbi).
