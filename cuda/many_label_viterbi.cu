@@ -508,16 +508,13 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
   const bool pdl = prop->major >= 9;
   const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
   // Rows of W (a share of L2's size) that the step kernel asks L2 to keep across steps, as the streamed forward does.
-  const int keep_permille =
-      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(transitions.nbytes())));
+  const int keep_permille = l2_keep_permille(*prop, transitions.nbytes());
   // Longest first: the sequences running at step t are the first running(t) of this order.
   const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
   const at::Tensor order = order_host.to(emissions.device());
   const int64_t* sorted = sorted_host.data_ptr<int64_t>();
   const int64_t steps = sorted[0];
-  const auto running = [&](int64_t t) {
-    return std::upper_bound(sorted, sorted + B, t, [](int64_t u, int64_t length) { return length <= u; }) - sorted;
-  };
+  const auto running = [&](int64_t t) { return running_at(sorted, B, t); };
   // Every step's messages [S,B,K] (rows of sequences past their end not written) and maxima [S,B].
   const at::Tensor alphas = at::empty({steps, B, K}, emissions.options());
   const at::Tensor step_max = at::empty({steps, B}, emissions.options());
@@ -576,18 +573,13 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
   const int sms = prop->multiProcessorCount;
   const bool pdl = prop->major >= 9;
   const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
-  const int keep_permille =
-      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(transitions.nbytes())));
+  const int keep_permille = l2_keep_permille(*prop, transitions.nbytes());
   // Longest first: the sequences running at step t are the first running(t) of this order.
   const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
   const at::Tensor order = order_host.to(emissions.device()), sorted = sorted_host.to(emissions.device());
   const int64_t* sorted_lengths = sorted_host.data_ptr<int64_t>();
   const int64_t steps = sorted_lengths[0];
-  const auto running = [&](int64_t t) {
-    return std::upper_bound(sorted_lengths, sorted_lengths + B, t,
-                            [](int64_t u, int64_t length) { return length <= u; }) -
-           sorted_lengths;
-  };
+  const auto running = [&](int64_t t) { return running_at(sorted_lengths, B, t); };
   const auto options = emissions.options();
   // The Viterbi's messages of every step [S,B,K] and maxima [S,B]; the forward's of the previous and this step.
   const at::Tensor alphas = at::empty({steps, B, K}, options), step_max = at::empty({steps, B}, options);

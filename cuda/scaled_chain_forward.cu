@@ -190,18 +190,14 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
   const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
   // Rows of P (a share of L2's size) that the step kernel asks L2 to keep across steps (measured on an H100 for
   // K=4096, where P is 1.3× L2: 0.3 took 4.66 to 4.41 ms, more took less off).
-  const int keep_permille =
-      static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(scaled.nbytes())));
+  const int keep_permille = l2_keep_permille(*prop, scaled.nbytes());
   at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
   at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
   const at::Tensor last = longest_first ? at::empty({B, K}, emissions.options()) : at::Tensor();
   const int64_t steps = longest_first ? std::min<int64_t>(Tn, longest_first->front()) : Tn;
   if (every_step) *every_step = at::empty({steps, B, K}, emissions.options());
   const auto running = [&](int64_t t) {
-    if (!longest_first) return B;
-    const auto& l = *longest_first;
-    return int64_t(std::upper_bound(l.begin(), l.end(), t, [](int64_t u, int64_t length) { return length <= u; }) -
-                   l.begin());
+    return longest_first ? running_at(longest_first->data(), int64_t(longest_first->size()), t) : B;
   };
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "scaled_chain_forward_cuda", [&] {
     using T = scalar_t;

@@ -31,6 +31,17 @@ constexpr int kFinishCols = kThreads;  // columns per block of a finish kernel (
 constexpr int kStages = 16;            // rows of the transitions in flight per lane
 constexpr double kL2KeepShare = 0.3;   // of L2's size, for rows of the transitions kept there from step to step
 
+// The share (per mille) of a step's matrix of `bytes` whose rows the step kernels ask L2 to keep across steps.
+inline int l2_keep_permille(const cudaDeviceProp& device, std::size_t bytes) {
+  return static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * device.l2CacheSize / double(bytes)));
+}
+
+// The sequences still running at step t of a batch ordered longest first (`lengths` descending): a prefix of that
+// order, as long as the lengths past t.
+inline int64_t running_at(const int64_t* lengths, int64_t B, int64_t t) {
+  return std::upper_bound(lengths, lengths + B, t, [](int64_t u, int64_t length) { return length <= u; }) - lengths;
+}
+
 template <class T>
 constexpr int kCols = 32 * kVec<T>;  // columns of a step block: one 16-byte vector per lane
 
