@@ -219,15 +219,26 @@ def plot(path):
                                 figsize=(4.2 * columns, 3.6 * ((len(panels) + columns - 1) // columns)))
     for axis, (shape, N) in zip(axes.flat, panels):
         here = [r for r in rows if r["shape"] == shape and r["N"] == N]
-        ours = sorted((r for r in here if r["implementation"].startswith("trellis")), key=lambda r: r["extra_bytes"])
-        axis.plot([max(r["extra_bytes"], 1) / 1e6 for r in ours], [r["ratio"] for r in ours], "o-", label="Trellis")
+        # Rows of several runs (--from-json with several files) are told apart by their commit.
+        runs = sorted({r["commit"] for r in here})
+        named = (lambda name, r: name) if len(runs) == 1 else (lambda name, r: f"{name} ({r['commit']})")
+        for commit in runs:
+            ours = sorted((r for r in here if r["implementation"].startswith("trellis") and r["commit"] == commit),
+                          key=lambda r: r["extra_bytes"])
+            if ours:
+                axis.plot([max(r["extra_bytes"], 1) / 1e6 for r in ours], [r["ratio"] for r in ours], "o-",
+                          label=named("Trellis", ours[0]))
+        floors = set()
         for r in here:
             if r["extra_bytes"] is not None and not r["implementation"].startswith("trellis"):
-                axis.plot(max(r["extra_bytes"], 1) / 1e6, r["ratio"], "s", label=r["implementation"])
+                axis.plot(max(r["extra_bytes"], 1) / 1e6, r["ratio"], "s", label=named(r["implementation"], r))
             elif r["implementation"].startswith("floor"):
                 axis.axhline(r["ratio"], linestyle=":", color="grey")
-                axis.annotate(r["implementation"].split("(")[0].replace("floor: ", ""), (0.02, r["ratio"]),
-                              xycoords=("axes fraction", "data"), fontsize=7, color="grey", va="bottom")
+                floor = r["implementation"].split("(")[0].replace("floor: ", "")
+                if floor not in floors:
+                    floors.add(floor)
+                    axis.annotate(floor, (0.02, r["ratio"]), xycoords=("axes fraction", "data"), fontsize=7,
+                                  color="grey", va="bottom")
         axis.set_xscale("log")
         axis.set_title(f"{shape} N={N} D={here[0]['D']} V={here[0]['V']}", fontsize=9)
         axis.set_xlabel("memory beyond the gradients (MB)")
@@ -237,13 +248,16 @@ def plot(path):
         axis.axis("off")
     device_name = rows[0]["device"] if rows else ""
     commits = ", ".join(sorted({r["commit"] for r in rows}))
-    figure.suptitle(f"LLM head training step, bf16, {device_name}, {commits}", fontsize=10)
+    title = f"LLM head training step, bf16, {device_name}, {commits}"
+    figure.suptitle(title if columns > 1 else title.replace(", ", "\n", 1), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
 if args.from_json:
-    rows = [r for path in args.from_json for r in json.load(open(path))]
+    wanted_shapes, wanted_rows = set(args.shapes.split(",")), {int(n) for n in args.rows.split(",")}
+    rows = [r for path in args.from_json for r in json.load(open(path))
+            if r["shape"] in wanted_shapes and r["N"] in wanted_rows]
     plot(args.plot)
     raise SystemExit(0)
 peer_losses = peers()
