@@ -22,10 +22,13 @@ threads=${THREADS:-2}
 device=${DEVICE:-cuda}
 mkdir -p "$out"
 
-held=${CONLL2000_DEV:-1000}
-total=$(awk 'BEGIN { RS = "" } END { print NR }' "$data/conll2000/train.txt")
-awk -v n=$((total - held)) 'BEGIN { RS = ""; ORS = "\n\n" } NR <= n' "$data/conll2000/train.txt" >"$out/conll2000.train.txt"
-awk -v n=$((total - held)) 'BEGIN { RS = ""; ORS = "\n\n" } NR > n' "$data/conll2000/train.txt" >"$out/conll2000.dev.txt"
+# CoNLL-2000's dev set, carved from its training file once, where a configuration asks for it.
+if grep -q '^conll2000' "$configs"; then
+  held=${CONLL2000_DEV:-1000}
+  total=$(awk 'BEGIN { RS = "" } END { print NR }' "$data/conll2000/train.txt")
+  awk -v n=$((total - held)) 'BEGIN { RS = ""; ORS = "\n\n" } NR <= n' "$data/conll2000/train.txt" >"$out/conll2000.train.txt"
+  awk -v n=$((total - held)) 'BEGIN { RS = ""; ORS = "\n\n" } NR > n' "$data/conll2000/train.txt" >"$out/conll2000.dev.txt"
+fi
 
 # run_config INDEX TASK FLAGS...: trains one configuration, prints its JSON line.
 run_config() {

@@ -2,13 +2,15 @@
 # trellis crf train --encoder bilstm|cnn and neural model files from the command line: training on a slice of the
 # bundled UD sample learns, tag (--marginals, --probability, --kbest, --timing), eval and dump read the neural file,
 # --encoder none is the feature CRF exactly as without it, the same --seed writes the same file, and bad flags and
-# corrupt models are errors naming the option or the file, writing nothing.
+# corrupt models are errors naming the option or the file, writing nothing; bench/neural_crf_sweep.sh reports each
+# configuration.
 # Usage: neural_crf_test.sh TRELLIS_BINARY WORK_DIR DATA_DIR
 set -uo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cli_harness.sh" || exit 1
 trellis=$1
 work=$2
 data=$3
+sweep_script="$(cd "$(dirname "${BASH_SOURCE[0]}")/../bench" && pwd)/neural_crf_sweep.sh"
 rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
 
 # The first sentences of the sample (paragraph mode: a blank line ends each).
@@ -62,6 +64,16 @@ printf 'U00:%%x[0,0]\nU01:%%x[-1,0]\nB\n' >words.tpl
 "$trellis" crf train --encoder cnn --template words.tpl --train train.txt -m cnn.ncrf --epochs 1 "${small[@]}" 2>cnn.log &&
   grep -q 'sparse features' cnn.log && "$trellis" crf dump cnn.ncrf | grep -q 'hybrid sparse features' &&
   "$trellis" crf tag -m cnn.ncrf words.txt -o cnn.txt && ok || fail "cnn + template: $(cat cnn.log)"
+
+# bench/neural_crf_sweep.sh: one JSON line per configuration with its best dev score, in the configurations' order.
+mkdir -p sweep-data/ud-en-ewt && cp train.txt dev.txt sweep-data/ud-en-ewt/
+# (the flags of `small` but --threads, which the script gives)
+tiny="--embedding-dim 16 --char-dim 8 --char-filters 8 --feature-dim 4 --hidden 16 --layers 1 --batch-size 8"
+printf '# two configurations\newt --epochs 2 %s\n\newt --epochs 1 %s --seed 3\n' "$tiny" "$tiny" >sweep.txt
+DEVICE=cpu PARALLEL=2 THREADS=1 bash "$sweep_script" "$trellis" sweep-data sweep sweep.txt \
+  >sweep.out 2>sweep.err &&
+  [ "$(grep -c '"task": "ewt".*"status": "ok", "best_dev": [0-9.]*, "best_epoch": [12], "epochs": [12]}' sweep.out)" = 2 ] &&
+  head -1 sweep.out | grep -q '"index": 1, .*"epochs": 2}' && ok || fail "neural_crf_sweep.sh: $(cat sweep.out sweep.err)"
 
 # --encoder none is the feature CRF, byte for byte.
 "$trellis" crf train --train train.txt -m plain.crf --max-iter 5 2>/dev/null &&
