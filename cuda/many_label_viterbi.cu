@@ -26,7 +26,6 @@
 // accumulator sends them.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -501,14 +500,7 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
                         const at::Tensor& end, const at::Tensor& lengths, at::Tensor& path, at::Tensor& score) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
   if (B == 0) return;
-  const c10::cuda::CUDAGuard guard(emissions.device());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int sms = prop->multiProcessorCount;
-  const bool pdl = prop->major >= 9;
-  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
-  // Rows of W (a share of L2's size) that the step kernel asks L2 to keep across steps, as the streamed forward does.
-  const int keep_permille = l2_keep_permille(*prop, transitions.nbytes());
+  const StreamedLaunch launch(emissions.device(), K, transitions.nbytes());
   // Longest first: the sequences running at step t are the first running(t) of this order.
   const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
   const at::Tensor order = order_host.to(emissions.device());
@@ -518,13 +510,15 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
   // Every step's messages [S,B,K] (rows of sequences past their end not written) and maxima [S,B].
   const at::Tensor alphas = at::empty({steps, B, K}, emissions.options());
   const at::Tensor step_max = at::empty({steps, B}, emissions.options());
-  at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
+  at::Tensor block_max = at::empty({B, launch.finish_blocks}, emissions.options()),
+             next_max = at::empty_like(block_max);
   const at::Tensor offset = at::zeros({B}, emissions.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(emissions.scalar_type(), "many_label_viterbi_cuda", [&] {
     using T = scalar_t;
     with_group(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
-      const StepPlan plan = plan_step<T, NB>(viterbi_step_kernel<T, NB>, B, K, sms, "many-label Viterbi step kernel");
+      const StepPlan plan =
+          plan_step<T, NB>(viterbi_step_kernel<T, NB>, B, K, launch.sms, "many-label Viterbi step kernel");
       const at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
       const T *W = transitions.data_ptr<T>(), *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
       const int64_t* ord = order.data_ptr<int64_t>();
@@ -538,17 +532,18 @@ void many_label_viterbi(const at::Tensor& emissions, const at::Tensor& transitio
         T* current = kept + t * B * K;
         if (t > 0) {
           const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<T>), plan.splits);
-          launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, stream, pdl, "many-label Viterbi step kernel",
-                           current - B * K, block_max.data_ptr<T>(), finish_blocks, W, offset.data_ptr<double>(),
-                           step_max.data_ptr<T>() + t * B, partial.data_ptr<T>(), int(B), active, int(K), plan.rows,
-                           vector_rows, t % 2 == 0, keep_permille, nonpositive);
+          launch_dependent(viterbi_step_kernel<T, NB>, grid, plan.smem, launch.stream, launch.pdl,
+                           "many-label Viterbi step kernel", current - B * K, block_max.data_ptr<T>(),
+                           launch.finish_blocks, W, offset.data_ptr<double>(), step_max.data_ptr<T>() + t * B,
+                           partial.data_ptr<T>(), int(B), active, int(K), plan.rows, vector_rows, t % 2 == 0,
+                           launch.keep_permille, nonpositive);
         }
-        launch_dependent(viterbi_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
+        launch_dependent(viterbi_finish_kernel<T>, finish_grid(K, active), 0, launch.stream, launch.pdl && t > 0,
                          "many-label Viterbi finish kernel", partial.data_ptr<T>(), plan.splits, st, E, ord, current,
                          next_max.data_ptr<T>(), int(B), int(Tn), int(K), int(t));
         std::swap(block_max, next_max);
       }
-      viterbi_backtrace_kernel<T><<<B, kBacktraceThreads, 0, stream>>>(
+      viterbi_backtrace_kernel<T><<<B, kBacktraceThreads, 0, launch.stream>>>(
           kept, step_max.data_ptr<T>(), W, end.data_ptr<T>(), ord, lengths.data_ptr<int64_t>(),
           offset.data_ptr<double>(), score.data_ptr<T>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
       check_launch("many-label Viterbi backtrace");
@@ -567,13 +562,7 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
                       at::Tensor& log_likelihood, at::Tensor& path, at::Tensor& score) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
   if (B == 0) return;
-  const c10::cuda::CUDAGuard guard(emissions.device());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int sms = prop->multiProcessorCount;
-  const bool pdl = prop->major >= 9;
-  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
-  const int keep_permille = l2_keep_permille(*prop, transitions.nbytes());
+  const StreamedLaunch launch(emissions.device(), K, transitions.nbytes());
   // Longest first: the sequences running at step t are the first running(t) of this order.
   const auto [sorted_host, order_host] = lengths.cpu().sort(/*stable=*/true, /*dim=*/0, /*descending=*/true);
   const at::Tensor order = order_host.to(emissions.device()), sorted = sorted_host.to(emissions.device());
@@ -583,10 +572,12 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
   const auto options = emissions.options();
   // The Viterbi's messages of every step [S,B,K] and maxima [S,B]; the forward's of the previous and this step.
   const at::Tensor alphas = at::empty({steps, B, K}, options), step_max = at::empty({steps, B}, options);
-  at::Tensor viterbi_max = at::empty({B, finish_blocks}, options), viterbi_next_max = at::empty_like(viterbi_max);
+  at::Tensor viterbi_max = at::empty({B, launch.finish_blocks}, options),
+             viterbi_next_max = at::empty_like(viterbi_max);
   const at::Tensor viterbi_offset = at::zeros({B}, options.dtype(at::kDouble));
   at::Tensor forward = at::empty({B, K}, options), forward_next = at::empty_like(forward);
-  at::Tensor forward_max = at::empty({B, finish_blocks}, options), forward_next_max = at::empty_like(forward_max);
+  at::Tensor forward_max = at::empty({B, launch.finish_blocks}, options),
+             forward_next_max = at::empty_like(forward_max);
   const at::Tensor forward_offset = at::zeros({B}, options.dtype(at::kDouble)), last = at::empty({B, K}, options);
   with_group<kInferGroup>(B, [&](auto group) {
     constexpr int NB = decltype(group)::value;
@@ -594,7 +585,7 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
     check(cudaFuncSetAttribute(infer_step_kernel<NB>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared),
           "hmm infer step kernel");
-    const StepPlan plan = plan_step<float, NB, 2>(infer_step_kernel<NB>, B, K, sms, "hmm infer step kernel");
+    const StepPlan plan = plan_step<float, NB, 2>(infer_step_kernel<NB>, B, K, launch.sms, "hmm infer step kernel");
     const at::Tensor partial_f = at::empty({plan.splits, B, K}, options), partial_v = at::empty_like(partial_f);
     const float *W = transitions.data_ptr<float>(), *cm = colmax.data_ptr<float>(), *st = start.data_ptr<float>();
     const float* E = emissions.data_ptr<float>();
@@ -605,26 +596,26 @@ void many_label_infer(const at::Tensor& emissions, const at::Tensor& transitions
       float* current = kept + t * B * K;
       if (t > 0) {
         const dim3 grid(grid_dim(active, NB), grid_dim(K, kCols<float>), plan.splits);
-        launch_dependent(infer_step_kernel<NB>, grid, plan.smem, stream, pdl, "hmm infer step kernel",
+        launch_dependent(infer_step_kernel<NB>, grid, plan.smem, launch.stream, launch.pdl, "hmm infer step kernel",
                          forward.data_ptr<float>(), forward_max.data_ptr<float>(), current - B * K,
-                         viterbi_max.data_ptr<float>(), finish_blocks, W, cm, viterbi_offset.data_ptr<double>(),
+                         viterbi_max.data_ptr<float>(), launch.finish_blocks, W, cm, viterbi_offset.data_ptr<double>(),
                          step_max.data_ptr<float>() + t * B, partial_f.data_ptr<float>(), partial_v.data_ptr<float>(),
-                         int(B), active, int(K), plan.rows, t % 2 == 0, keep_permille);
+                         int(B), active, int(K), plan.rows, t % 2 == 0, launch.keep_permille);
       }
-      launch_dependent(scaled_finish_kernel<float>, finish_grid(K, active), 0, stream, pdl && t > 0,
+      launch_dependent(scaled_finish_kernel<float>, finish_grid(K, active), 0, launch.stream, launch.pdl && t > 0,
                        "hmm infer forward finish kernel", partial_f.data_ptr<float>(), plan.splits,
                        forward.data_ptr<float>(), forward_max.data_ptr<float>(), W, cm, st, E, ord, len,
                        forward_next.data_ptr<float>(), forward_next_max.data_ptr<float>(),
                        forward_offset.data_ptr<double>(), last.data_ptr<float>(), int(B), int(Tn), int(K), int(t),
                        static_cast<float>(threshold));
-      launch_dependent(viterbi_finish_kernel<float>, finish_grid(K, active), 0, stream, pdl && t > 0,
+      launch_dependent(viterbi_finish_kernel<float>, finish_grid(K, active), 0, launch.stream, launch.pdl && t > 0,
                        "hmm infer Viterbi finish kernel", partial_v.data_ptr<float>(), plan.splits, st, E, ord, current,
                        viterbi_next_max.data_ptr<float>(), int(B), int(Tn), int(K), int(t));
       std::swap(forward, forward_next);
       std::swap(forward_max, forward_next_max);
       std::swap(viterbi_max, viterbi_next_max);
     }
-    viterbi_backtrace_kernel<float><<<B, kBacktraceThreads, 0, stream>>>(
+    viterbi_backtrace_kernel<float><<<B, kBacktraceThreads, 0, launch.stream>>>(
         kept, step_max.data_ptr<float>(), W, end.data_ptr<float>(), ord, lengths.data_ptr<int64_t>(),
         viterbi_offset.data_ptr<double>(), score.data_ptr<float>(), path.data_ptr<int64_t>(), int(B), int(Tn), int(K));
     check_launch("hmm infer Viterbi backtrace");

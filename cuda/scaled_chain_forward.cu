@@ -22,7 +22,6 @@
 // walks its rows backwards.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -182,17 +181,10 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
                             double threshold, double* offset_data, const std::vector<int64_t>* longest_first,
                             at::Tensor* every_step = nullptr) {
   const int64_t B = emissions.size(0), Tn = emissions.size(1), K = emissions.size(2);
-  const c10::cuda::CUDAGuard guard(emissions.device());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int sms = prop->multiProcessorCount;
-  const bool pdl = prop->major >= 9;
-  const int finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
-  // Rows of P (a share of L2's size) that the step kernel asks L2 to keep across steps (measured on an H100 for
-  // K=4096, where P is 1.3× L2: 0.3 took 4.66 to 4.41 ms, more took less off).
-  const int keep_permille = l2_keep_permille(*prop, scaled.nbytes());
+  const StreamedLaunch launch(emissions.device(), K, scaled.nbytes());
   at::Tensor alpha = at::empty({B, K}, emissions.options()), next = at::empty_like(alpha);
-  at::Tensor block_max = at::empty({B, finish_blocks}, emissions.options()), next_max = at::empty_like(block_max);
+  at::Tensor block_max = at::empty({B, launch.finish_blocks}, emissions.options()),
+             next_max = at::empty_like(block_max);
   const at::Tensor last = longest_first ? at::empty({B, K}, emissions.options()) : at::Tensor();
   const int64_t steps = longest_first ? std::min<int64_t>(Tn, longest_first->front()) : Tn;
   if (every_step) *every_step = at::empty({steps, B, K}, emissions.options());
@@ -203,7 +195,7 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
     using T = scalar_t;
     with_group(B, [&](auto group) {
       constexpr int NB = decltype(group)::value;
-      const StepPlan plan = plan_step<T, NB>(scaled_step_kernel<T, NB>, B, K, sms, "scaled chain step kernel");
+      const StepPlan plan = plan_step<T, NB>(scaled_step_kernel<T, NB>, B, K, launch.sms, "scaled chain step kernel");
       at::Tensor partial = at::empty({plan.splits, B, K}, emissions.options());
       const T *W = transitions.data_ptr<T>(), *P = scaled.data_ptr<T>(), *cmax = colmax.data_ptr<T>();
       const T *st = start.data_ptr<T>(), *E = emissions.data_ptr<T>();
@@ -217,15 +209,15 @@ at::Tensor streamed_forward(const at::Tensor& emissions, const at::Tensor& trans
         T* current = kept_steps ? kept_steps + t * B * K : next.data_ptr<T>();
         const bool gemm = t > 0 && gemm_step(active, K);
         if (gemm) {  // the partial sums of one span: v·P into partial[0]
-          launch_dependent(scaled_rows_kernel<T>, finish_grid(K, active), 0, stream, pdl, "scaled chain rows kernel",
-                           previous, block_max.data_ptr<T>(), rows.data_ptr<T>(), int(K));
+          launch_dependent(scaled_rows_kernel<T>, finish_grid(K, active), 0, launch.stream, launch.pdl,
+                           "scaled chain rows kernel", previous, block_max.data_ptr<T>(), rows.data_ptr<T>(), int(K));
           at::Tensor product = partial[0].narrow(0, 0, active);
           at::mm_out(product, rows.narrow(0, 0, active), scaled);
         } else if (t > 0) {
-          launch_step<T, NB>(previous, block_max.data_ptr<T>(), finish_blocks, P, partial.data_ptr<T>(), int(B), active,
-                             int(K), plan, stream, pdl, t % 2 == 0, keep_permille);
+          launch_step<T, NB>(previous, block_max.data_ptr<T>(), launch.finish_blocks, P, partial.data_ptr<T>(), int(B),
+                             active, int(K), plan, launch.stream, launch.pdl, t % 2 == 0, launch.keep_permille);
         }
-        launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, stream, pdl && t > 0,
+        launch_dependent(scaled_finish_kernel<T>, finish_grid(K, active), 0, launch.stream, launch.pdl && t > 0,
                          "scaled chain finish kernel", partial.data_ptr<T>(), gemm ? 1 : plan.splits, previous,
                          block_max.data_ptr<T>(), W, cmax, st, E, static_cast<const int64_t*>(nullptr), len, current,
                          next_max.data_ptr<T>(), offset_data, kept, int(B), int(Tn), int(K), t,

@@ -2,9 +2,11 @@
 // cuda/many_label_viterbi.cu, its MaxSemiring counterpart): the block shape, the sequence group that shares one read of
 // the transitions per step (and the launches' choice of a smaller group for fewer sequences), the 16-byte vectors a
 // thread reads, the rings of transition rows in flight (and each lane's stream of rows into them) and the step block's
-// shared memory, the finish kernels' grid, the launches' overlap, and the per-block maxima that rebase each step's
-// messages.
+// shared memory, the finish kernels' grid, the launches' overlap and the launchers' device set-up, the count of
+// sequences still running, and the per-block maxima that rebase each step's messages.
 #pragma once
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -31,10 +33,27 @@ constexpr int kFinishCols = kThreads;  // columns per block of a finish kernel (
 constexpr int kStages = 16;            // rows of the transitions in flight per lane
 constexpr double kL2KeepShare = 0.3;   // of L2's size, for rows of the transitions kept there from step to step
 
-// The share (per mille) of a step's matrix of `bytes` whose rows the step kernels ask L2 to keep across steps.
-inline int l2_keep_permille(const cudaDeviceProp& device, std::size_t bytes) {
-  return static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * device.l2CacheSize / double(bytes)));
-}
+// What a streamed launcher sets up on the emissions' device: the device made current for the launcher's lifetime, its
+// current stream, its SMs, whether launches overlap (programmatic dependent launch, sm_90), the finish kernels' blocks
+// for K columns, and the share (per mille) of the step's matrix of `matrix_bytes` whose rows the step kernels ask L2
+// to keep across steps (kL2KeepShare of L2: at K=4096, where the matrix is somewhat larger than L2, a larger share
+// took no more off a step).
+struct StreamedLaunch {
+  c10::cuda::CUDAGuard guard;
+  cudaStream_t stream;
+  int sms, finish_blocks, keep_permille;
+  bool pdl;
+
+  StreamedLaunch(const at::Device& device, int64_t K, std::size_t matrix_bytes)
+      : guard(device), stream(at::cuda::getCurrentCUDAStream()) {
+    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    sms = prop->multiProcessorCount;
+    finish_blocks = static_cast<int>(grid_dim(K, kFinishCols));
+    keep_permille =
+        static_cast<int>(std::min(1000.0, 1000.0 * kL2KeepShare * prop->l2CacheSize / double(matrix_bytes)));
+    pdl = prop->major >= 9;
+  }
+};
 
 // The sequences still running at step t of a batch ordered longest first (`lengths` descending): a prefix of that
 // order, as long as the lengths past t.
