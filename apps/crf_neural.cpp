@@ -75,6 +75,9 @@ int train(const std::vector<std::string>& args) {
       "the last weights)")("clip", po::value(&o.clip)->default_value(o.clip, "5"), "gradient norm clipping (0: off)")(
       "dropout", po::value(&o.dropout)->default_value(o.dropout, "0.5"),
       "dropout on inputs, between layers and before the emissions")(
+      "variational-dropout",
+      po::value(&o.variational_dropout)->default_value(o.variational_dropout)->implicit_value(true),
+      "draw each dropout mask once per sentence, the same at every position, instead of per token")(
       "word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.5"),
       "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")(
       "embedding-dim", po::value(&o.word_dim)->default_value(0),

@@ -377,6 +377,40 @@ TEST(NeuralTagger, CnnEncoderCharacterBiLstmAndHybridFeaturesTrainAndRoundTrip) 
   std::remove(path.c_str());
 }
 
+TEST(NeuralTagger, SentenceDropoutMasksTrainRoundTripAndSteerTraining) {
+  const LabeledSentences train = toy_corpus(100, 1, "train"), dev = toy_corpus(30, 2, "dev");
+  NeuralTaggerOptions o = small_options();
+  o.dropout = 0.3;
+  o.epochs = 4;
+  o.variational_dropout = true;
+  // Two layers: one BiLSTM module per layer, which the model file must bring back.
+  o.layers = 2;
+  NeuralTrainSummary sum;
+  const NeuralTagger m = train_neural_tagger(train, &dev, nullptr, o, {}, &sum);
+  EXPECT_GT(*sum.best_dev_accuracy, 80);
+  const std::string path = temp_path("sentence_masks.ncrf");
+  m.save(path);
+  const NeuralTagger back = NeuralTagger::load(path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(back.options().variational_dropout);
+  EXPECT_NE(back.describe().find("dropout 0.3 per sentence"), std::string::npos) << back.describe();
+  const auto a = m.tag(pointers(dev), true), b = back.tag(pointers(dev), true);
+  for (std::size_t s = 0; s < a.size(); ++s) EXPECT_EQ(a[s].marginals, b[s].marginals);
+
+  // One layer (the same modules either way): the masks alone make another model from the same seed.
+  o.layers = 1;
+  const auto marginals_of = [&](bool sentence_masks) {
+    o.variational_dropout = sentence_masks;
+    return train_neural_tagger(train, nullptr, nullptr, o).tag(pointers(dev), true);
+  };
+  const auto per_sentence = marginals_of(true), per_token = marginals_of(false);
+  double largest = 0;
+  for (std::size_t s = 0; s < per_sentence.size(); ++s)
+    for (std::size_t i = 0; i < per_sentence[s].marginals.size(); ++i)
+      largest = std::max(largest, std::abs(per_sentence[s].marginals[i] - per_token[s].marginals[i]));
+  EXPECT_GT(largest, 1e-3) << "sentence masks trained the model that token masks train";
+}
+
 TEST(NeuralTagger, PretrainedVectorsSetTheEmbeddingSizeAndJoinTheVocabulary) {
   const LabeledSentences train = toy_corpus(20, 1, "train");
   const std::string vectors = temp_path("vectors.txt");

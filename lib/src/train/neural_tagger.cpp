@@ -147,6 +147,9 @@ struct Architecture {
   std::vector<int64_t> extra;                                // vocabulary size of each extra input column
   int64_t hidden = 0, layers = 0, labels = 0, features = 0;  // features: hybrid sparse features (0: none)
   double dropout = 0;
+  // Dropout masks drawn per sentence (the same at every position) instead of per token. A BiLSTM of several layers
+  // then runs as one module per layer, so that the masks between layers are drawn here and not inside cuDNN.
+  bool sentence_masks = false;
 };
 
 // A batch on the model's device, its rows sorted by length, longest first (as packing the BiLSTM's input needs).
@@ -249,7 +252,12 @@ class NetworkImpl : public torch::nn::Module {
       }
     }
     int64_t encoded = 2 * a.hidden;
-    if (a.encoder == SentenceEncoder::BiLstm) {
+    if (a.encoder == SentenceEncoder::BiLstm && a.sentence_masks && a.layers > 1) {
+      lstm_layers = register_module("lstm_layers", torch::nn::ModuleList());
+      for (int64_t l = 0; l < a.layers; ++l)
+        lstm_layers->push_back(torch::nn::LSTM(
+            torch::nn::LSTMOptions(l == 0 ? input : encoded, a.hidden).bidirectional(true).batch_first(true)));
+    } else if (a.encoder == SentenceEncoder::BiLstm) {
       lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(input, a.hidden)
                                                          .num_layers(a.layers)
                                                          .bidirectional(true)
@@ -272,6 +280,38 @@ class NetworkImpl : public torch::nn::Module {
   at::Tensor dropout(const at::Tensor& x) {
     return torch::nn::functional::dropout(
         x, torch::nn::functional::DropoutFuncOptions().p(arch.dropout).training(is_training()));
+  }
+
+  // Masks of kept units (scaled by 1/keep) for dropout on a tensor of `shape`.
+  at::Tensor keep_mask(at::IntArrayRef shape, const at::TensorOptions& options) const {
+    const double keep = 1.0 - arch.dropout;
+    return at::empty(shape, options).bernoulli_(keep).div_(keep);
+  }
+  bool sentence_dropout() const { return arch.sentence_masks && is_training() && arch.dropout > 0; }
+
+  // Dropout on x, whose dimension 0 is the sentence and `position_dim` the position in it: with sentence masks a
+  // unit is dropped at every position of its sentence or at none.
+  at::Tensor sequence_dropout(const at::Tensor& x, int64_t position_dim) {
+    if (!sentence_dropout()) return dropout(x);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[position_dim] = 1;
+    return x * keep_mask(shape, x.options());
+  }
+
+  // The BiLSTM's output rows [N,2H] over packed input rows `data` [N,D] (`steps`: rows per step, on the CPU).
+  // `row_sentence` [N], the sentence of each row, is read only with sentence masks in training.
+  at::Tensor encode_packed(at::Tensor data, const at::Tensor& steps, const at::Tensor& row_sentence,
+                           int64_t sentences) {
+    namespace rnn = torch::nn::utils::rnn;
+    if (lstm) return std::get<0>(lstm->forward_with_packed_input(rnn::PackedSequence(data, steps))).data();
+    for (std::size_t l = 0; l < lstm_layers->size(); ++l) {
+      if (l > 0 && sentence_dropout())
+        data = data * keep_mask({sentences, data.size(1)}, data.options()).index_select(0, row_sentence);
+      data = std::get<0>(
+                 lstm_layers[l]->as<torch::nn::LSTM>()->forward_with_packed_input(rnn::PackedSequence(data, steps)))
+                 .data();
+    }
+    return data;
   }
 
   // Emission scores [B,T,K], float32 (the encoder in bfloat16 under `bf16`).
@@ -312,22 +352,29 @@ class NetworkImpl : public torch::nn::Module {
             at::zeros({b.B * b.T, c.size(1)}, c.options()).index_copy(0, b.char_positions, c).view({b.B, b.T, -1}));
       }
       for (auto& p : parts) p = p.to(at::kFloat);
-      at::Tensor x = dropout(at::cat(parts, 2));
+      at::Tensor x = sequence_dropout(at::cat(parts, 2), 1);
       at::Tensor h;
-      if (lstm) {
+      if (arch.encoder == SentenceEncoder::BiLstm) {
         const NoAutocast fp32;
         namespace rnn = torch::nn::utils::rnn;
         if (b.packed_positions.defined()) {
           // Packed and unpacked as pack_padded_sequence and pad_packed_sequence do, by one gather and one scatter.
-          const rnn::PackedSequence packed(x.reshape({b.B * b.T, x.size(2)}).index_select(0, b.packed_positions),
-                                           b.step_sizes);
-          const at::Tensor out = std::get<0>(lstm->forward_with_packed_input(packed)).data();
+          const at::Tensor out =
+              encode_packed(x.reshape({b.B * b.T, x.size(2)}).index_select(0, b.packed_positions), b.step_sizes,
+                            sentence_dropout() ? at::floor_divide(b.packed_positions, b.T) : at::Tensor(), b.B);
           h = at::zeros({b.B * b.T, out.size(1)}, out.options())
                   .index_copy(0, b.packed_positions, out)
                   .view({b.B, b.T, out.size(1)});
         } else {
           const auto packed = rnn::pack_padded_sequence(x, b.lengths, /*batch_first=*/true, /*enforce_sorted=*/true);
-          h = std::get<0>(rnn::pad_packed_sequence(std::get<0>(lstm->forward_with_packed_input(packed)),
+          at::Tensor row_sentence;
+          if (lstm_layers && sentence_dropout())
+            row_sentence = rnn::pack_padded_sequence(
+                               at::arange(b.B, b.words.options()).unsqueeze(1).expand({b.B, b.T}).contiguous(),
+                               b.lengths, /*batch_first=*/true, /*enforce_sorted=*/true)
+                               .data();
+          const at::Tensor out = encode_packed(packed.data(), packed.batch_sizes(), row_sentence, b.B);
+          h = std::get<0>(rnn::pad_packed_sequence(rnn::PackedSequence(out, packed.batch_sizes()),
                                                    /*batch_first=*/true, 0.0, b.T));
         }
       } else {
@@ -336,10 +383,10 @@ class NetworkImpl : public torch::nn::Module {
         const at::Tensor keep = b.mask.unsqueeze(1).to(x.scalar_type());  // [B,1,T]
         h = at::relu(convolutions[0]->as<torch::nn::Conv1d>()->forward(x.transpose(1, 2))) * keep;
         for (std::size_t l = 1; l < convolutions->size(); ++l)
-          h = h + dropout(at::relu(convolutions[l]->as<torch::nn::Conv1d>()->forward(h))) * keep;
+          h = h + sequence_dropout(at::relu(convolutions[l]->as<torch::nn::Conv1d>()->forward(h)), 2) * keep;
         h = h.transpose(1, 2);
       }
-      scores = output(dropout(h)).to(at::kFloat);
+      scores = output(sequence_dropout(h, 1)).to(at::kFloat);
     }
     return scores;
   }
@@ -362,7 +409,7 @@ class NetworkImpl : public torch::nn::Module {
 
   Architecture arch;
   torch::nn::Embedding word_embedding{nullptr}, shape_embedding{nullptr}, char_embedding{nullptr};
-  torch::nn::ModuleList extra_embeddings{nullptr}, convolutions{nullptr};
+  torch::nn::ModuleList extra_embeddings{nullptr}, convolutions{nullptr}, lstm_layers{nullptr};
   torch::nn::Conv1d char_conv{nullptr};
   torch::nn::LSTM lstm{nullptr}, char_lstm{nullptr};
   torch::nn::Linear output{nullptr};
@@ -416,6 +463,7 @@ struct NeuralTagger::Impl {
     a.labels = static_cast<int64_t>(labels.size());
     a.features = hybrid ? features.size() : 0;
     a.dropout = options.dropout;
+    a.sentence_masks = options.variational_dropout;
     return a;
   }
 
@@ -1025,7 +1073,7 @@ struct NeuralTagger::Impl {
       << "\nchar_dim=" << options.char_dim << "\nchar_filters=" << options.char_filters
       << "\nchar_encoder=" << char_encoder_name(options.char_encoder) << "\nfeature_dim=" << options.feature_dim
       << "\nhidden=" << options.hidden << "\nlayers=" << options.layers << "\ndropout=" << show(options.dropout)
-      << "\nscheme=" << scheme << "\n";
+      << "\ndropout_masks=" << (options.variational_dropout ? "sentence" : "token") << "\nscheme=" << scheme << "\n";
     return s.str();
   }
 };
@@ -1249,7 +1297,8 @@ std::string NeuralTagger::describe() const {
   const bool lstm = o.encoder == SentenceEncoder::BiLstm;
   s << "encoder: " << sentence_encoder_name(o.encoder) << " (" << o.layers
     << (lstm ? " layers of " : " dilated blocks of ") << (lstm ? o.hidden : 2 * o.hidden)
-    << (lstm ? " units per direction" : " channels") << ", dropout " << o.dropout << ")\n";
+    << (lstm ? " units per direction" : " channels") << ", dropout " << o.dropout
+    << (o.variational_dropout ? " per sentence" : "") << ")\n";
   s << "inputs: words " << m.words.size() << " x " << o.word_dim << ", shapes " << m.shapes.size() << " x "
     << o.feature_dim;
   if (o.char_dim > 0)
@@ -1392,6 +1441,13 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
     char* end = nullptr;
     o.dropout = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(o.dropout >= 0 && o.dropout < 1)) r.corrupt("hyper-parameter dropout=" + v);
+  }
+  {
+    // Files written before sentence masks existed have no key: their masks were per token.
+    const auto it = hp.find("dropout_masks");
+    const std::string masks = it == hp.end() ? "token" : it->second;
+    if (masks != "token" && masks != "sentence") r.corrupt("hyper-parameter dropout_masks=" + masks);
+    o.variational_dropout = masks == "sentence";
   }
   m->scheme = text("scheme");
   if (m->scheme != "none" && m->scheme != "BIO" && m->scheme != "BIOES") r.corrupt("scheme '" + m->scheme + "'");

@@ -44,11 +44,14 @@ struct NeuralTaggerOptions {
   int64_t char_dim = 50;       // character embedding size (0: no character representation)
   int64_t char_filters = 200;  // char CNN filters, or char BiLSTM units per direction
   CharEncoder char_encoder = CharEncoder::BiLstm;
-  int64_t feature_dim = 20;           // embedding size of the word shape and of each extra input column
-  int64_t hidden = 300;               // BiLSTM units per direction; convolution channels are twice this
-  int64_t layers = 2;                 // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
-  double dropout = 0.5;               // on the token inputs, between layers and before the emissions
-  double word_dropout = 0.5;          // a training word seen c times becomes unknown with probability a/(a+c)
+  int64_t feature_dim = 20;   // embedding size of the word shape and of each extra input column
+  int64_t hidden = 300;       // BiLSTM units per direction; convolution channels are twice this
+  int64_t layers = 2;         // BiLSTM layers, or dilated convolution blocks (dilations 1, 2, 4, ...)
+  double dropout = 0.5;       // on the token inputs, between layers and before the emissions
+  double word_dropout = 0.5;  // a training word seen c times becomes unknown with probability a/(a+c)
+  // Dropout masks drawn once per sentence, the same at every position (variational dropout, Gal & Ghahramani 2016),
+  // instead of per token. Stored in the model file: a BiLSTM of several layers is then one module per layer.
+  bool variational_dropout = false;
   std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;              // passes over the training set at most
