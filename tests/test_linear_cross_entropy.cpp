@@ -545,6 +545,48 @@ TEST(LinearCrossEntropyCuda, MemoryBudgetIsRespected) {
 #endif
 }
 
+// Without a budget, training on Hopper takes the slabs in x's type for bfloat16 (chunk_bytes of exponentials: twice
+// the rows of float32 logits; two slabs here, so that dW's product adds to the first) and float16 without a soft-cap,
+// and the float32 slabs for float16 with one; the measured peak stays within the plan's estimate and the gradients are
+// those of float32 inputs.
+TEST(LinearCrossEntropyCuda, DefaultSlabsInXsTypeOnHopper) {
+  TRELLIS_REQUIRE_CUDA();
+#if TRELLIS_WITH_CUDA
+  if (at::cuda::getCurrentDeviceProperties()->major != 9) GTEST_SKIP() << "the fused kernel is for sm_90";
+  at::manual_seed(27);
+  const int64_t N = 2048, D = 256, V = 32000, MiB = int64_t(1) << 20;
+  for (const auto dtype : {at::kBFloat16, at::kHalf})
+    for (const std::optional<double> cap : {std::optional<double>(), std::optional<double>(30.0)}) {
+      SCOPED_TRACE(c10::str(dtype, cap ? " softcap 30" : ""));
+      const auto opts = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+      const at::Tensor x = at::randn({N, D}, opts).requires_grad_(),
+                       w = (at::randn({V, D}, opts) * 0.1).requires_grad_();
+      const at::Tensor t = at::randint(0, V, {N}, opts.dtype(at::kLong));
+      HeadOptions h;
+      h.softcap = cap;
+      h.chunk_bytes = 64 * MiB;
+      const HeadMemoryPlan plan = plan_head_memory(x, w, h);
+      const bool input_type = dtype == at::kBFloat16 || !cap;
+      EXPECT_FALSE(plan.recompute_logits);
+      EXPECT_EQ(plan.slab_type, input_type ? dtype : at::kFloat);
+      EXPECT_EQ(plan.slab_bytes, h.chunk_bytes);
+      const int64_t grads = (x.numel() + w.numel()) * x.element_size();
+      linear_cross_entropy(x, w, t, h).backward();  // cuBLAS' workspaces for these shapes, before measuring
+      x.mutable_grad() = at::Tensor();
+      w.mutable_grad() = at::Tensor();
+      const int64_t extra = peak_extra_bytes([&] { linear_cross_entropy(x, w, t, h).backward(); }) - grads;
+      EXPECT_LE(extra, plan.extra_bytes);
+      // The reference: float32 inputs (their float32 slabs) and float32 gradients.
+      const at::Tensor x32 = x.detach().to(at::kFloat).requires_grad_(),
+                       w32 = w.detach().to(at::kFloat).requires_grad_();
+      linear_cross_entropy(x32, w32, t, h).backward();
+      const at::Tensor dx = x32.grad().to(at::kDouble), dw = w32.grad().to(at::kDouble);
+      expect_close(x.grad().to(at::kDouble), dx, 2e-2, 2e-2 * dx.abs().max().item<double>());
+      expect_close(w.grad().to(at::kDouble), dw, 2e-2, 2e-2 * dw.abs().max().item<double>());
+    }
+#endif
+}
+
 // Small shapes for compute-sanitizer: scripts/gpu_check.sh runs LinearCrossEntropySmallCuda.* under memcheck, racecheck
 // and synccheck, where the tests above take too long. Together they launch every head kernel from every place the
 // library does, at a few rows and columns each (the comments name the kernels of cuda/linear_head.cu and

@@ -87,11 +87,20 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
     p.slab_bytes = N * columns * static_cast<int64_t>(at::elementSize(p.slab_type));
     p.extra_bytes = f.fixed + (own_sum || !sum_in_dw ? f.dx_sum : 0) + N * columns * f.chunk_element;
   };
+  // Where the fused kernel runs, slabs in x's type (half the bytes of float32 logits per row: twice the rows), with or
+  // without a budget.
+  const bool input_type = fused && input_type_slabs_apply(h);
+  const int64_t slab_fixed = input_type ? f.fixed - kTemporariesMargin + kInputTypeSlabsMargin : f.fixed;
+  const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) + kInputTypeSlabRowValues : V * f.slab_element;
   if (o.memory_budget < 0) {
     if (o.recompute_logits) {
       const int64_t size = at::elementSize(fused ? h.x.scalar_type() : h.acc);
       const int64_t columns = std::clamp<int64_t>(o.chunk_bytes / (N * size), 1, 2048 / size);
       recompute(columns >= 8 ? columns / 8 * 8 : columns, false);
+    } else if (input_type) {
+      p.slab_type = h.x.scalar_type();
+      p.slab_bytes = o.chunk_bytes;
+      p.extra_bytes = slab_fixed + std::min(input_type_slab_rows(h, o.chunk_bytes), N) * slab_row;
     } else {
       p.slab_bytes = o.chunk_bytes;
       const int64_t rows = std::min(slab_rows(h, o.chunk_bytes), N);
@@ -100,10 +109,6 @@ HeadMemoryPlan memory_plan(const Head& h, const HeadOptions& o) {
     return p;
   }
   const int64_t budget = o.memory_budget - f.fixed;
-  // Where the fused kernel runs, slabs in x's type (half the bytes of float32 logits per row: twice the rows).
-  const bool input_type = fused && input_type_slabs_apply(h);
-  const int64_t slab_fixed = input_type ? f.fixed - kTemporariesMargin + kInputTypeSlabsMargin : f.fixed;
-  const int64_t slab_row = input_type ? input_type_slab_row_bytes(h) + kInputTypeSlabRowValues : V * f.slab_element;
   const int64_t rows = o.memory_budget > slab_fixed ? (o.memory_budget - slab_fixed) / slab_row : 0;
   const auto slabs = [&] {
     const int64_t whole = std::min(rows >= 256 ? rows - rows % 256 : rows, N);

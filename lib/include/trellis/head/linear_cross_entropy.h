@@ -32,7 +32,9 @@ struct HeadOptions {
   int64_t ignore_index = -100;    // targets equal to it are skipped (loss 0, no gradient, not counted)
   // Bytes of float32 logits held at once (a slab of rows × V; on CUDA the slab's dL/dz takes the slab's own memory
   // where the types match or on compute capability 9.0, else it sits beside it in x's type); smaller saves memory,
-  // larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab).
+  // larger feeds the GEMMs better and, for bfloat16/float16 weights, rounds dW fewer times (once per slab). Where the
+  // fused Hopper kernel runs (bfloat16, or float16 without a soft-cap) the training slab holds exponentials in x's type
+  // instead (as under memory_budget below): chunk_bytes of them hold twice the rows.
   int64_t chunk_bytes = int64_t(1) << 30;
   // Training without a slab of logits: the loss takes each row's log-sum-exp from the forward pass (the fused kernel
   // where it applies, else a chunk of vocabulary columns at a time) and the gradients form the logits again, a chunk
