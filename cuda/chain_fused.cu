@@ -77,6 +77,12 @@ std::size_t forward_smem(int64_t K, int spb) {
   return sizeof(T) * (K * ld(K) + 2 * spb * K);
 }
 
+// Viterbi's back-pointers of a block's sequences, one byte each ([spb][T][K]; K ≤ 159 < 255), after the forward's
+// shared memory: the backtrace then walks shared memory instead of T dependent reads of global memory, in the forward
+// launch. Kept there while the whole block stays within the shared memory that needs no opt-in.
+std::size_t backtrace_smem(int64_t Tn, int64_t K, int spb) { return static_cast<std::size_t>(spb) * Tn * K; }
+constexpr std::size_t kBacktraceSmemLimit = 48 * 1024;
+
 template <class T>
 std::size_t backward_smem(int64_t K, int spb) {
   return sizeof(T) * (K * ld(K) + spb * K * ld(K) + 2 * spb * K) + sizeof(int) * spb * K;
@@ -92,13 +98,16 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
                                      const T* __restrict__ end, const int64_t* __restrict__ len,
                                      const int64_t* __restrict__ tags, T* __restrict__ alpha, T* __restrict__ pre,
                                      int64_t* __restrict__ arg, int64_t* __restrict__ end_arg, T* __restrict__ score,
-                                     T* __restrict__ frame_score, T* __restrict__ loglik, int B, int Tn, int K, int R,
-                                     int tps, int spb) {
+                                     T* __restrict__ frame_score, T* __restrict__ loglik, int64_t* __restrict__ path,
+                                     int B, int Tn, int K, int R, int tps, int spb) {
   extern __shared__ unsigned char smem_raw[];
   T* w = reinterpret_cast<T*>(smem_raw);  // [K][ld]
   // [2][spb][K]: alpha_t in buffer t % 2. Step t reads one buffer and writes the other, so one barrier per step keeps
   // a row from being overwritten while it is read; a finished sequence leaves its last alpha where it was written.
   T* messages = w + K * ld(K);
+  // With path (MaxSemiring): the back-pointers in shared memory ([spb][Tn][K], backtrace_smem), for the backtrace at
+  // the end of this launch.
+  unsigned char* kept = path ? reinterpret_cast<unsigned char*>(messages + 2 * spb * K) : nullptr;
   __shared__ int block_len;
   const int s = threadIdx.x / tps, j = threadIdx.x % tps / R, r = threadIdx.x % R;
   const int b = blockIdx.x * spb + s;
@@ -155,7 +164,8 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
         pre[o] = acc.value();
         alpha[o] = a;
       }
-      S::Backpointers::store(arg, o, acc.arg());
+      if (arg) S::Backpointers::store(arg, o, acc.arg());
+      if (kept) S::Backpointers::store(kept, (static_cast<int64_t>(s) * Tn + t) * K + j, acc.arg());
       alpha_row(t)[j] = a;
     }
     __syncthreads();
@@ -179,7 +189,18 @@ __global__ void chain_forward_kernel(const T* __restrict__ E, const T* __restric
     // A sequence with a length or tag out of range scores NaN, and so do its gradients (through frame_score).
     score[b] = bad ? nan : static_cast<T>(z);
     frame_score[b] = bad ? nan : acc.value();
-    S::Backpointers::store(end_arg, b, acc.arg());
+    if (end_arg) S::Backpointers::store(end_arg, b, acc.arg());
+    if (path) {  // chain_backtrace_kernel's walk, over the back-pointers kept in shared memory
+      int64_t* p = path + static_cast<int64_t>(b) * Tn;
+      const bool nothing_allowed = isinf(acc.value()) && acc.value() < T(0);
+      for (int t = nothing_allowed ? 0 : L; t < Tn; ++t) p[t] = -1;
+      if (!nothing_allowed) {
+        int64_t y = acc.arg();
+        p[L - 1] = y;
+        for (int t = L - 1; t >= 1; --t)
+          p[t - 1] = y = S::Backpointers::load(kept, (static_cast<int64_t>(s) * Tn + t) * K + y);
+      }
+    }
   }
 }
 
@@ -319,10 +340,28 @@ __global__ void chain_backward_kernel(const T* __restrict__ G, int64_t g_stride,
 }
 
 // The column sums of the backward kernel's per-block partials [rows][K*K | K | K], each written to its own gradient
-// (separate tensors, not views of one: an operator's outputs may not share storage), in a fixed order.
+// (separate tensors, not views of one: an operator's outputs may not share storage), in a fixed order. Where loglik_sum
+// is given, the grid's last block writes Σ_b loglik[b] / divisor to it (summed in float64, in a fixed order): the
+// reduced log-likelihood of a training step, which then needs no reduction launch of its own.
+constexpr int kPartialsThreads = 128;
+
 template <class T>
 __global__ void sum_partials_kernel(const T* __restrict__ part, int rows, int K, T* __restrict__ g_trans,
-                                    T* __restrict__ g_start, T* __restrict__ g_end) {
+                                    T* __restrict__ g_start, T* __restrict__ g_end, const T* __restrict__ loglik,
+                                    int B, double divisor, T* __restrict__ loglik_sum) {
+  if (loglik_sum && blockIdx.x == gridDim.x - 1) {
+    __shared__ double sums[kPartialsThreads];
+    double sum = 0;
+    for (int b = threadIdx.x; b < B; b += kPartialsThreads) sum += double(loglik[b]);
+    sums[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = kPartialsThreads / 2; half > 0; half /= 2) {
+      if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) *loglik_sum = static_cast<T>(sums[0] / divisor);
+    return;
+  }
   const int n = K * K + 2 * K, e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= n) return;
   T s[4] = {T(0), T(0), T(0), T(0)};
@@ -373,19 +412,27 @@ void chain_forward(const ChainInputs& in, ChainRecord& record) {
   const int64_t B = in.emissions.size(0), Tn = in.emissions.size(1), K = in.emissions.size(2);
   const Layout l = layout(B, K);
   const auto stream = at::cuda::getCurrentCUDAStream();
+  bool backtraced = false;
   AT_DISPATCH_FLOATING_TYPES(in.emissions.scalar_type(), "chain_forward_cuda", [&] {
-    const std::size_t smem = forward_smem<scalar_t>(K, l.spb);
+    std::size_t smem = forward_smem<scalar_t>(K, l.spb);
+    // A backtrace whose back-pointers fit shared memory runs at the end of this launch; the record's back-pointers
+    // are then neither written nor read.
+    backtraced = S::Backpointers::kRecorded && record.path.defined() && B > 0 &&
+                 smem + backtrace_smem(Tn, K, l.spb) <= kBacktraceSmemLimit;
+    if (backtraced) smem += backtrace_smem(Tn, K, l.spb);
     auto kernel = chain_forward_kernel<S, scalar_t>;
     allow_smem(kernel, smem);
     kernel<<<l.blocks, l.tps * l.spb, smem, stream>>>(
         in.emissions.data_ptr<scalar_t>(), in.transitions.data_ptr<scalar_t>(), in.start.data_ptr<scalar_t>(),
         in.end.data_ptr<scalar_t>(), detail::data_or_null<int64_t>(in.lengths), detail::data_or_null<int64_t>(in.tags),
         detail::data_or_null<scalar_t>(record.alpha), detail::data_or_null<scalar_t>(record.pre),
-        detail::data_or_null<int64_t>(record.arg), detail::data_or_null<int64_t>(record.end_arg),
-        record.score.data_ptr<scalar_t>(), record.frame_score.data_ptr<scalar_t>(),
-        detail::data_or_null<scalar_t>(record.loglik), int(B), int(Tn), int(K), l.R, l.tps, l.spb);
+        backtraced ? nullptr : detail::data_or_null<int64_t>(record.arg),
+        backtraced ? nullptr : detail::data_or_null<int64_t>(record.end_arg), record.score.data_ptr<scalar_t>(),
+        record.frame_score.data_ptr<scalar_t>(), detail::data_or_null<scalar_t>(record.loglik),
+        backtraced ? record.path.data_ptr<int64_t>() : nullptr, int(B), int(Tn), int(K), l.R, l.tps, l.spb);
   });
   check_launch("chain_forward");
+  if (record.path.defined() && !backtraced) chain_backtrace(record, in.lengths, record.path);
 }
 
 template <class S>
@@ -409,10 +456,13 @@ void chain_backward(const at::Tensor& grad, const ChainInputs& in, const ChainRe
   });
   check_launch("chain_backward");
   const int64_t n = K * K + 2 * K;
+  const bool with_sum = grads.loglik_sum.defined();
   AT_DISPATCH_FLOATING_TYPES(record.alpha.scalar_type(), "chain_backward_partials_cuda", [&] {
-    sum_partials_kernel<<<grid_dim(n, 128), 128, 0, stream>>>(
+    sum_partials_kernel<<<grid_dim(n, kPartialsThreads) + (with_sum ? 1 : 0), kPartialsThreads, 0, stream>>>(
         part.data_ptr<scalar_t>(), l.blocks, int(K), grads.transitions.data_ptr<scalar_t>(),
-        grads.start.data_ptr<scalar_t>(), grads.end.data_ptr<scalar_t>());
+        grads.start.data_ptr<scalar_t>(), grads.end.data_ptr<scalar_t>(),
+        with_sum ? record.loglik.data_ptr<scalar_t>() : nullptr, int(B), grads.sum_divisor,
+        with_sum ? grads.loglik_sum.data_ptr<scalar_t>() : nullptr);
   });
   check_launch("chain_backward partials");
 }

@@ -21,14 +21,21 @@ struct ChainInputs {
 // minus the largest entry of the step before) and pre [B,T,K] (the ⊕ before the emission is added, in the previous
 // alpha's frame); the back-pointers arg [B,T,K] and end_arg [B] (int64; undefined where the semiring records none, see
 // S::Backpointers); score [B], frame_score [B] (the score in the last alpha's frame) and loglik [B] (with tags: the
-// tagged sequences' log-likelihoods; otherwise empty).
+// tagged sequences' log-likelihoods; otherwise empty). path [B,T] int64, where defined (MaxSemiring, chain_forward):
+// the forward pass also writes each sequence's best labels into it as chain_backtrace does, in the forward launch where a
+// block's back-pointers fit its shared memory (arg and end_arg are then not written), else by chain_backtrace after it.
 struct ChainRecord {
-  at::Tensor alpha, pre, arg, end_arg, score, frame_score, loglik;
+  at::Tensor alpha, pre, arg, end_arg, score, frame_score, loglik, path;
 };
 
-// The gradients of a fused backward pass: emissions [B,T,K], transitions [K,K], start [K] and end [K].
+// The gradients of a fused backward pass: emissions [B,T,K], transitions [K,K], start [K] and end [K]. Where
+// loglik_sum is defined (0-dim, preallocated, of the record's dtype), chain_backward also writes to it the sum of the
+// record's loglik over the batch divided by sum_divisor (a training step's reduced log-likelihood), in the launch that
+// sums the transitions' partials, in a fixed order.
 struct ChainGradients {
   at::Tensor emissions, transitions, start, end;
+  at::Tensor loglik_sum;
+  double sum_divisor = 1;
 };
 
 // Whether the fused kernels take K labels of this dtype (their transitions and gradient partials live in shared

@@ -372,6 +372,10 @@ void expect_gradients_as_autograd(int64_t B, int64_t T, int64_t K, bool with_end
   (ll.sum() * upstream).backward();
   EXPECT_FALSE(direct.log_likelihood.requires_grad());
   expect_close(direct.log_likelihood, ll, 1e-10, 1e-10);
+  // The reduced value: the batch's sum, and (another call) its mean.
+  EXPECT_EQ(direct.reduced.dim(), 0);
+  expect_close(direct.reduced, ll.sum(), 1e-10, 1e-10);
+  expect_close(log_likelihood_with_gradients(p, tags, double(B)).reduced, ll.sum() / double(B), 1e-10, 1e-10);
   expect_close(direct.emissions * upstream, q.emissions.grad(), 1e-10, 1e-10);
   expect_close(direct.transitions * upstream, q.transitions.grad(), 1e-10, 1e-10);
   EXPECT_EQ(direct.start.defined(), with_ends);
@@ -393,6 +397,8 @@ TEST(LinearChainCRFCuda, LogLikelihoodWithGradientsMatchesAutograd) {
   // The shared-memory kernels, the many-label kernels, and K past both (autograd through the composed recursion).
   for (int64_t K : {6, 180, 2000}) expect_gradients_as_autograd(3, 5, K, true, at::kCUDA);
   expect_gradients_as_autograd(3, 5, 6, false, at::kCUDA);
+  // More sequences than the threads of the block that sums the batch (each thread takes several).
+  expect_gradients_as_autograd(300, 4, 6, true, at::kCUDA);
 }
 
 TEST(LinearChainCRFCuda, OutOfRangeTagsAndLengthsGiveNaNWithoutWaitingForTheGpu) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -362,6 +363,11 @@ at::Tensor materialised(const at::Tensor& lengths, const at::Tensor& em) {
 
 at::Tensor contiguous_or_none(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
+// Σ values / divisor as a 0-dim tensor (no division launched for a divisor of 1).
+at::Tensor divided_sum(const at::Tensor& values, double divisor) {
+  return divisor == 1 ? values.sum() : values.sum().div_(divisor);
+}
+
 // What the fused forward pass keeps for its backward pass: the inputs that pass reads (not the emissions and start),
 // the record, and the scaled transitions of the many-label CUDA kernels (undefined for the other routes).
 struct SavedChain {
@@ -420,26 +426,34 @@ at::Tensor forward_pass(const ChainInputs& inputs, SavedChain& saved) {
 }
 
 // The gradients (emissions, transitions, start, end) of Σ_b grad[b]·score[b] (grad undefined: Σ_b score[b]), from what
-// the forward pass kept.
+// the forward pass kept; with loglik_divisor (a tagged forward pass), also loglik_sum = Σ_b loglik[b] / divisor.
 template <class S>
-ChainGradients backward_pass(const at::Tensor& grad, const SavedChain& saved) {
+ChainGradients backward_pass(const at::Tensor& grad, const SavedChain& saved,
+                             std::optional<double> loglik_divisor = std::nullopt) {
   const ChainRecord& r = saved.record;
   const bool shared = r.alpha.is_cuda() && !saved.scaled.scaled.defined();
   // grad is read with its stride: 0 where it is one value expanded, as a sum's backward hands it out (a contiguous
   // copy would be a launch of its own). The shared-memory kernel reads no gradient as all ones.
   const at::Tensor g = grad.defined() || shared ? grad : at::ones({r.alpha.size(0)}, r.alpha.options());
   // The CUDA kernel writes the padding's zeros itself.
-  ChainGradients grads{r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha),
-                       at::empty_like(saved.in.transitions), at::empty_like(saved.in.end),
-                       at::empty_like(saved.in.end)};
+  ChainGradients grads;
+  grads.emissions = r.alpha.is_cuda() ? at::empty_like(r.alpha) : at::zeros_like(r.alpha);
+  grads.transitions = at::empty_like(saved.in.transitions);
+  grads.start = at::empty_like(saved.in.end);
+  grads.end = at::empty_like(saved.in.end);
   if (saved.scaled.scaled.defined()) {
     cuda::scaled_chain_crf_backward(g, saved.in, saved.scaled, r, grads);
   } else if (r.alpha.is_cuda()) {
+    if (loglik_divisor) {  // written by the launch that sums the transitions' partials
+      grads.loglik_sum = at::empty({}, r.loglik.options());
+      grads.sum_divisor = *loglik_divisor;
+    }
     cuda::chain_backward<S>(g, saved.in, r, grads);
   } else {
     AT_DISPATCH_FLOATING_TYPES(r.alpha.scalar_type(), "fused_chain_backward",
                                [&] { backward_cpu<S, scalar_t>(g, saved.in, r, grads); });
   }
+  if (loglik_divisor && !grads.loglik_sum.defined()) grads.loglik_sum = divided_sum(r.loglik, *loglik_divisor);
   return grads;
 }
 
@@ -483,16 +497,18 @@ at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& tran
 }
 
 template <class S>
-std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
+std::array<at::Tensor, 6> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
                                                           const at::Tensor& start, const at::Tensor& end,
-                                                          const at::Tensor& lengths, const at::Tensor& tags) {
+                                                          const at::Tensor& lengths, const at::Tensor& tags,
+                                                          double divisor) {
   SavedChain s;
   const at::Tensor score = forward_pass<S>(
       {emissions.contiguous(), transitions.contiguous(), start.contiguous(), end.contiguous(),
        contiguous_or_none(lengths), tags.defined() ? tags.contiguous() : at::empty({0}, long_options(emissions))},
       s);
-  const ChainGradients g = backward_pass<S>(at::Tensor(), s);
-  return {score, g.emissions, g.transitions, g.start, g.end};
+  const bool tagged = tags.defined() && tags.numel() > 0;
+  const ChainGradients g = backward_pass<S>(at::Tensor(), s, tagged ? std::optional(divisor) : std::nullopt);
+  return {score, tagged ? g.loglik_sum : divided_sum(score, divisor), g.emissions, g.transitions, g.start, g.end};
 }
 
 std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
@@ -506,18 +522,19 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
                        em.is_cuda() ? contiguous_or_none(lengths) : materialised(lengths, em).contiguous(),
                        at::empty({0}, long_options(em))};
   const int64_t B = em.size(0), Tn = em.size(1);
-  // The CUDA backtrace needs only the back-pointers: the messages are not written there.
+  at::Tensor path = at::empty({B, Tn}, long_options(em));
+  // The CUDA backtrace needs only the back-pointers: the messages are not written there, and the forward pass writes
+  // the path itself.
   ChainRecord r{em.is_cuda() ? at::Tensor() : at::empty_like(em),
                 em.is_cuda() ? at::Tensor() : at::empty_like(em),
                 backpointer_record<MaxSemiring>(em.sizes(), em.options()),
                 backpointer_record<MaxSemiring>({B}, em.options()),
                 at::empty({B}, em.options()),
                 at::empty({B}, em.options()),
-                at::empty({0}, em.options())};
-  at::Tensor path = at::empty({B, Tn}, long_options(em));
+                at::empty({0}, em.options()),
+                em.is_cuda() ? path : at::Tensor()};
   if (em.is_cuda()) {
     cuda::chain_forward<MaxSemiring>(in, r);
-    cuda::chain_backtrace(r, in.lengths, path);
     return {path, r.score};
   }
   AT_DISPATCH_FLOATING_TYPES(em.scalar_type(), "fused_viterbi", [&] {
@@ -541,9 +558,10 @@ std::pair<at::Tensor, at::Tensor> fused_viterbi(const at::Tensor& emissions, con
   return {path, r.score};
 }
 
-template std::array<at::Tensor, 5> fused_chain_score_and_gradients<LogSemiring>(const at::Tensor&, const at::Tensor&,
+template std::array<at::Tensor, 6> fused_chain_score_and_gradients<LogSemiring>(const at::Tensor&, const at::Tensor&,
                                                                                 const at::Tensor&, const at::Tensor&,
-                                                                                const at::Tensor&, const at::Tensor&);
+                                                                                const at::Tensor&, const at::Tensor&,
+                                                                                double);
 template bool fused_chain_supported<LogSemiring>(const at::Tensor&);
 template bool fused_chain_supported<MaxSemiring>(const at::Tensor&);
 template at::Tensor fused_chain_score<LogSemiring>(const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -25,12 +25,14 @@ template <class S>
 at::Tensor fused_chain_score(const at::Tensor& emissions, const at::Tensor& transitions, const at::Tensor& start,
                              const at::Tensor& end, const at::Tensor& lengths, const at::Tensor& tags = {});
 
-// fused_chain_score's score [B] and the gradients of its sum w.r.t. emissions, transitions, start and end (in that
+// fused_chain_score's score [B], its sum divided by `divisor` (0-dim; on the shared-memory CUDA kernels written by the
+// backward pass's last launch) and the gradients of its sum w.r.t. emissions, transitions, start and end (in that
 // order), by the fused forward and backward passes called directly: no autograd graph is built.
 template <class S>
-std::array<at::Tensor, 5> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
+std::array<at::Tensor, 6> fused_chain_score_and_gradients(const at::Tensor& emissions, const at::Tensor& transitions,
                                                           const at::Tensor& start, const at::Tensor& end,
-                                                          const at::Tensor& lengths, const at::Tensor& tags = {});
+                                                          const at::Tensor& lengths, const at::Tensor& tags = {},
+                                                          double divisor = 1.0);
 
 // Whether these emissions run on the CUDA kernels whose transitions live in one block's shared memory (any semiring).
 // Those kernels keep each step's messages rebased (float32 stays exact on long sequences) and check lengths and tags

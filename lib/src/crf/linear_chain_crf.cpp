@@ -274,22 +274,23 @@ at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags) {
   }
 }
 
-LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags) {
+LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags, double divisor) {
   const ChainRoute route = detail::choose_route(ChainQuantity::kLogLikelihood, p);
   const Shape s = check(p, &tags, checked_on_device(route, p));
   if (route == ChainRoute::kWidened) {
     const detail::ForcedChainRoute automatic(std::nullopt);
-    LogLikelihoodGradients g = log_likelihood_with_gradients(widened(p), tags);
-    for (at::Tensor* t : {&g.log_likelihood, &g.emissions, &g.transitions, &g.start, &g.end})
+    LogLikelihoodGradients g = log_likelihood_with_gradients(widened(p), tags, divisor);
+    for (at::Tensor* t : {&g.log_likelihood, &g.reduced, &g.emissions, &g.transitions, &g.start, &g.end})
       if (t->defined()) *t = t->to(at::kFloat);
     return g;
   }
   const at::Tensor y = tags.to(p.emissions.device(), at::kLong);
   if (route == ChainRoute::kFused) {
     // (Not recorded by autograd: the fused passes are called directly.)
-    const auto [ll, g_em, g_trans, g_start, g_end] = detail::fused_chain_score_and_gradients<LogSemiring>(
-        p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K), given_lengths(p), y);
-    return {ll, g_em, g_trans, p.start.defined() ? g_start : at::Tensor(), p.end.defined() ? g_end : at::Tensor()};
+    const auto [ll, reduced, g_em, g_trans, g_start, g_end] = detail::fused_chain_score_and_gradients<LogSemiring>(
+        p.emissions, p.transitions, or_zeros(p.start, p, s.K), or_zeros(p.end, p, s.K), given_lengths(p), y, divisor);
+    return {ll,      reduced, g_em, g_trans, p.start.defined() ? g_start : at::Tensor(),
+            p.end.defined() ? g_end : at::Tensor()};
   }
   // The composed route, through autograd.
   c10::AutoGradMode grad_on(true);
@@ -304,6 +305,7 @@ LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, c
   std::size_t next = 0;
   LogLikelihoodGradients out;
   out.log_likelihood = ll.detach();
+  out.reduced = divisor == 1 ? out.log_likelihood.sum() : out.log_likelihood.sum().div_(divisor);
   for (auto [t, dst] : {std::pair{&p.emissions, &out.emissions}, std::pair{&p.transitions, &out.transitions},
                         std::pair{&p.start, &out.start}, std::pair{&p.end, &out.end}})
     if (t->defined()) {

@@ -36,19 +36,23 @@ at::Tensor gold_score(const ChainPotentials& p, const at::Tensor& tags);
 // log-likelihood and NaN gradients rather than an Error. Elsewhere such values are an Error naming the index.
 at::Tensor log_likelihood(const ChainPotentials& p, const at::Tensor& tags);
 
-// log_likelihood [B] and the gradients of its sum w.r.t. emissions, transitions, start and end (undefined where the
-// potentials have no start or end), without building an autograd graph: one forward and one backward pass of the fused
-// kernels where they take the input (for callers that want both at once, like a training step), autograd elsewhere.
-// Lengths and tags are checked as by log_likelihood.
+// log_likelihood [B], its sum over the batch divided by `divisor` (1: the sum; B: the batch mean), and the gradients of
+// its sum w.r.t. emissions, transitions, start and end (undefined where the potentials have no start or end), without
+// building an autograd graph: one forward and one backward pass of the fused kernels where they take the input (for
+// callers that want both at once, like a training step; on the shared-memory CUDA kernels the reduced value comes from
+// the backward pass's last launch, with no launch of its own), autograd elsewhere. Lengths and tags are checked as by
+// log_likelihood.
 struct LogLikelihoodGradients {
   at::Tensor log_likelihood;  // [B]
-  at::Tensor emissions;       // the gradient for the emissions [B,T,K]
+  at::Tensor reduced;         // 0-dim: Σ_b log_likelihood[b] / divisor
+  at::Tensor emissions;       // the gradient of Σ_b log_likelihood[b] for the emissions [B,T,K]
   at::Tensor transitions;     // for the transitions [K,K]
   at::Tensor start;           // for the start scores [K]; undefined without them
   at::Tensor end;             // for the end scores [K]; undefined without them
 };
 // See LogLikelihoodGradients.
-LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags);
+LogLikelihoodGradients log_likelihood_with_gradients(const ChainPotentials& p, const at::Tensor& tags,
+                                                     double divisor = 1.0);
 
 // Forward and backward log-messages [B,T,K]: alpha[b,t,k] scores every prefix ending in label k at t (emission at t
 // included), beta[b,t,k] every suffix after t given label k at t (end score included). Zero-filled at padding.
