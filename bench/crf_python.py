@@ -1,9 +1,10 @@
 """trellis.CRF from Python beside pytorch-crf (torchcrf.CRF, 0.7.2) and torch-struct (LinearChainCRF, 0.5) in one
 process: the log-likelihood's forward+backward and Viterbi decoding at the shapes of issue 22's table, float32 and
 bfloat16 emissions. Each Trellis row also times, in the same process, the library call the module wraps ("library call":
-torch.ops.trellis._crf_score_and_gradients, the score and its gradients in one call, the library's forward and
-backward kernels without the module or autograd; for decoding the crf_viterbi operator), so that the module's overhead is the difference
-of two medians taken back to back (the GPU's speed drifts by a few percent between processes and minutes); the operator
+torch.ops.trellis._crf_score_and_gradients with reduction "sum", the summed score and its gradients in one call, the
+library's forward and backward kernels without the module or autograd; for decoding the crf_viterbi operator), so that
+the module's overhead is the difference of two medians taken back to back (the GPU's speed drifts by a few percent
+between processes and minutes); the operator
 a user would call without the module (torch.ops.trellis.crf_log_likelihood unreduced, summed and back-propagated, or
 crf_viterbi); and, with --trellis-bin, the C++ call underneath (`trellis bench crf --device cuda --json`, run as a
 subprocess on the same GPU: the same workloads with the library's log_likelihood_with_gradients, which the module's
@@ -236,9 +237,9 @@ def run_workload(workload, B, T, K, with_mask, dtype):
 
         detached, wanted = [p.detach() for p in params], [True] * 4
 
-        def library_call():  # the score and its gradients by the library's kernels, without autograd
+        def library_call():  # the summed score and its gradients by the library's kernels, without autograd
             return torch.ops.trellis._crf_score_and_gradients(emissions, tags, *detached, None, op_lengths, True, None,
-                                                              None, None, wanted)
+                                                              None, None, wanted, "sum")
 
         times["trellis.CRF"], notes["trellis.CRF"] = measured(module_call, clear_gradients)
         times[LIBRARY], notes[LIBRARY] = measured(library_call)

@@ -527,6 +527,21 @@ opcheck(ops._crf_score_backward.default, (g, em, None, trans, None, end, None, l
                                           [True, False, False, True]), test_utils=("test_schema", "test_faketensor"))
 opcheck(ops._crf_score_and_gradients.default, (em, tags, trans, start, None, mask, None, True, None, None, None,
                                                [True, True, True, False]), test_utils=("test_schema", "test_faketensor"))
+# With a reduction the first result is the reduced log-likelihood (a scalar), the gradients still those of the sum.
+plain_both = ops._crf_score_and_gradients(em, tags, trans, start, end, None, lengths, True, None, None, None,
+                                          [True, True, True, True])
+for reduction, divide in (("sum", 1), ("mean", B), ("token_mean", lengths.sum()), ("token_mean", B * T)):
+    given = lengths if torch.is_tensor(divide) else None
+    both = ops._crf_score_and_gradients(em, tags, trans, start, end, None, given, True, None, None, None,
+                                        [True, True, True, True], reduction)
+    unreduced = plain_both if given is not None else ops._crf_score_and_gradients(
+        em, tags, trans, start, end, None, None, True, None, None, None, [True, True, True, True])
+    close(f"_crf_score_and_gradients reduction={reduction}", both[0], unreduced[0].sum() / divide, 1e-12)
+    for name, a, b in zip(("emissions", "transitions", "start", "end"), both[1:], unreduced[1:]):
+        close(f"_crf_score_and_gradients reduction={reduction}: gradient of the sum for {name}", a, b, 1e-12)
+    opcheck(ops._crf_score_and_gradients.default, (em, tags, trans, start, end, None, given, True, None, None, None,
+                                                   [True, False, True, True], reduction),
+            test_utils=("test_schema", "test_faketensor"))
 opcheck(ops._semiring_matmul_backward.default, (torch.randn(2, 3, 5, **f64), torch.randn(2, 3, 4, **f64),
                                                 torch.randn(4, 5, **f64), True, [True, True]),
         test_utils=("test_schema", "test_faketensor"))

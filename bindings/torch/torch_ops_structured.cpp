@@ -20,7 +20,8 @@
 //       log-likelihood of long chains of eager tensors goes through the library's own autograd (the backward kernels
 //       run in the backward pass and read the upstream gradient on the device); of short chains, or traced
 //       (torch.compile), it forms its gradients in the forward pass (_crf_score_and_gradients: one pass of the
-//       library's chain forward and backward) and its backward only scales them; unreduced, the backward forms the
+//       library's chain forward and backward, whose last launch also writes the reduction) and its backward only
+//       scales them (eager CUDA tensors: all in one launch, scaled_gradients.cu); unreduced, the backward forms the
 //       score again.
 //   crf_marginals(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths,
 //                 bool batch_first=True, bool edges=False, Tensor? allowed=None, Tensor? allowed_start=None,
@@ -70,6 +71,10 @@
 #include "trellis/hmm/hmm.h"
 #include "trellis/crf/linear_chain_crf.h"
 #include "trellis/semiring/semiring_ops.h"
+
+#ifdef TRELLIS_OPS_CUDA
+#include "bindings/torch/scaled_gradients.h"
+#endif
 
 namespace {
 
@@ -296,6 +301,15 @@ at::Tensor crf_log_partition(const at::Tensor& emissions, const at::Tensor& tran
 // the lengths' count, else B·T).
 enum class Reduction { none, sum, mean, token_mean };
 
+const char* reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::sum: return "sum";
+    case Reduction::mean: return "mean";
+    case Reduction::token_mean: return "token_mean";
+    default: return "none";
+  }
+}
+
 Reduction reduction_of(c10::string_view name, const char* what) {
   if (name == "none") return Reduction::none;
   if (name == "sum") return Reduction::sum;
@@ -318,13 +332,13 @@ at::Tensor reduction_divisor(Reduction r, const at::Tensor& score, const at::Ten
   }
 }
 
-// The divisor where the host knows it (sum; mean; token_mean without a mask or lengths: B·T), so that dividing takes no
-// tensor of its own; nullopt where it is a count on the device.
-std::optional<double> constant_divisor(Reduction r, const at::Tensor& score, const at::Tensor& emissions,
+// The divisor where the host knows it (sum; mean: B; token_mean without a mask or lengths: B·T), so that dividing takes
+// no tensor of its own; nullopt where it is a count on the device.
+std::optional<double> constant_divisor(Reduction r, int64_t batch, const at::Tensor& emissions,
                                        const OptionalTensor& mask, const OptionalTensor& lengths) {
   switch (r) {
     case Reduction::sum: return 1.0;
-    case Reduction::mean: return static_cast<double>(score.size(0));
+    case Reduction::mean: return static_cast<double>(batch);
     case Reduction::token_mean:
       if (mask || lengths) return std::nullopt;
       return static_cast<double>(emissions.size(0) * emissions.size(1));
@@ -335,7 +349,7 @@ std::optional<double> constant_divisor(Reduction r, const at::Tensor& score, con
 // The reduction of the scores [B]: one kernel for a sum, two for a mean.
 at::Tensor reduced(Reduction r, const at::Tensor& score, const at::Tensor& emissions, const OptionalTensor& mask,
                    const OptionalTensor& lengths) {
-  const std::optional<double> count = constant_divisor(r, score, emissions, mask, lengths);
+  const std::optional<double> count = constant_divisor(r, score.size(0), emissions, mask, lengths);
   if (!count) return score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
   return *count == 1 ? score.sum() : score.sum().div_(*count);
 }
@@ -350,24 +364,26 @@ at::Tensor crf_log_likelihood(const at::Tensor& emissions, const at::Tensor& tag
 }
 
 // The score (crf_score) and its gradients w.r.t. (emissions, transitions, start, end) of Σ grad·score (grad undefined:
-// Σ score), through the library's own autograd (its fused chain kernels).
+// Σ score), through the library's own autograd (its fused chain kernels). With tags and a divisor (grad undefined),
+// the first result is the score's sum divided by it, as the library's last launch writes it, instead of the score.
 std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, const at::Tensor& emissions,
                                                     const OptionalTensor& tags, const at::Tensor& transitions,
                                                     const OptionalTensor& start, const OptionalTensor& end,
                                                     const OptionalTensor& mask, const OptionalTensor& lengths,
-                                                    bool batch_first, const Allowed& allowed,
-                                                    std::array<bool, 4> want) {
+                                                    bool batch_first, const Allowed& allowed, std::array<bool, 4> want,
+                                                    std::optional<double> divisor = std::nullopt) {
   const trellis::AutogradScope scope;
   if (tags && !grad.defined() && emissions.dim() == 3 && emissions.size(batch_first ? 0 : 1) > 0) {
     // The log-likelihood and the gradients of its sum: the library's forward and backward passes, no graph.
     const char* what = "trellis::crf_log_likelihood";
     const trellis::ChainInputs in{emissions, transitions, get(start), get(end), get(mask), get(lengths), batch_first};
     const trellis::LogLikelihoodGradients r = trellis::log_likelihood_with_gradients(
-        scope.usable(trellis::chain_potentials(in, what)), trellis::batch_first_tags(*tags, in, what));
+        scope.usable(trellis::chain_potentials(in, what)), trellis::batch_first_tags(*tags, in, what),
+        divisor.value_or(1.0));
     const auto as_input = [&](std::size_t i, const at::Tensor& g, const at::Tensor& input) {
       return want[i] && g.defined() ? fresh(g.to(input.scalar_type())) : none(emissions);
     };
-    return {r.log_likelihood,
+    return {divisor ? r.reduced : r.log_likelihood,
             {as_input(0, batch_first ? r.emissions : r.emissions.transpose(0, 1), emissions),
              as_input(1, r.transitions, transitions), as_input(2, r.start, get(start)), as_input(3, r.end, get(end))}};
   }
@@ -378,7 +394,9 @@ std::pair<at::Tensor, Tensors4> score_and_gradients(const at::Tensor& grad, cons
   const at::Tensor score = crf_score(in, get(tags), allowed);
   const auto g = vector_jacobian(score, grad.defined() ? grad : at::ones_like(score), leaves);
   const auto pick = [&](std::size_t i) { return want[i] && g[i].defined() ? fresh(g[i]) : none(emissions); };
-  return {score.detach(), {pick(0), pick(1), pick(2), pick(3)}};
+  const at::Tensor value = score.detach();
+  return {divisor ? (*divisor == 1 ? value.sum() : value.sum().div_(*divisor)) : value,
+          {pick(0), pick(1), pick(2), pick(3)}};
 }
 
 // Gradients of Σ grad·score: the score formed again.
@@ -392,14 +410,20 @@ Tensors4 crf_score_backward(const at::Tensor& grad, const at::Tensor& emissions,
       .second;
 }
 
-// The score [B] and the gradients of its sum, in one pass.
+// The score [B] or its reduction, and the gradients of its sum, in one pass.
 Tensors5 crf_score_and_gradients(const at::Tensor& emissions, const OptionalTensor& tags, const at::Tensor& transitions,
                                  const OptionalTensor& start, const OptionalTensor& end, const OptionalTensor& mask,
                                  const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
                                  const OptionalTensor& allowed_start, const OptionalTensor& allowed_end,
-                                 std::array<bool, 4> want) {
+                                 std::array<bool, 4> want, c10::string_view reduction) {
+  const Reduction r = reduction_of(reduction, "trellis::_crf_score_and_gradients");
+  const int64_t batch = emissions.dim() == 3 ? emissions.size(batch_first ? 0 : 1) : 0;
+  const std::optional<double> count =
+      r == Reduction::none ? std::nullopt : constant_divisor(r, batch, emissions, mask, lengths);
   auto [score, g] = score_and_gradients({}, emissions, tags, transitions, start, end, mask, lengths, batch_first,
-                                        {allowed, allowed_start, allowed_end}, want);
+                                        {allowed, allowed_start, allowed_end}, want, count);
+  // A count on the device (token_mean with a mask or lengths) divides the sum here.
+  if (r != Reduction::none && !count) score = score.sum() / reduction_divisor(r, score, emissions, mask, lengths);
   return std::tuple_cat(std::make_tuple(score), g);
 }
 
@@ -486,11 +510,13 @@ Tensors5 crf_score_and_gradients_meta(const at::Tensor& emissions, const Optiona
                                       const OptionalTensor& end, const OptionalTensor& mask,
                                       const OptionalTensor& lengths, bool batch_first, const OptionalTensor& allowed,
                                       const OptionalTensor& allowed_start, const OptionalTensor& allowed_end,
-                                      std::array<bool, 4> want) {
+                                      std::array<bool, 4> want, c10::string_view reduction) {
   const char* what = "trellis::_crf_score_and_gradients";
   check_emissions_meta(emissions, what);
-  const at::Tensor score =
-      at::empty_symint({batch_size(emissions, batch_first)}, score_options(emissions, transitions, start, end, what));
+  const at::TensorOptions o = score_options(emissions, transitions, start, end, what);
+  const at::Tensor score = reduction_of(reduction, what) != Reduction::none
+                               ? at::empty({}, o)
+                               : at::empty_symint({batch_size(emissions, batch_first)}, o);
   return std::tuple_cat(std::make_tuple(score),
                         crf_score_backward_meta(score, emissions, tags, transitions, start, end, mask, lengths,
                                                 batch_first, allowed, allowed_start, allowed_end, want));
@@ -530,6 +556,33 @@ Tensors2 crf_kbest_meta(const at::Tensor& emissions, const at::Tensor& transitio
       at::empty_symint({B, kk}, o)};
 }
 
+// Whether these tensors are plain CPU or CUDA tensors outside any tracing: no Python dispatch mode (opcheck's) is on,
+// and none is a meta tensor, has symbolic sizes or carries a key of torch.compile's fake and functional tensors, of a
+// tensor subclass or of functorch's transforms.
+bool eager(at::ArrayRef<at::Tensor> tensors) {
+  if (c10::impl::dispatch_mode_enabled()) return false;
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                    c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                    c10::DispatchKey::FuncTorchGradWrapper});
+  for (const at::Tensor& t : tensors)
+    if (t.defined() &&
+        (t.is_meta() || t.key_set().has_any(traced) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()))
+      return false;
+  return true;
+}
+
+#ifdef TRELLIS_OPS_CUDA
+// Whether a reduced log-likelihood's backward scales its saved gradients in one launch (scaled_gradients.cu): eager
+// CUDA tensors of one floating dtype. Traced (torch.compile, opcheck), on the CPU, or in a build without nvcc it takes
+// ATen's operators, which a compiled graph holds.
+bool one_launch(const std::vector<at::Tensor>& gradients, const at::Tensor& grad) {
+  if (!trellis_ops::scales_in_one_launch(gradients, grad)) return false;
+  std::vector<at::Tensor> all = gradients;
+  all.push_back(grad);
+  return eager(all);
+}
+#endif
+
 // log Z and the log-likelihood: the forward operator, and _crf_score_backward for the gradients.
 struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& emissions, const OptionalTensor& tags,
@@ -545,17 +598,21 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
     ctx->saved_data["reduced"] = r != Reduction::none;
     if (r != Reduction::none) {
       // A scalar result: its gradients are those of Σ score, scaled; formed now, in the pass that forms the score.
-      auto [score, de, dt, ds, dn] = both.call(emissions, tags, transitions, start, end, mask, lengths, batch_first,
-                                               std::nullopt, std::nullopt, std::nullopt, want);
-      const std::optional<double> count = constant_divisor(r, score, emissions, mask, lengths);
+      // Where the host knows the divisor, the operator returns the reduction itself (on the shared-memory kernels
+      // written by their last launch).
+      const int64_t batch = emissions.dim() == 3 ? emissions.size(batch_first ? 0 : 1) : 0;
+      const std::optional<double> count = constant_divisor(r, batch, emissions, mask, lengths);
+      auto [value, de, dt, ds, dn] = both.call(emissions, tags, transitions, start, end, mask, lengths, batch_first,
+                                               std::nullopt, std::nullopt, std::nullopt, want,
+                                               reduction_name(count ? r : Reduction::none));
       if (count) {
         ctx->saved_data["divisor"] = *count;
         ctx->save_for_backward({de, dt, ds, dn});
-        return reduced(r, score, emissions, mask, lengths);
+        return value;
       }
-      const at::Tensor divisor = reduction_divisor(r, score, emissions, mask, lengths);
+      const at::Tensor divisor = reduction_divisor(r, value, emissions, mask, lengths);
       ctx->save_for_backward({de, dt, ds, dn, divisor});
-      return score.sum() / divisor;
+      return value.sum() / divisor;
     }
     ctx->save_for_backward({emissions, get(tags), transitions, get(start), get(end), get(mask), get(lengths),
                             get(allowed), get(allowed_start), get(allowed_end)});
@@ -571,20 +628,35 @@ struct CrfScoreFunction : torch::autograd::Function<CrfScoreFunction> {
     std::array<at::Tensor, 4> out;
     if (ctx->saved_data.at("reduced").toBool()) {  // the saved gradients of Σ score, times grad / divisor
       const auto divisor = ctx->saved_data.find("divisor");
-      const at::Tensor scale = divisor == ctx->saved_data.end()     ? grad[0] / s[4]
-                               : divisor->second.toDouble() == 1.0 ? grad[0]
-                                                                   : grad[0] / divisor->second.toDouble();
-      // The emissions' gradient (B·T·K values) by one elementwise kernel spread over the whole device; the
-      // parameters' (K² + 2K) by one multi-tensor launch, whose blocks take a 64K-value chunk each (a dozen blocks
-      // would carry the emissions' memory-bound pass at B,T,K = 512,64,23). A 0-dim scale keeps each gradient's dtype.
-      if (want[0]) out[0] = s[0] * scale;
-      std::vector<at::Tensor> parameters;
-      for (std::size_t i = 1; i < want.size(); ++i)
-        if (want[i]) parameters.push_back(s[i]);
-      if (!parameters.empty()) {
-        const std::vector<at::Tensor> scaled = at::_foreach_mul(parameters, scale);
-        for (std::size_t i = 1, next = 0; i < want.size(); ++i)
+      std::vector<at::Tensor> wanted;
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (want[i]) wanted.push_back(s[i]);
+#ifdef TRELLIS_OPS_CUDA
+      const bool scaled_once = divisor != ctx->saved_data.end() && one_launch(wanted, grad[0]);
+      if (scaled_once) {
+        const std::vector<at::Tensor> scaled =
+            trellis_ops::scaled_in_one_launch(wanted, grad[0], divisor->second.toDouble());
+        for (std::size_t i = 0, next = 0; i < want.size(); ++i)
           if (want[i]) out[i] = scaled[next++];
+      }
+#else
+      const bool scaled_once = false;
+#endif
+      if (!scaled_once) {
+        const at::Tensor scale = divisor == ctx->saved_data.end()     ? grad[0] / s[4]
+                                 : divisor->second.toDouble() == 1.0 ? grad[0]
+                                                                     : grad[0] / divisor->second.toDouble();
+        // The emissions' gradient (B·T·K values) by one elementwise kernel spread over the whole device; the
+        // parameters' (K² + 2K) by one multi-tensor launch, whose blocks take a 64K-value chunk each (a dozen blocks
+        // would carry the emissions' memory-bound pass at B,T,K = 512,64,23). A 0-dim scale keeps each gradient's
+        // dtype.
+        if (want[0]) out[0] = s[0] * scale;
+        const std::vector<at::Tensor> parameters(wanted.begin() + (want[0] ? 1 : 0), wanted.end());
+        if (!parameters.empty()) {
+          const std::vector<at::Tensor> scaled = at::_foreach_mul(parameters, scale);
+          for (std::size_t i = 1, next = 0; i < want.size(); ++i)
+            if (want[i]) out[i] = scaled[next++];
+        }
       }
     } else {
       std::tie(out[0], out[1], out[2], out[3]) =
@@ -610,21 +682,6 @@ at::Tensor crf_log_partition_autograd(const at::Tensor& emissions, const at::Ten
   return CrfScoreFunction::apply(emissions, OptionalTensor(), transitions, start, end, mask, lengths, batch_first,
                                  allowed, allowed_start, allowed_end,
                                  score_grads_wanted(emissions, transitions, start, end), Reduction::none);
-}
-
-// Whether these tensors are plain CPU or CUDA tensors outside any tracing: no Python dispatch mode (opcheck's) is on,
-// and none is a meta tensor, has symbolic sizes or carries a key of torch.compile's fake and functional tensors, of a
-// tensor subclass or of functorch's transforms.
-bool eager(std::initializer_list<at::Tensor> tensors) {
-  if (c10::impl::dispatch_mode_enabled()) return false;
-  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                    c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
-                                    c10::DispatchKey::FuncTorchGradWrapper});
-  for (const at::Tensor& t : tensors)
-    if (t.defined() &&
-        (t.is_meta() || t.key_set().has_any(traced) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()))
-      return false;
-  return true;
 }
 
 // Whether a batch of chains is long enough for its backward kernels to wait for the backward pass. The GPU finishes the
@@ -1020,11 +1077,12 @@ TORCH_LIBRARY_FRAGMENT(trellis, m) {
       "_crf_score_backward(Tensor grad, Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, "
       "Tensor? end, Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, "
       "Tensor? allowed_end, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
-  // The score [B] and the gradients of its sum: a reduced log-likelihood's forward.
+  // The score [B], or its reduction ("sum", "mean", "token_mean": a scalar), and the gradients of its sum: a reduced
+  // log-likelihood's forward.
   m.def(
       "_crf_score_and_gradients(Tensor emissions, Tensor? tags, Tensor transitions, Tensor? start, Tensor? end, "
       "Tensor? mask, Tensor? lengths, bool batch_first, Tensor? allowed, Tensor? allowed_start, Tensor? allowed_end, "
-      "bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool[4] output_mask, str reduction=\"none\") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (observations, log_start, log_transitions, log_emissions, means, variances).
   m.def(
       "_hmm_log_likelihood_backward(Tensor grad, Tensor observations, Tensor log_start, Tensor log_transitions, "
