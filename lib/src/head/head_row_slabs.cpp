@@ -5,15 +5,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/core/Event.h>
-#include <c10/core/Stream.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cmath>
-#include <map>
-#include <mutex>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -70,50 +63,17 @@ Gradients empty_gradients(const Head& h, std::array<bool, 3> want) {
   return out;
 }
 
-// The stream that dW's product of a CUDA device runs on beside dx's: one per device for the process, taken from the
-// pool once, since cuBLAS keeps a workspace for every stream it runs on.
-c10::Stream dw_stream(c10::Device device) {
-  static std::mutex mutex;
-  static std::map<c10::DeviceIndex, c10::Stream> streams;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = streams.find(device.index());
-  if (found != streams.end()) return found->second;
-  const c10::impl::VirtualGuardImpl guard(device.type());
-  return streams.emplace(device.index(), guard.getStreamFromGlobalPool(device)).first->second;
-}
-
 // A slab's logit gradient dz [n, V] (rows [r0, r0 + n), in the input type) into the gradients: dx rows = dz·W,
-// dW += dzᵀ·x, bias += Σ dz. On CUDA dW's product runs on a second stream while dx's runs on the current one: both only
-// read dz, and dW's (a short K of n rows against an output of V×D that it reads and writes again) is bound by memory
-// where dx's (K = V) is bound by the tensor cores. The current stream then waits for it, so the next slab's logits and
-// the caching allocator see dz and dW as they would after the two products in order.
+// dW += dzᵀ·x, bias += Σ dz.
 void add_slab_gradients(const Head& h, const at::Tensor& dz, int64_t r0, std::array<bool, 3> want, Gradients& out) {
   const int64_t n = dz.size(0);
-  const auto dw_product = [&] {
-    if (r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
-    else out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
-  };
-  const bool side = want[0] && want[1] && dz.is_cuda();
-  std::optional<c10::Event> dw_done;
-  if (side) {
-    const c10::impl::VirtualGuardImpl guard(dz.device().type());
-    const c10::Stream current = guard.getStream(dz.device()), other = dw_stream(dz.device());
-    c10::Event dz_ready(dz.device().type());
-    dz_ready.record(current);
-    dz_ready.block(other);
-    const c10::StreamGuard on_other(other);
-    dw_product();
-    dw_done.emplace(dz.device().type());
-    dw_done->record(other);
-  } else if (want[1]) {
-    dw_product();
-  }
   if (want[0]) {
     at::Tensor dx = out.x.narrow(0, r0, n);
     at::mm_out(dx, dz, h.weight);
   }
+  if (want[1] && r0 == 0) at::mm_out(out.weight, dz.t(), h.x.narrow(0, r0, n));
+  else if (want[1]) out.weight.addmm_(dz.t(), h.x.narrow(0, r0, n));
   if (want[2]) out.bias.add_(dz.sum(0, false, h.acc));
-  if (dw_done) dw_done->block(c10::impl::VirtualGuardImpl(dz.device().type()).getStream(dz.device()));
 }
 
 }  // namespace
