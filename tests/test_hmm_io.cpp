@@ -151,6 +151,33 @@ TEST(HMMFiles, BatchesReadAheadEqualPlainReads) {
   std::remove(path.c_str());
 }
 
+TEST(HMMFiles, PosteriorsWrittenInBatchesReadBackInDatasetOrder) {
+  // infer --posteriors over several batches: every row of the file, read from an offset inside a batch, is the
+  // posterior of that sequence and position as posteriors() gives it for the whole dataset at once.
+  const std::string data = scratch("post_data.h5"), out = scratch("post_out.h5");
+  const CategoricalHMM m = CategoricalHMM::random(5, 12, 60);
+  sample_dataset(HMMModelFile{m}, data, 30, 1, 20, 61);
+  HMMDataset d(data);
+  HMMRunOptions o;
+  o.memory_budget = 20000;  // several batches
+  ASSERT_LT(batch_tokens(HMMModelFile{m}, 0, true, o), d.num_tokens() / 2);
+  infer_dataset(HMMModelFile{m}, d, out, /*with_posteriors=*/true, o);
+  const SequenceBatch all = d.read(0, d.num_sequences());
+  const at::Tensor expected = posteriors(m, all.observations, all.lengths);
+  const auto& offsets = d.offsets();
+  const int64_t first = offsets[7] + 2, last = offsets[23] + 1;
+  const at::Tensor rows = read_posteriors(out, first, last - first);
+  ASSERT_EQ(rows.size(0), last - first);
+  for (int64_t b = 7; b <= 23; ++b)
+    for (int64_t t = 0; t < offsets[b + 1] - offsets[b]; ++t) {
+      const int64_t r = offsets[b] + t - first;
+      if (r < 0 || r >= rows.size(0)) continue;
+      expect_close(rows[r].to(at::kDouble), expected[b][t], 1e-6, 1e-7);
+    }
+  expect_error_containing([&] { read_posteriors(out, offsets.back() - 1, 2); }, "rows");
+  for (const auto& p : {data, out}) std::remove(p.c_str());
+}
+
 TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
   const std::string path = scratch("never.h5");
   { HMMDatasetWriter w(path, 2, false); }
@@ -372,4 +399,35 @@ TEST(HMMCuda, StreamedInferenceAndEmMatchCpu) {
   for (std::size_t i = 0; i < 5; ++i)
     EXPECT_NEAR(e.log_likelihood_history[i], f.log_likelihood_history[i], 1e-8 * std::abs(e.log_likelihood_history[i]));
   for (const auto& p : {data, a, b}) std::remove(p.c_str());
+}
+
+TEST(HMMCuda, PosteriorsOnTheDeviceAreWrittenSliceBySliceAsFromTheHost) {
+  TRELLIS_REQUIRE_CUDA();
+  // Posteriors computed on a GPU cross to the host in slices of 64 MB through two pinned buffers, the next slice's
+  // copy beside this one's write: two batches of 2048 states, the first of three slices, give the file a host tensor
+  // gives.
+  const int64_t K = 2048;
+  const std::vector<int64_t> first_lengths{7000, 6500, 5000}, second_lengths{3000, 100};
+  std::vector<int64_t> offsets{0};
+  for (const auto* ls : {&first_lengths, &second_lengths})
+    for (int64_t l : *ls) offsets.push_back(offsets.back() + l);
+  const std::string out = scratch("device_posteriors.h5");
+  HMMInferenceWriter w(out, offsets, K, /*with_posteriors=*/true);
+  at::Tensor expected = at::empty({offsets.back(), K}, at::kFloat);
+  int64_t row = 0;
+  for (const auto* ls : {&first_lengths, &second_lengths}) {
+    const int64_t B = static_cast<int64_t>(ls->size()), T = (*ls)[0];
+    const at::Tensor lengths = at::tensor(*ls, at::kLong);
+    const at::Tensor nodes = at::rand({B, T, K}, at::TensorOptions().device(at::kCUDA)) +
+                             at::arange(B * T, at::TensorOptions().device(at::kCUDA)).view({B, T, 1});
+    const at::Tensor host = nodes.cpu();
+    for (int64_t b = 0; b < B; ++b) {
+      expected.narrow(0, row, (*ls)[b]).copy_(host[b].narrow(0, 0, (*ls)[b]));
+      row += (*ls)[b];
+    }
+    w.append(at::zeros({B}, at::kDouble), at::zeros({B}, at::kDouble), at::zeros({B, T}, at::kLong), lengths, nodes);
+  }
+  w.commit();
+  EXPECT_TRUE(at::equal(read_posteriors(out, 0, offsets.back()), expected));
+  std::remove(out.c_str());
 }

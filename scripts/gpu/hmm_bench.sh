@@ -7,7 +7,8 @@
 # at K = 64, 1024 and 4096, on fewer tokens as K grows. Prints one line per run and writes every run as a JSON row
 # {workload, shape, device, precision, tokens, seconds, tokens_per_s} to JSON_OUT (default WORK_DIR/hmm_bench.json);
 # infer rows add the command's own split of its seconds (setup_seconds: the model put on the device and the output
-# made; read_, compute_ and write_seconds: the batches'). The forward kernel's rows ("hmm log-lik", `trellis bench
+# made; read_, compute_ and write_seconds: the batches'), --posteriors rows the file system written to (output_fs;
+# the command's seconds include flushing the file to it). The forward kernel's rows ("hmm log-lik", `trellis bench
 # hmm`) come from that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py
 # bench (hmmlearn is not on the GPU machine).
 # With TRELLIS_HMM_BENCH_LARGE=1, also the transition-read floor at K = 16384 (and the K listed in
@@ -19,7 +20,8 @@
 # Usage: hmm_bench.sh TRELLIS WORK_DIR [DEVICES...]   (devices for K = 64, default cuda; larger K run on cuda)
 #   env: JSON_OUT=FILE, TRELLIS_HMM_BENCH_LARGE=1, TRELLIS_HMM_BENCH_LARGE_K, TRELLIS_HMM_BENCH_BANDWIDTH,
 #        TRELLIS_HMM_BENCH_TIMEOUT (seconds per command, default 300), TRELLIS_HMM_BENCH_K (the throughput rows' K,
-#        default "64 1024 4096"; "" runs the floor rows alone)
+#        default "64 1024 4096"; "" runs the floor rows alone), TRELLIS_HMM_BENCH_POSTERIORS_OUT (folders the
+#        --posteriors runs write to, one row each, default WORK_DIR; e.g. "WORK_DIR /dev/shm" adds a row on tmpfs)
 set -euo pipefail
 trellis=$1
 work=$2
@@ -40,9 +42,10 @@ data() {  # K TOKENS: model m$K.h5 and data d$K-$TOKENS.h5
   [ -f "$work/m$1.h5" ] || "$trellis" hmm init --states "$1" --symbols 10000 --seed 1 -o "$work/m$1.h5" 2>/dev/null
   "$trellis" hmm sample -m "$work/m$1.h5" -o "$work/d$1-$2.h5" -n "$n" -l 1000 --min-length 100 --seed 2 2>/dev/null
 }
-infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0"]
-  local out workload="hmm infer${5:+ $5}"
-  if ! out=$(timeout "$limit" "$trellis" hmm infer -m "$work/m$1.h5" -d "$work/d$1-$2.h5" -o "$work/o$1.h5" \
+infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0" [OUTPUT_DIR]]
+  local out workload="hmm infer${5:+ $5}" dir=${6:-$work} fs=
+  [ -n "${5:-}" ] && fs="\"output_fs\": \"$(stat -f -c %T "$dir")\", "
+  if ! out=$(timeout "$limit" "$trellis" hmm infer -m "$work/m$1.h5" -d "$work/d$1-$2.h5" -o "$dir/o$1.h5" \
     --device "$3" --precision "$4" --memory-budget 8G ${5:-} 2>/dev/null); then
     echo "$workload K=$1 $3 $4: failed or over ${limit} s"
     return
@@ -53,8 +56,8 @@ infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0"]
     name = $i == "set-up" ? "setup" : $i == "reading" ? "read" : $i == "computing" ? "compute" : "write"
     printf "%s\"%s_seconds\": %s", sep, name, $(i+1); sep = ", " } }' <<<"$out")
   compute=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i == "computing") print $(i+1)}' <<<"$out")
-  row "$workload" "$1" "$3" "$4" "$(awk '{print $4}' <<<"$out")" "$(awk '{for (i = 1; i < NF; ++i) if ($(i+1) == "s") print $i}' <<<"$out")" "$split"
-  rm -f "$work/o$1.h5"
+  row "$workload" "$1" "$3" "$4" "$(awk '{print $4}' <<<"$out")" "$(awk '{for (i = 1; i < NF; ++i) if ($(i+1) == "s") print $i}' <<<"$out")" "$fs$split"
+  rm -f "$dir/o$1.h5"
 }
 fit() {  # K TOKENS DEVICE PRECISION: EM iterations from the sampling model
   local log
@@ -69,23 +72,26 @@ fit() {  # K TOKENS DEVICE PRECISION: EM iterations from the sampling model
   rm -f "$work/f$1.h5"
 }
 run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
-  local K=$1 tokens=$2 small=$3 fit_tokens=$4 dev precision size
+  local K=$1 tokens=$2 small=$3 fit_tokens=$4 dev precision size dir
   shift 4
   for size in $(printf '%s\n' "$tokens" "$small" "$fit_tokens" | sort -u); do data "$K" "$size"; done
   for dev in "$@"; do
     for precision in float32 float64; do infer "$K" "$tokens" "$dev" "$precision"; done
-    infer "$K" "$small" "$dev" float32 "--posteriors --compression 0"
+    for dir in ${TRELLIS_HMM_BENCH_POSTERIORS_OUT:-$work}; do
+      infer "$K" "$small" "$dev" float32 "--posteriors --compression 0" "$dir"
+    done
     fit "$K" "$fit_tokens" "$dev" float32
   done
   rm -f "$work/d$K-"*.h5
 }
 # The posteriors written out are K floats per token (uncompressed: 4 KB a token at K=1024, 16 KB at 4096), so the
-# --posteriors runs take fewer tokens, enough that the command's set-up is a small share of its time.
+# --posteriors runs take fewer tokens (the fit rows' data), yet enough for several batches, so that writing one
+# batch overlaps computing the next, and for the command's set-up to be a small share of its time.
 for K in ${TRELLIS_HMM_BENCH_K-64 1024 4096}; do
   case $K in
     64) run 64 10000000 500000 2000000 "${devices[@]}" ;;
-    1024) run 1024 2000000 200000 1000000 cuda ;;  # the CPU would take minutes here
-    4096) run 4096 1000000 100000 200000 cuda ;;
+    1024) run 1024 2000000 1000000 1000000 cuda ;;  # the CPU would take minutes here
+    4096) run 4096 1000000 200000 200000 cuda ;;
     *) echo "TRELLIS_HMM_BENCH_K: $K is not one of 64, 1024, 4096" >&2; exit 2 ;;
   esac
 done

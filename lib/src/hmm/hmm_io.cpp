@@ -6,8 +6,12 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <condition_variable>
@@ -476,14 +480,17 @@ void write_doubles(H5::Group& file, const std::string& name, const at::Tensor& t
       .write(c.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
 }
 
-// The rows of a padded batch [B,T,...] within each sequence's length, on the CPU, as `type`. They are picked and
-// converted on the batch's device, so only they cross to the host, once (at thousands of states, the posteriors of a
-// batch are gigabytes).
-at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths, at::ScalarType type) {
+// The rows of a padded batch [B,T,...] within each sequence's length, as `type`, on the batch's device.
+at::Tensor packed_rows(const at::Tensor& padded, const at::Tensor& lengths, at::ScalarType type) {
   const at::Tensor l = lengths.to(padded.device(), at::kLong);
   const at::Tensor mask = at::arange(padded.size(1), l.options()).unsqueeze(0) < l.unsqueeze(1);
   const at::Tensor rows = padded.detach().reshape({padded.size(0) * padded.size(1), -1});
-  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).to(type).cpu().contiguous();
+  return rows.index_select(0, mask.flatten().nonzero().squeeze(1)).to(type).contiguous();
+}
+
+// The same rows on the CPU. They are picked and converted on the batch's device, so only they cross to the host.
+at::Tensor unpad(const at::Tensor& padded, const at::Tensor& lengths, at::ScalarType type) {
+  return packed_rows(padded, lengths, type).cpu().contiguous();
 }
 
 // A gzip level, 0 (none) to 9, checked before any file is made.
@@ -1014,13 +1021,16 @@ void HMMDatasetWriter::commit() {
 }
 
 // Bytes of posteriors per HDF5 write: HDF5's library lock is held for one write, so that a read of the dataset on
-// another thread waits for one slice at most.
+// another thread waits for one slice at most. Posteriors computed on a GPU also cross to the host a slice at a time.
 constexpr int64_t kPosteriorSliceBytes = int64_t(64) << 20;
 
 struct HMMInferenceWriter::Impl {
-  // One batch as it goes to the file: host tensors in the file's types.
+  // One batch as it goes to the file: tensors in the file's types, on the host but for the posteriors of a batch
+  // computed on a GPU, which stay there until they are written (`posteriors_ready` is recorded on the stream that
+  // formed them).
   struct Batch {
     at::Tensor log_likelihood, viterbi, states, labels, posteriors;
+    std::optional<c10::Event> posteriors_ready;
   };
 
   H5Output out;
@@ -1028,26 +1038,72 @@ struct HMMInferenceWriter::Impl {
   std::unique_ptr<Appendable> posteriors, labels;
   at::Tensor state_labels;
   // With posteriors (and an HDF5 built thread-safe), batches are written on a thread of their own while the caller
-  // computes the next: one batch waits at most while another is written, so two batches' host copies at most.
+  // computes the next. One batch waits at most while another is written (two batches' host copies at most); posteriors
+  // on a GPU are handed over only once the writer is idle, so that the device holds one batch's beyond the
+  // computation.
   std::mutex mutex;
   std::condition_variable changed;
   std::optional<Batch> waiting;
   bool writing = false, closing = false;
   std::exception_ptr failure;  // the first failed write's Error
   std::thread writer;
+  // Two pinned host buffers of one slice of GPU posteriors each: one slice is copied into one while the other's is
+  // written, so that the copy runs at the link's speed (not a pageable copy's) and beside the file's writes.
+  std::array<at::Tensor, 2> staging;
 
-  // A batch's results on the host in the file's types: log-likelihoods and Viterbi scores (float64), the paths' states
-  // and labels (int32) and the posteriors (float32), without the padding.
+  // A batch's results in the file's types: log-likelihoods and Viterbi scores (float64), the paths' states and labels
+  // (int32) and the posteriors (float32), without the padding.
   Batch host_batch(const at::Tensor& ll, const at::Tensor& viterbi_log_prob, const at::Tensor& paths,
                    const at::Tensor& lengths, const at::Tensor& nodes) const {
     Batch b;
     b.log_likelihood = ll.detach().cpu().to(at::kDouble).contiguous();
     b.viterbi = viterbi_log_prob.detach().cpu().to(at::kDouble).contiguous();
+    if (posteriors && nodes.is_cuda()) {
+      b.posteriors = packed_rows(nodes, lengths, at::kFloat);
+      b.posteriors_ready.emplace(c10::DeviceType::CUDA);
+      b.posteriors_ready->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(nodes.device()));
+    } else if (posteriors) {
+      b.posteriors = unpad(nodes, lengths, at::kFloat);
+    }
     const at::Tensor path = unpad(paths, lengths, at::kLong).squeeze(1);
     b.states = path.to(at::kInt);
     if (labels) b.labels = state_labels.index_select(0, path).to(at::kInt);
-    if (posteriors) b.posteriors = unpad(nodes, lengths, at::kFloat);
     return b;
+  }
+
+  // Posteriors rows [N,K] on a GPU: each slice copied into a pinned buffer on a stream of its own (after the stream
+  // that formed them reached `ready`), the next slice's copy started before this one's write.
+  void write_device_posteriors(const at::Tensor& rows, const c10::Event& ready) {
+    const int64_t total = rows.size(0);
+    if (total == 0) return;
+    const int64_t slice = std::max<int64_t>(1, kPosteriorSliceBytes / (rows.size(1) * rows.element_size()));
+    const int64_t buffer_rows = std::min(slice, total);
+    for (at::Tensor& s : staging)
+      if (!s.defined() || s.size(0) < buffer_rows || s.size(1) != rows.size(1))
+        s = at::empty({buffer_rows, rows.size(1)}, rows.options().device(at::kCPU).pinned_memory(true));
+    const c10::Stream copies =
+        c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStreamFromGlobalPool(rows.device());
+    ready.block(copies);
+    const c10::StreamGuard on_copies(copies);
+    std::array<c10::Event, 2> landed{c10::Event(c10::DeviceType::CUDA), c10::Event(c10::DeviceType::CUDA)};
+    const auto start_copy = [&](int64_t first, int slot) {
+      const int64_t n = std::min(slice, total - first);
+      staging[slot].narrow(0, 0, n).copy_(rows.narrow(0, first, n), /*non_blocking=*/true);
+      landed[slot].record(copies);
+    };
+    try {
+      start_copy(0, 0);
+      for (int64_t first = 0, i = 0; first < total; first += slice, ++i) {
+        const int slot = static_cast<int>(i % 2);
+        // The other buffer's slice has been written (append returns once the bytes are in the file).
+        if (first + slice < total) start_copy(first + slice, 1 - slot);
+        landed[slot].synchronize();
+        out.write_void([&] { posteriors->append(staging[slot].narrow(0, 0, std::min(slice, total - first))); });
+      }
+    } catch (...) {
+      copies.synchronize();  // no copy into the buffers or out of `rows` outlives this batch
+      throw;
+    }
   }
 
   void write(const Batch& b) {
@@ -1056,7 +1112,7 @@ struct HMMInferenceWriter::Impl {
       viterbi.append(b.viterbi);
       states.append(b.states);
       if (labels) labels->append(b.labels);
-      if (posteriors) {
+      if (posteriors && !b.posteriors_ready) {
         const int64_t rows = b.posteriors.size(0);
         const int64_t slice = std::max<int64_t>(
             1, kPosteriorSliceBytes / std::max<int64_t>(1, b.posteriors.stride(0) * b.posteriors.element_size()));
@@ -1064,6 +1120,7 @@ struct HMMInferenceWriter::Impl {
           posteriors->append(b.posteriors.slice(0, r, std::min(rows, r + slice)));
       }
     });
+    if (posteriors && b.posteriors_ready) write_device_posteriors(b.posteriors, *b.posteriors_ready);
     out.start_writeback();
   }
 
@@ -1145,9 +1202,10 @@ void HMMInferenceWriter::append(const at::Tensor& log_likelihood, const at::Tens
     w.write(w.host_batch(log_likelihood, viterbi_log_prob, paths, lengths, posteriors));
     return;
   }
+  const bool on_device = posteriors.defined() && posteriors.is_cuda();
   {
     std::unique_lock<std::mutex> lock(w.mutex);
-    w.changed.wait(lock, [&] { return w.failure || !w.waiting; });
+    w.changed.wait(lock, [&] { return w.failure || (!w.waiting && !(on_device && w.writing)); });
     if (w.failure) std::rethrow_exception(w.failure);
   }
   Impl::Batch batch = w.host_batch(log_likelihood, viterbi_log_prob, paths, lengths, posteriors);
@@ -1163,6 +1221,26 @@ void HMMInferenceWriter::commit() {
   w.stop(/*finish=*/true);
   if (w.failure) std::rethrow_exception(w.failure);
   w.out.commit();
+}
+
+at::Tensor read_posteriors(const std::string& path, int64_t first, int64_t count) {
+  return h5(path, [&] {
+    const H5::H5File f = open_readonly(path);
+    const H5::DataSet ds = open_dataset(f, path, "posteriors");
+    const auto d = dims_of(ds);
+    if (d.size() != 2 || ds.getTypeClass() != H5T_FLOAT)
+      throw Error(path + ": '/posteriors' must be a 2-d array of floating-point numbers");
+    if (first < 0 || count < 0 || first + count > static_cast<int64_t>(d[0]))
+      throw Error(path + ": '/posteriors' holds " + std::to_string(d[0]) + " rows, not rows " + std::to_string(first) +
+                  " to " + std::to_string(first + count));
+    at::Tensor rows = at::empty({count, static_cast<int64_t>(d[1])}, at::kFloat);
+    if (count == 0) return rows;
+    const hsize_t start[2] = {static_cast<hsize_t>(first), 0}, size[2] = {static_cast<hsize_t>(count), d[1]};
+    H5::DataSpace space = ds.getSpace();
+    space.selectHyperslab(H5S_SELECT_SET, size, start);
+    ds.read(rows.data_ptr<float>(), H5::PredType::NATIVE_FLOAT, H5::DataSpace(2, size), space);
+    return rows;
+  });
 }
 
 // ---- evaluation ----

@@ -316,7 +316,8 @@ DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* dis
   return share_of_rank(data, distributed->rank(), distributed->world_size());
 }
 
-int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o) {
+int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors, const HMMRunOptions& o,
+                     bool written_out) {
   const int64_t K = states_of(model), elt = at::elementSize(o.dtype);
   // Per position, K values of each of:
   // - the streamed route (many states on CUDA, no autograd): the emission scores (two while a Gaussian's are formed),
@@ -325,10 +326,12 @@ int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_
   //   backward messages of every step, the posteriors and the E-step's pair factors u and v, at most eight at once;
   // - the chain routes: the emission scores and their temporaries, the Viterbi messages (an int32 back-pointer or
   //   less) and path; with posteriors (or an E-step) the saved forward messages, gradients and the float32 copy
-  //   written out.
+  //   written out;
+  // - posteriors written out from a GPU: the float32 posteriors of the batch before, kept on the device until written.
   // Then the observations as read, padded and converted.
-  const int64_t per_state = streamed_route_takes(o.device, K) ? (with_posteriors ? 8 * elt : 3 * elt)
-                                                              : (5 * elt + 4) + (with_posteriors ? 6 * elt + 4 : 0);
+  const int64_t per_state = (streamed_route_takes(o.device, K) ? (with_posteriors ? 8 * elt : 3 * elt)
+                                                               : (5 * elt + 4) + (with_posteriors ? 6 * elt + 4 : 0)) +
+                            (with_posteriors && written_out && o.device.is_cuda() ? 4 : 0);
   const int64_t bytes = per_state * K + 4 * elt * num_features + 64;
   const int64_t tokens = o.memory_budget / bytes;
   if (tokens < 1) throw Error("the memory budget is too small for even one position of the model");
@@ -514,8 +517,8 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   else
     shape_file.model =
         GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
-  const auto ranges =
-      share_batches(data, dataset_share(data, group), batch_tokens(shape_file, F, /*with_posteriors=*/true, o));
+  const auto ranges = share_batches(data, dataset_share(data, group),
+                                    batch_tokens(shape_file, F, /*with_posteriors=*/true, o, /*written_out=*/false));
   // Sums this rank's statistics over the ranks (a no-op for one process), extra numbers alongside.
   const auto sum_over_ranks = [&](std::vector<at::Tensor> tensors, const std::optional<std::string>& failure,
                                   std::vector<double*> extra = {}) {

@@ -30,6 +30,10 @@ void save_hmm(const std::string& path, const HMMModelFile& file);
 // A 1-d string dataset (e.g. "vocabulary", "label_names") of any HDF5 file; empty when the file has none.
 std::vector<std::string> read_string_dataset(const std::string& path, const std::string& name);
 
+// Rows [first, first + count) of the posteriors an inference output holds (`hmm infer --posteriors`): float32
+// [count, K] on the CPU; Error naming the file where it has no such rows.
+at::Tensor read_posteriors(const std::string& path, int64_t first, int64_t count);
+
 // A batch of consecutive sequences, padded.
 struct SequenceBatch {
   int64_t first = 0;        // index of the batch's first sequence in the dataset

@@ -40,9 +40,10 @@ struct DatasetShare {
 // This rank's share of `data` under `distributed` (null: the whole dataset).
 DatasetShare dataset_share(const HMMDataset& data, const DistributedContext* distributed);
 
-// Tokens per batch that keep one batch's working tensors within options.memory_budget.
+// Tokens per batch that keep one batch's working tensors within options.memory_budget: with_posteriors for
+// `hmm infer --posteriors` (written out) and for the E-step (summed, written_out false).
 int64_t batch_tokens(const HMMModelFile& model, int64_t num_features, bool with_posteriors,
-                     const HMMRunOptions& options);
+                     const HMMRunOptions& options, bool written_out = true);
 
 // Called after each batch with the totals so far.
 using BatchProgress = std::function<void(int64_t sequences, int64_t tokens)>;
