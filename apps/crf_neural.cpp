@@ -77,7 +77,7 @@ int train(const std::vector<std::string>& args) {
       "dropout on inputs, between layers and before the emissions")(
       "variational-dropout",
       po::value(&o.variational_dropout)->default_value(o.variational_dropout)->implicit_value(true),
-      "draw each dropout mask once per sentence, the same at every position, instead of per token")(
+      "one dropout mask per sentence, the same at every position (--variational-dropout=false: one per token)")(
       "word-dropout", po::value(&o.word_dropout)->default_value(o.word_dropout, "0.5"),
       "a: a training word seen c times is replaced by the unknown word with probability a/(a+c)")(
       "embedding-dim", po::value(&o.word_dim)->default_value(0),

@@ -51,7 +51,7 @@ struct NeuralTaggerOptions {
   double word_dropout = 0.5;  // a training word seen c times becomes unknown with probability a/(a+c)
   // Dropout masks drawn once per sentence, the same at every position (variational dropout, Gal & Ghahramani 2016),
   // instead of per token. Stored in the model file: a BiLSTM of several layers is then one module per layer.
-  bool variational_dropout = false;
+  bool variational_dropout = true;
   std::string pretrained_embeddings;  // word2vec/GloVe text file ("" for none); its words join the vocabulary
 
   int epochs = 50;              // passes over the training set at most
