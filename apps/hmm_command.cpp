@@ -173,7 +173,12 @@ int infer(const std::vector<std::string>& args) {
             << fixed(s.log_likelihood, 4) << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  "
             << fixed(s.seconds, 3) << " s  " << fixed(s.tokens / s.seconds, 0) << " tokens/s  (set-up "
             << fixed(s.setup_seconds, 3) << ", reading " << fixed(s.read_seconds, 3) << ", computing "
-            << fixed(s.compute_seconds, 3) << ", writing " << fixed(s.write_seconds, 3) << ")";
+            << fixed(s.compute_seconds, 3);
+  if (with_posteriors) std::cout << ", of which posteriors " << fixed(s.posteriors_seconds, 3);
+  std::cout << ", writing " << fixed(s.write_seconds, 3);
+  // One process: the rest of the seconds is finishing the file (the writes still under way, the flush to the disk).
+  if (dist.world_size() == 1) std::cout << ", finishing " << fixed(s.assembly_seconds, 3);
+  std::cout << ")";
   if (dist.world_size() > 1)
     std::cout << " (of which " << fixed(s.assembly_seconds, 3) << " s receiving and writing the other ranks' results)";
   if (s.batch_peak_bytes > 0)

@@ -20,6 +20,8 @@
 #              there); results in $OUT/*.json. TRELLIS_PACKAGE_STEPS (default "tests bench neural") picks parts,
 #              TRELLIS_CTEST_REGEX narrows the CTest suite, TRELLIS_BENCHES (default "crf_python hmm_estimator") the
 #              benchmarks.
+# TRELLIS_BUILD_TARGETS (e.g. "trellis_tests trellis_ops trellis_cli") builds those targets alone, for a call that runs
+# only what needs them (the examples' and the install tests' CTest cases then fail: narrow TRELLIS_CTEST_REGEX too).
 # TRELLIS_GPU_KEEP_BUILD=1 keeps the build folder of an earlier call on a still-warm machine (incremental build).
 # Where one command may run at most 600 s (the lent GPU machines), run `sanitize` and `bench` as two commands.
 # Logs go to $OUT (or /tmp/trellis-gpu), one per step; each sanitizer's summary line is printed. The exit status is 1
@@ -96,7 +98,8 @@ if [ "$mode" = scale ]; then
   echo "=== every step ok ($SECONDS s in all)"
   exit 0
 fi
-step build cmake --build "$build" -j "$(nproc)"
+# shellcheck disable=SC2086  # TRELLIS_BUILD_TARGETS is a list of words
+step build cmake --build "$build" -j "$(nproc)" ${TRELLIS_BUILD_TARGETS:+--target $TRELLIS_BUILD_TARGETS}
 if [ "$mode" = package ]; then
   parts=" ${TRELLIS_PACKAGE_STEPS:-tests bench neural} "
   commit=${TRELLIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -7,8 +7,9 @@
 # at K = 64, 1024 and 4096, on fewer tokens as K grows. Prints one line per run and writes every run as a JSON row
 # {workload, shape, device, precision, tokens, seconds, tokens_per_s} to JSON_OUT (default WORK_DIR/hmm_bench.json);
 # infer rows add the command's own split of its seconds (setup_seconds: the model put on the device and the output
-# made; read_, compute_ and write_seconds: the batches'), --posteriors rows the file system written to (output_fs;
-# the command's seconds include flushing the file to it). The forward kernel's rows ("hmm log-lik", `trellis bench
+# made; read_, compute_ and write_seconds: the batches', posteriors_seconds the posteriors' share of compute_seconds;
+# finish_seconds: the writes still under way at the end and the flush to the disk), --posteriors rows the file
+# system written to (output_fs; the command's seconds include flushing the file to it). The forward kernel's rows ("hmm log-lik", `trellis bench
 # hmm`) come from that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py
 # bench (hmmlearn is not on the GPU machine).
 # With TRELLIS_HMM_BENCH_LARGE=1, also the transition-read floor at K = 16384 (and the K listed in
@@ -50,10 +51,11 @@ infer() {  # K TOKENS DEVICE PRECISION ["--posteriors --compression 0" [OUTPUT_D
     echo "$workload K=$1 $3 $4: failed or over ${limit} s"
     return
   fi
-  # "sequences N  tokens N  log-likelihood X (Y per token)  S s  R tokens/s  (set-up A, reading B, computing C, writing D)"
+  # "sequences N  tokens N  log-likelihood X (Y per token)  S s  R tokens/s  (set-up A, reading B, computing C[, of
+  # which posteriors P], writing D, finishing F)"
   local split
-  split=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i ~ /^(set-up|reading|computing|writing)$/) {
-    name = $i == "set-up" ? "setup" : $i == "reading" ? "read" : $i == "computing" ? "compute" : "write"
+  split=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i ~ /^(set-up|reading|computing|posteriors|writing|finishing)$/) {
+    name = $i == "set-up" ? "setup" : $i == "reading" ? "read" : $i == "computing" ? "compute" : $i == "writing" ? "write" : $i == "finishing" ? "finish" : "posteriors"
     printf "%s\"%s_seconds\": %s", sep, name, $(i+1); sep = ", " } }' <<<"$out")
   compute=$(awk '{gsub(/[(),]/, ""); for (i = 1; i < NF; ++i) if ($i == "computing") print $(i+1)}' <<<"$out")
   row "$workload" "$1" "$3" "$4" "$(awk '{print $4}' <<<"$out")" "$(awk '{for (i = 1; i < NF; ++i) if ($(i+1) == "s") print $i}' <<<"$out")" "$fs$split"

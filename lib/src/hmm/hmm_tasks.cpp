@@ -391,6 +391,8 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
               const Marginals mg = chain_posteriors(p);
               ll = mg.log_partition.detach();
               nodes = mg.nodes;
+              log_likelihood += ll.sum().item<double>();  // waits for the posteriors' kernels
+              sum.posteriors_seconds += since(phase);
             }
             c10::NoGradGuard no_grad;
             std::optional<detail::LikelihoodAndPath> both;
@@ -398,7 +400,9 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             if (both) ll = both->log_likelihood;
             else if (!with_posteriors) ll = chain_log_likelihood(p);
             const ViterbiResult v = both ? both->viterbi : viterbi(p);
-            log_likelihood += ll.sum().item<double>();  // waits for the batch's kernels: the compute time ends here
+            // Waits for the batch's kernels: the compute time ends here.
+            if (with_posteriors) v.score.sum().item<double>();
+            else log_likelihood += ll.sum().item<double>();
             sum.compute_seconds += since(phase);
             phase = Clock::now();
             if (rank == 0) out->append(ll, v.score, v.path, b.lengths, nodes);

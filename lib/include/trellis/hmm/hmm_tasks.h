@@ -56,10 +56,11 @@ struct InferSummary {
   double seconds = 0;           // wall time of the whole call
   double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
   // Of `seconds`, this rank's time in each stage:
-  double setup_seconds = 0;    // the model put on the device and the output file made
-  double read_seconds = 0;     // reading batches (to the device)
-  double compute_seconds = 0;  // computing them (until their results are on the device)
-  double write_seconds = 0;    // writing them (or keeping them for rank 0)
+  double setup_seconds = 0;       // the model put on the device and the output file made
+  double read_seconds = 0;        // reading batches (to the device)
+  double compute_seconds = 0;     // computing them (until their results are on the device)
+  double posteriors_seconds = 0;  // of compute_seconds, the posteriors' (with posteriors; the rest is the Viterbi's)
+  double write_seconds = 0;       // writing them (or keeping them for rank 0)
   // On a CUDA device, the most memory this rank's batches held at once in tensors beyond those held before the first
   // (the model's): what memory_budget bounds, but for the transitions' per-batch copies (a few K² values). 0 on the
   // CPU.
