@@ -5,7 +5,8 @@
 #   hmm fit                 one EM iteration from the sampling model (float32): the second of two, the first also
 #                           paying for the process's CUDA start (its seconds are first_iteration_seconds)
 # at K = 64, 1024 and 4096, on fewer tokens as K grows. Prints one line per run and writes every run as a JSON row
-# {workload, shape, device, precision, tokens, seconds, tokens_per_s} to JSON_OUT (default WORK_DIR/hmm_bench.json);
+# {workload, shape, device, precision, tokens, seconds, tokens_per_s} to JSON_OUT (default WORK_DIR/hmm_bench.json;
+# rewritten after each row);
 # infer rows add the command's own split of its seconds (setup_seconds: the model put on the device and the output
 # made; read_, compute_ and write_seconds: the batches', posteriors_seconds the posteriors' share of compute_seconds;
 # finish_seconds: the writes still under way at the end and the flush to the disk), --posteriors rows the file
@@ -32,11 +33,19 @@ json=${JSON_OUT:-$work/hmm_bench.json}
 limit=${TRELLIS_HMM_BENCH_TIMEOUT:-300}
 mkdir -p "$work"
 rows=()
+write_json() {  # every row so far: a run cut short by a time limit keeps the rows it finished
+  {
+    echo "["
+    for ((i = 0; i < ${#rows[@]}; ++i)); do echo "  ${rows[i]}$([ $((i + 1)) -lt ${#rows[@]} ] && echo ,)"; done
+    echo "]"
+  } >"$json"
+}
 row() {  # WORKLOAD K DEVICE PRECISION TOKENS SECONDS
   local rate
   rate=$(awk -v n="$5" -v s="$6" 'BEGIN { printf "%.0f", (s > 0 ? n / s : 0) }')
   printf '%-22s K=%-5s %-5s %-8s tokens %-9s %8s s  %10s tokens/s\n' "$1" "$2" "$3" "$4" "$5" "$6" "$rate"
   rows+=("{\"workload\": \"$1\", \"shape\": \"K=$2 V=10000 T=${shape_t:-100..1000}\", \"device\": \"$3\", \"precision\": \"$4\", \"tokens\": $5, \"seconds\": $6, \"tokens_per_s\": $rate${7:+, $7}}")
+  write_json
 }
 data() {  # K TOKENS: model m$K.h5 and data d$K-$TOKENS.h5
   local n=$(( ($2 + 549) / 550 ))  # 550 positions per sequence on average
@@ -118,9 +127,5 @@ floor() {  # K LENGTH: infer over 16 sequences of LENGTH in one batch, beside th
 if [ "${TRELLIS_HMM_BENCH_LARGE:-0}" = 1 ]; then
   for K in ${TRELLIS_HMM_BENCH_LARGE_K:-16384}; do floor "$K" "$([ "$K" -ge 32768 ] && echo 500 || echo 1000)"; done
 fi
-{
-  echo "["
-  for ((i = 0; i < ${#rows[@]}; ++i)); do echo "  ${rows[i]}$([ $((i + 1)) -lt ${#rows[@]} ] && echo ,)"; done
-  echo "]"
-} >"$json"
+write_json
 echo "wrote $json"
