@@ -62,10 +62,11 @@ int train(const std::vector<std::string>& args) {
                            "L1 coefficient: adds c1*|w|_1 and trains with OWL-QN (lbfgs), giving a sparse model")(
       "algorithm", po::value(&algorithm)->default_value("lbfgs"),
       "lbfgs (full batch), or sgd, adagrad, adam (minibatches; an iteration is an epoch)")(
-      "learning-rate", po::value(&o.learning_rate)->default_value(0.05), "learning rate of sgd, adagrad and adam")(
-      "batch-size", po::value(&batch_size)->default_value(32), "sentences per minibatch")(
+      "learning-rate", po::value(&o.learning_rate)->default_value(0.05, "0.05"),
+      "learning rate of sgd, adagrad and adam")("batch-size", po::value(&batch_size)->default_value(32),
+                                                "sentences per minibatch")(
       "max-iter", po::value(&o.max_iterations)->default_value(100), "maximum L-BFGS iterations or epochs")(
-      "tolerance", po::value(&o.tolerance)->default_value(1e-5),
+      "tolerance", po::value(&o.tolerance)->default_value(1e-5, "1e-5"),
       "stop when the objective improves by less than this fraction over 10 iterations")(
       "early-stopping", po::value(&o.early_stopping)->default_value(0),
       "stop after N iterations without a better dev score (0: off)")(

@@ -76,5 +76,14 @@ expect_error "--c2 auto without --dev" "--c2 auto chooses c2 by the dev score: i
 expect_error "--c2 not a number" "--c2 (a number, or auto) 'often' is not a number" m9.crf \
   "$trellis" crf train --train train.txt --model m9.crf --c2 often
 
+# Every command's --help exits 0 and prints its defaults as written (0.05, not 0.050000000000000003).
+for cmd in "crf train" "crf train --encoder bilstm" "crf tag" "crf eval" "hmm init" "hmm sample" "hmm fit" \
+  "hmm infer" "hmm eval" "bench"; do
+  # shellcheck disable=SC2086  # the command's words
+  if ! "$trellis" $cmd --help >help.txt 2>&1; then fail "$cmd --help: exit code"
+  elif grep -E '\(=[-+]?[0-9]*\.?[0-9]{9,}' help.txt; then fail "$cmd --help: a default printed to full precision"
+  else ok; fi
+done
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" = 0 ]
