@@ -178,6 +178,30 @@ TEST(HMMFiles, PosteriorsWrittenInBatchesReadBackInDatasetOrder) {
   for (const auto& p : {data, out}) std::remove(p.c_str());
 }
 
+TEST(HMMFiles, PosteriorsReadBackAsWrittenAtEveryCompressionLevel) {
+  // Compressed posteriors are packed in whole chunks of the file's (873 rows of 300 states here): batches whose rows
+  // end inside a chunk, fill one up, span several, and a last chunk that only commit() writes.
+  const int64_t K = 300;
+  const std::vector<int64_t> lengths = {1, 500, 373, 2000, 37, 1, 1746, 400};
+  std::vector<int64_t> offsets = {0};
+  for (int64_t n : lengths) offsets.push_back(offsets.back() + n);
+  std::vector<at::Tensor> batches;  // one sequence per batch, posteriors [1, T, K] of random values
+  for (int64_t n : lengths) batches.push_back(at::rand({1, n, K}, at::kFloat));
+  const at::Tensor rows = at::cat(batches, 1).squeeze(0);
+  for (int level : {0, 1, 9}) {
+    SCOPED_TRACE("compression " + std::to_string(level));
+    const std::string path = scratch("post_levels.h5");
+    HMMInferenceWriter w(path, offsets, K, /*with_posteriors=*/true, {}, level);
+    for (std::size_t b = 0; b < lengths.size(); ++b)
+      w.append(at::zeros({1}, at::kDouble), at::zeros({1}, at::kDouble), at::zeros({1, lengths[b]}, at::kLong),
+               at::tensor({lengths[b]}, at::kLong), batches[b]);
+    w.commit();
+    EXPECT_TRUE(at::equal(read_posteriors(path, 0, offsets.back()), rows));
+    EXPECT_TRUE(at::equal(read_posteriors(path, 872, 3), rows.narrow(0, 872, 3)));  // across a chunk's end
+    std::remove(path.c_str());
+  }
+}
+
 TEST(HMMFiles, AnUncommittedWriterLeavesNothing) {
   const std::string path = scratch("never.h5");
   { HMMDatasetWriter w(path, 2, false); }

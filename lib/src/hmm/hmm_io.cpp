@@ -4,8 +4,10 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -26,6 +28,7 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "trellis/io/atomic_file.h"
 #include "lib/src/io/message.h"
@@ -502,6 +505,24 @@ int gzip_level(int level, const char* what) {
 
 // Chunk size of uncompressed wide datasets (the posteriors): 4 times HDF5's default chunk cache of 1 MiB.
 constexpr hsize_t kDirectChunkBytes = hsize_t(4) << 20;
+// Chunk size of the other datasets: HDF5's default chunk cache (compressed wide rows: one deflate call's input).
+constexpr hsize_t kCachedChunkBytes = hsize_t(1) << 20;
+
+// A chunk of `bytes` as HDF5's shuffle and deflate filters store it (H5Z_FILTER_SHUFFLE with this element size, then
+// H5Z_FILTER_DEFLATE at this level: a zlib stream of the shuffled bytes), so that any HDF5 reader inflates it.
+std::vector<unsigned char> shuffled_deflate(const unsigned char* chunk, std::size_t bytes, std::size_t element,
+                                            int level) {
+  std::vector<unsigned char> shuffled(bytes);
+  const std::size_t n = bytes / element;  // whole elements; a chunk is a whole number of rows
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t b = 0; b < element; ++b) shuffled[b * n + i] = chunk[i * element + b];
+  uLongf size = compressBound(static_cast<uLong>(bytes));
+  std::vector<unsigned char> packed(size);
+  if (compress2(packed.data(), &size, shuffled.data(), static_cast<uLong>(bytes), level) != Z_OK)
+    throw Error("zlib could not compress a chunk of " + std::to_string(bytes) + " bytes");
+  packed.resize(size);
+  return packed;
+}
 
 // A dataset of rows [n, width...] that grows as rows are appended.
 class Appendable {
@@ -509,27 +530,38 @@ class Appendable {
   // deflate: gzip level 1-9, 0 for none. Uncompressed rows of `expected_rows` (the rows the file will hold, 0: not
   // known) come in chunks of up to kDirectChunkBytes: larger than HDF5's chunk cache, so that their writes go from the
   // caller's buffer to the file without a copy through the cache, and never filled first (every row gets written).
+  // Compressed wide rows of known count (the posteriors) are compressed here, a chunk per CPU thread at once, and
+  // written as HDF5's filters would have written them (shuffle, deflate): HDF5 would compress them one chunk at a
+  // time on the writing thread, holding its library lock throughout. Their last chunk goes to the file at finish().
   Appendable(H5::Group& file, const std::string& name, const H5::PredType& file_type, hsize_t width, int deflate,
              hsize_t expected_rows = 0)
-      : width_(width) {
+      : width_(width), row_bytes_(std::max<hsize_t>(1, width) * file_type.getSize()), file_type_(file_type) {
     const int rank = width ? 2 : 1;
     const hsize_t dims[2] = {0, width}, max[2] = {H5S_UNLIMITED, width};
-    const hsize_t row_bytes = std::max<hsize_t>(1, width) * file_type.getSize();
     const bool direct = deflate == 0 && expected_rows > 0;
-    const hsize_t chunk_rows = direct ? std::min(expected_rows, std::max<hsize_t>(1, kDirectChunkBytes / row_bytes))
-                                      : std::max<hsize_t>(1, (1 << 20) / row_bytes);
+    const bool packed_here = deflate > 0 && expected_rows > 0 && width > 0;
+    const hsize_t chunk_rows = direct ? std::min(expected_rows, std::max<hsize_t>(1, kDirectChunkBytes / row_bytes_))
+                               : packed_here
+                                   ? std::min(expected_rows, std::max<hsize_t>(1, kCachedChunkBytes / row_bytes_))
+                                   : std::max<hsize_t>(1, kCachedChunkBytes / row_bytes_);
     const hsize_t chunk[2] = {chunk_rows, width};
     H5::DSetCreatPropList props;
     props.setChunk(rank, chunk);
-    if (direct) props.setFillTime(H5D_FILL_TIME_NEVER);
+    if (direct || packed_here) props.setFillTime(H5D_FILL_TIME_NEVER);
     if (deflate > 0) {
       props.setShuffle();
       props.setDeflate(deflate);
     }
     ds_ = file.createDataSet(name, file_type, H5::DataSpace(rank, dims, max), props);
+    if (packed_here) {
+      deflate_ = deflate;
+      chunk_rows_ = chunk_rows;
+      pending_.resize(chunk_rows * row_bytes_);
+    }
   }
   void append(const void* data, hsize_t n, const H5::PredType& mem_type) {
     if (n == 0) return;
+    if (deflate_ > 0) return append_packed(static_cast<const unsigned char*>(data), n, mem_type);
     const int rank = width_ ? 2 : 1;
     const hsize_t grown[2] = {rows_ + n, width_}, start[2] = {rows_, 0}, count[2] = {n, width_};
     ds_.extend(grown);
@@ -542,11 +574,66 @@ class Appendable {
     const at::Tensor c = t.contiguous();
     append(c.data_ptr(), c.size(0), native_type(c.scalar_type()));
   }
+  // Writes the rows still held back (compressed datasets: a last chunk not yet full); a file is complete only after.
+  void finish() {
+    if (pending_rows_ == 0) return;
+    std::fill(pending_.begin() + static_cast<std::ptrdiff_t>(pending_rows_ * row_bytes_), pending_.end(), 0);
+    write_chunks({pending_.data()});
+    pending_rows_ = 0;
+  }
   hsize_t rows() const { return rows_; }
 
  private:
+  // Rows in the file's type, in whole chunks: a chunk's worth of rows collected (the held-back rows topped up first),
+  // then every whole chunk compressed at once; the rest held back for the next append.
+  void append_packed(const unsigned char* rows, hsize_t n, const H5::PredType& mem_type) {
+    if (!(mem_type == file_type_))
+      throw Error("internal: compressed rows of '" + ds_.getObjName() + "' must come in the file's type");
+    const hsize_t chunk_bytes = chunk_rows_ * row_bytes_;
+    std::vector<const unsigned char*> whole;
+    hsize_t left = n;
+    if (pending_rows_ > 0) {
+      const hsize_t take = std::min(left, chunk_rows_ - pending_rows_);
+      std::memcpy(pending_.data() + pending_rows_ * row_bytes_, rows, take * row_bytes_);
+      pending_rows_ += take;
+      rows += take * row_bytes_;
+      left -= take;
+      if (pending_rows_ == chunk_rows_) whole.push_back(pending_.data());
+    }
+    for (; left >= chunk_rows_; left -= chunk_rows_, rows += chunk_bytes) whole.push_back(rows);
+    rows_ += n;
+    const hsize_t grown[2] = {rows_, width_};
+    ds_.extend(grown);
+    write_chunks(whole);
+    if (pending_rows_ == chunk_rows_) pending_rows_ = 0;
+    if (left > 0) {
+      std::memcpy(pending_.data() + pending_rows_ * row_bytes_, rows, left * row_bytes_);
+      pending_rows_ += left;
+    }
+  }
+  // The next chunks of the dataset, in order, each compressed on a CPU thread of its own.
+  void write_chunks(const std::vector<const unsigned char*>& chunks) {
+    const std::size_t bytes = chunk_rows_ * row_bytes_, element = file_type_.getSize();
+    std::vector<std::vector<unsigned char>> packed(chunks.size());
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) packed[i] = shuffled_deflate(chunks[i], bytes, element, deflate_);
+    });
+    for (const std::vector<unsigned char>& chunk : packed) {
+      const hsize_t offset[2] = {chunks_written_ * chunk_rows_, 0};
+      if (H5Dwrite_chunk(ds_.getId(), H5P_DEFAULT, 0, offset, chunk.size(), chunk.data()) < 0)
+        throw H5::DataSetIException("H5Dwrite_chunk", "could not write chunk " + std::to_string(chunks_written_) +
+                                                          " of '" + ds_.getObjName() + "'");
+      ++chunks_written_;
+    }
+  }
+
   H5::DataSet ds_;
-  hsize_t width_, rows_ = 0;
+  hsize_t width_, row_bytes_, rows_ = 0;
+  H5::PredType file_type_;
+  // Compressed here (deflate_ > 0): rows per chunk, the rows held back for the next chunk, the chunks written.
+  int deflate_ = 0;
+  hsize_t chunk_rows_ = 0, pending_rows_ = 0, chunks_written_ = 0;
+  std::vector<unsigned char> pending_;
 };
 
 }  // namespace
@@ -1220,6 +1307,7 @@ void HMMInferenceWriter::commit() {
   Impl& w = *impl_;
   w.stop(/*finish=*/true);
   if (w.failure) std::rethrow_exception(w.failure);
+  if (w.posteriors) w.out.write_void([&] { w.posteriors->finish(); });
   w.out.commit();
 }
 
