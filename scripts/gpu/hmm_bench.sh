@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Throughput of the HMM commands on sampled categorical data, V = 10000, lengths uniform in [100, 1000]:
 #   hmm infer               log-likelihood + Viterbi (float32 and float64)
-#   hmm infer --posteriors  the same and the state posteriors, written out (float32, uncompressed: --compression 0)
+#   hmm infer --posteriors  the same and the state posteriors, written out (float32, uncompressed: --compression 0;
+#                           and at the default gzip level 1)
 #   hmm fit                 one EM iteration from the sampling model (float32): the second of two, the first also
 #                           paying for the process's CUDA start (its seconds are first_iteration_seconds)
 # at K = 64, 1024 and 4096, on fewer tokens as K grows. Prints one line per run and writes every run as a JSON row
@@ -91,6 +92,8 @@ run() {  # K INFER_TOKENS POSTERIOR_TOKENS FIT_TOKENS DEVICES...
     for dir in ${TRELLIS_HMM_BENCH_POSTERIORS_OUT:-$work}; do
       infer "$K" "$small" "$dev" float32 "--posteriors --compression 0" "$dir"
     done
+    # The default: gzip level 1, chunks compressed on every host core (fewer bytes to the disk, more work before them).
+    infer "$K" "$small" "$dev" float32 "--posteriors --compression 1"
     fit "$K" "$fit_tokens" "$dev" float32
   done
   rm -f "$work/d$K-"*.h5
