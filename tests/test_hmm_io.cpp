@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 
 #include "test_util.h"
 #include "trellis/hmm/hmm_tasks.h"
@@ -175,6 +176,7 @@ TEST(HMMFiles, PosteriorsWrittenInBatchesReadBackInDatasetOrder) {
       expect_close(rows[r].to(at::kDouble), expected[b][t], 1e-6, 1e-7);
     }
   expect_error_containing([&] { read_posteriors(out, offsets.back() - 1, 2); }, "rows");
+  expect_error_containing([&] { read_posteriors(out, 1, std::numeric_limits<int64_t>::max()); }, "rows");
   for (const auto& p : {data, out}) std::remove(p.c_str());
 }
 

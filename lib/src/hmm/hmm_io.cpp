@@ -1318,7 +1318,7 @@ at::Tensor read_posteriors(const std::string& path, int64_t first, int64_t count
     const auto d = dims_of(ds);
     if (d.size() != 2 || ds.getTypeClass() != H5T_FLOAT)
       throw Error(path + ": '/posteriors' must be a 2-d array of floating-point numbers");
-    if (first < 0 || count < 0 || first + count > static_cast<int64_t>(d[0]))
+    if (first < 0 || count < 0 || first > static_cast<int64_t>(d[0]) || count > static_cast<int64_t>(d[0]) - first)
       throw Error(path + ": '/posteriors' holds " + std::to_string(d[0]) + " rows, not rows " + std::to_string(first) +
                   " to " + std::to_string(first + count));
     at::Tensor rows = at::empty({count, static_cast<int64_t>(d[1])}, at::kFloat);
