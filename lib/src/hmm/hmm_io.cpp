@@ -612,18 +612,22 @@ class Appendable {
     }
   }
   // The next chunks of the dataset, in order, each compressed on a CPU thread of its own.
+  // Two chunks per thread at a time, so that the compressed chunks held before their write stay a few MiB.
   void write_chunks(const std::vector<const unsigned char*>& chunks) {
     const std::size_t bytes = chunk_rows_ * row_bytes_, element = file_type_.getSize();
-    std::vector<std::vector<unsigned char>> packed(chunks.size());
-    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) packed[i] = shuffled_deflate(chunks[i], bytes, element, deflate_);
-    });
-    for (const std::vector<unsigned char>& chunk : packed) {
-      const hsize_t offset[2] = {chunks_written_ * chunk_rows_, 0};
-      if (H5Dwrite_chunk(ds_.getId(), H5P_DEFAULT, 0, offset, chunk.size(), chunk.data()) < 0)
-        throw H5::DataSetIException("H5Dwrite_chunk", "could not write chunk " + std::to_string(chunks_written_) +
-                                                          " of '" + ds_.getObjName() + "'");
-      ++chunks_written_;
+    const std::size_t group = 2 * static_cast<std::size_t>(std::max(1, at::get_num_threads()));
+    for (std::size_t first = 0; first < chunks.size(); first += group) {
+      std::vector<std::vector<unsigned char>> packed(std::min(group, chunks.size() - first));
+      at::parallel_for(0, static_cast<int64_t>(packed.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) packed[i] = shuffled_deflate(chunks[first + i], bytes, element, deflate_);
+      });
+      for (const std::vector<unsigned char>& chunk : packed) {
+        const hsize_t offset[2] = {chunks_written_ * chunk_rows_, 0};
+        if (H5Dwrite_chunk(ds_.getId(), H5P_DEFAULT, 0, offset, chunk.size(), chunk.data()) < 0)
+          throw H5::DataSetIException("H5Dwrite_chunk", "could not write chunk " + std::to_string(chunks_written_) +
+                                                            " of '" + ds_.getObjName() + "'");
+        ++chunks_written_;
+      }
     }
   }
 
