@@ -231,3 +231,25 @@ def test_mask_resuming_after_padding_is_refused():
     mask = torch.tensor([[1, 1], [0, 1], [1, 1]], dtype=torch.uint8)
     with pytest.raises(ValueError, match="prefix"):
         crf.decode(torch.randn(3, 2, 3), mask)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "max"])
+def test_bad_masks_in_training_calls(device, reduction):
+    # The log-likelihood checks a mask's values after it has queued its work (on a GPU the host then waits for the
+    # check alone): still pytorch-crf's error, before a bad reduction's, and the prefix rule; a good mask passes.
+    emissions = torch.randn(3, 2, 4, device=device)
+    tags = torch.zeros(3, 2, dtype=torch.long, device=device)
+    first_off = torch.tensor([[1, 0], [1, 0], [0, 0]], dtype=torch.uint8, device=device)
+    expected = raised(lambda: torchcrf.CRF(4).to(device)(emissions, tags, first_off, reduction=reduction))
+    got = raised(lambda: trellis.CRF(4).to(device)(emissions, tags, first_off, reduction=reduction))
+    assert type(got) is type(expected) is ValueError
+    assert str(got) == str(expected) == "mask of the first timestep must all be on"
+    hole = torch.tensor([[1, 1], [0, 1], [1, 1]], dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match="prefix"):
+        trellis.CRF(4).to(device)(emissions, tags, hole, reduction=reduction)
+    prefix = torch.tensor([[1, 1], [1, 0], [1, 0]], dtype=torch.bool, device=device)
+    if reduction == "sum":
+        assert torch.isfinite(trellis.CRF(4).to(device)(emissions, tags, prefix))
+    else:
+        with pytest.raises(ValueError, match="invalid reduction"):
+            trellis.CRF(4).to(device)(emissions, tags, prefix, reduction=reduction)

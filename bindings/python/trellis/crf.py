@@ -1,5 +1,5 @@
 """A linear-chain conditional random field layer with pytorch-crf's interface, on Trellis' operators."""
-from typing import Iterable, List, Literal, Optional, Tuple, Union, overload
+from typing import Callable, Iterable, List, Literal, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn as nn
@@ -166,17 +166,22 @@ class CRF(nn.Module):
             that the call never waits for the device, and such a sequence's log likelihood (and its gradients) is
             NaN instead.
         """
-        lengths = self._validate(emissions, tags=tags, mask=mask)
+        lengths, check_mask = self._validate_later(emissions, tags=tags, mask=mask)
         if reduction not in _REDUCTIONS:
+            check_mask()  # pytorch-crf's order: a bad mask is reported before a bad reduction
             raise ValueError(f'invalid reduction: {reduction}')
         if tags.dtype != torch.int64:
             tags = tags.long()
         # The operator takes the caller's layout (no transposed views for autograd to track) and reduces the
         # log-likelihood itself (short chains: forming its gradients in the forward pass; long ones: through the
         # library's autograd, the backward kernels in the backward pass): one operator call is the whole forward.
-        return torch.ops.trellis.crf_log_likelihood.default(emissions, tags, self.transitions, self.start_transitions,
-                                                            self.end_transitions, None, lengths, self.batch_first,
-                                                            reduction)
+        # A mask is checked once the call is queued, so that the GPU runs it while the host waits for the check.
+        try:
+            return torch.ops.trellis.crf_log_likelihood.default(emissions, tags, self.transitions,
+                                                                self.start_transitions, self.end_transitions, None,
+                                                                lengths, self.batch_first, reduction)
+        finally:
+            check_mask()
 
     @overload
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = ..., *,
@@ -303,6 +308,16 @@ class CRF(nn.Module):
 
         A mask's values are checked with one transfer to the host (a synchronisation on the GPU), the only one here.
         """
+        lengths, check_mask = self._validate_later(emissions, tags=tags, mask=mask)
+        check_mask()
+        return lengths
+
+    def _validate_later(self, emissions: Tensor, tags: Optional[Tensor] = None,
+                        mask: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Callable[[], None]]:
+        """:meth:`_validate`, but for the mask's values: those are checked by the function returned, which raises
+        pytorch-crf's errors. On a GPU their check is queued here and the function waits for it alone, so that a
+        caller who queues its own work before calling it keeps the GPU busy meanwhile.
+        """
         if emissions.dim() != 3:
             raise ValueError(f'emissions must have dimension of 3, got {emissions.dim()}')
         if emissions.size(2) != self.num_tags:
@@ -313,23 +328,30 @@ class CRF(nn.Module):
                 raise ValueError('the first two dimensions of emissions and tags must match, '
                                  f'got {tuple(emissions.shape[:2])} and {tuple(tags.shape)}')
 
-        if mask is not None:
-            if emissions.shape[:2] != mask.shape:
-                raise ValueError('the first two dimensions of emissions and mask must match, '
-                                 f'got {tuple(emissions.shape[:2])} and {tuple(mask.shape)}')
-            on = mask if mask.dtype == torch.bool else mask != 0
-            if not self.batch_first:
-                on = on.transpose(0, 1)
-            # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading
-            # (pytorch-crf would silently score a mixture of the two), so it is refused.
-            first_on, hole = torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()]).tolist()
-            if not first_on:
-                raise ValueError('mask of the first timestep must all be on')
-            if hole:
-                raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is '
-                                 'off')
-            return on.sum(1)
-        return None
+        if mask is None:
+            return None, _nothing_to_check
+        if emissions.shape[:2] != mask.shape:
+            raise ValueError('the first two dimensions of emissions and mask must match, '
+                             f'got {tuple(emissions.shape[:2])} and {tuple(mask.shape)}')
+        on = mask if mask.dtype == torch.bool else mask != 0
+        if not self.batch_first:
+            on = on.transpose(0, 1)
+        # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading
+        # (pytorch-crf would silently score a mixture of the two), so it is refused.
+        flags = torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()])
+        on_host, copied = flags, None
+        if flags.is_cuda:
+            on_host = torch.empty(2, dtype=torch.bool, pin_memory=True)
+            on_host.copy_(flags, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(flags.device))  # the stream the copy was queued on
+
+        def check_mask() -> None:
+            if copied is not None:
+                copied.synchronize()
+            _check_mask_flags(on_host)
+
+        return on.sum(1), check_mask
 
     def _batch_major(self, emissions: Tensor) -> Tensor:
         """The emissions as (batch_size, seq_length, num_tags)."""
@@ -345,6 +367,20 @@ class CRF(nn.Module):
             return None, None, None
         device = emissions.device
         return self.allowed_transitions.to(device), self.allowed_start.to(device), self.allowed_end.to(device)
+
+
+def _nothing_to_check() -> None:
+    pass
+
+
+def _check_mask_flags(flags: Tensor) -> None:
+    """pytorch-crf's error for a mask whose first timestep is not all on, Trellis' for one that is not a prefix;
+    flags: (first timestep all on, some timestep on after one that is off), on the host."""
+    first_on, hole = flags.tolist()
+    if not first_on:
+        raise ValueError('mask of the first timestep must all be on')
+    if hole:
+        raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is off')
 
 
 def _lengths_list(paths: Tensor, lengths: Optional[Tensor]) -> List[int]:
