@@ -206,10 +206,13 @@ class CRF(nn.Module):
             List of list containing the best tag sequence for each batch (each as long as its sequence), or the
             tensor. With constraints, a sequence that no allowed tag sequence fits gets -1 at every position.
         """
-        lengths = self._validate(emissions, mask=mask)
+        lengths, check_mask = self._validate_later(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        paths, _ = torch.ops.trellis.crf_viterbi.default(emissions, *self._scores(), None, lengths, True,
-                                                         *self._constraints_for(emissions))
+        try:  # a mask is checked once the call is queued, as in forward
+            paths, _ = torch.ops.trellis.crf_viterbi.default(emissions, *self._scores(), None, lengths, True,
+                                                             *self._constraints_for(emissions))
+        finally:
+            check_mask()
         if as_tensor:
             return paths if self.batch_first else paths.transpose(0, 1)
         return _trim(paths, lengths)
