@@ -1,5 +1,5 @@
 """A linear-chain conditional random field layer with pytorch-crf's interface, on Trellis' operators."""
-from typing import Callable, Iterable, List, Literal, Optional, Tuple, Union, overload
+from typing import Iterable, List, Literal, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn as nn
@@ -166,22 +166,18 @@ class CRF(nn.Module):
             that the call never waits for the device, and such a sequence's log likelihood (and its gradients) is
             NaN instead.
         """
-        lengths, check_mask = self._validate_later(emissions, tags=tags, mask=mask)
-        if reduction not in _REDUCTIONS:
-            check_mask()  # pytorch-crf's order: a bad mask is reported before a bad reduction
-            raise ValueError(f'invalid reduction: {reduction}')
-        if tags.dtype != torch.int64:
-            tags = tags.long()
-        # The operator takes the caller's layout (no transposed views for autograd to track) and reduces the
-        # log-likelihood itself (short chains: forming its gradients in the forward pass; long ones: through the
-        # library's autograd, the backward kernels in the backward pass): one operator call is the whole forward.
-        # A mask is checked once the call is queued, so that the GPU runs it while the host waits for the check.
-        try:
+        lengths, mask_check = self._validate(emissions, tags=tags, mask=mask)
+        with mask_check:  # (pytorch-crf's order: a bad mask is reported before a bad reduction)
+            if reduction not in _REDUCTIONS:
+                raise ValueError(f'invalid reduction: {reduction}')
+            if tags.dtype != torch.int64:
+                tags = tags.long()
+            # The operator takes the caller's layout (no transposed views for autograd to track) and reduces the
+            # log-likelihood itself (short chains: forming its gradients in the forward pass; long ones: through the
+            # library's autograd, the backward kernels in the backward pass): one operator call is the whole forward.
             return torch.ops.trellis.crf_log_likelihood.default(emissions, tags, self.transitions,
                                                                 self.start_transitions, self.end_transitions, None,
                                                                 lengths, self.batch_first, reduction)
-        finally:
-            check_mask()
 
     @overload
     def decode(self, emissions: Tensor, mask: Optional[Tensor] = ..., *,
@@ -206,13 +202,11 @@ class CRF(nn.Module):
             List of list containing the best tag sequence for each batch (each as long as its sequence), or the
             tensor. With constraints, a sequence that no allowed tag sequence fits gets -1 at every position.
         """
-        lengths, check_mask = self._validate_later(emissions, mask=mask)
+        lengths, mask_check = self._validate(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        try:  # a mask is checked once the call is queued, as in forward
+        with mask_check:
             paths, _ = torch.ops.trellis.crf_viterbi.default(emissions, *self._scores(), None, lengths, True,
                                                              *self._constraints_for(emissions))
-        finally:
-            check_mask()
         if as_tensor:
             return paths if self.batch_first else paths.transpose(0, 1)
         return _trim(paths, lengths)
@@ -245,10 +239,11 @@ class CRF(nn.Module):
         """
         if k < 1:
             raise ValueError(f'k must be at least 1, got {k}')
-        lengths = self._validate(emissions, mask=mask)
+        lengths, mask_check = self._validate(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        paths, scores = torch.ops.trellis.crf_kbest(emissions, *self._scores(), None, lengths, k, True,
-                                                    *self._constraints_for(emissions))
+        with mask_check:
+            paths, scores = torch.ops.trellis.crf_kbest(emissions, *self._scores(), None, lengths, k, True,
+                                                        *self._constraints_for(emissions))
         if as_tensor:
             return (paths if self.batch_first else paths.permute(2, 0, 1)), scores
         result = []
@@ -280,10 +275,11 @@ class CRF(nn.Module):
             tag_{t+1} = j)``. Not differentiable: for gradients, differentiate :meth:`log_partition` (whose
             gradient with respect to the emissions these marginals are).
         """
-        lengths = self._validate(emissions, mask=mask)
+        lengths, mask_check = self._validate(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        unary, pairwise = torch.ops.trellis.crf_marginals(emissions, *self._scores(), None, lengths, True,
-                                                          edges, *self._constraints_for(emissions))
+        with mask_check:
+            unary, pairwise = torch.ops.trellis.crf_marginals(emissions, *self._scores(), None, lengths, True,
+                                                              edges, *self._constraints_for(emissions))
         if not self.batch_first:
             unary = unary.transpose(0, 1)
             pairwise = pairwise.transpose(0, 1) if edges else pairwise
@@ -300,26 +296,17 @@ class CRF(nn.Module):
             `~torch.Tensor` of size ``(batch_size,)``, differentiable (its gradient with respect to the emissions is
             the marginals).
         """
-        lengths = self._validate(emissions, mask=mask)
+        lengths, mask_check = self._validate(emissions, mask=mask)
         emissions = self._batch_major(emissions)
-        return torch.ops.trellis.crf_log_partition(emissions, *self._scores(), None, lengths, True,
-                                                   *self._constraints_for(emissions))
+        with mask_check:
+            return torch.ops.trellis.crf_log_partition(emissions, *self._scores(), None, lengths, True,
+                                                       *self._constraints_for(emissions))
 
     def _validate(self, emissions: Tensor, tags: Optional[Tensor] = None,
-                  mask: Optional[Tensor] = None) -> Optional[Tensor]:
-        """pytorch-crf's checks, in its order and with its messages; returns each sequence's length (None: all full).
-
-        A mask's values are checked with one transfer to the host (a synchronisation on the GPU), the only one here.
-        """
-        lengths, check_mask = self._validate_later(emissions, tags=tags, mask=mask)
-        check_mask()
-        return lengths
-
-    def _validate_later(self, emissions: Tensor, tags: Optional[Tensor] = None,
-                        mask: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Callable[[], None]]:
-        """:meth:`_validate`, but for the mask's values: those are checked by the function returned, which raises
-        pytorch-crf's errors. On a GPU their check is queued here and the function waits for it alone, so that a
-        caller who queues its own work before calling it keeps the GPU busy meanwhile.
+                  mask: Optional[Tensor] = None) -> Tuple[Optional[Tensor], '_MaskCheck']:
+        """pytorch-crf's checks, in its order and with its messages; returns each sequence's length (None: all full)
+        and the check of the mask's values, a context manager: the call it guards is queued before the check waits
+        (see :class:`_MaskCheck`).
         """
         if emissions.dim() != 3:
             raise ValueError(f'emissions must have dimension of 3, got {emissions.dim()}')
@@ -332,7 +319,7 @@ class CRF(nn.Module):
                                  f'got {tuple(emissions.shape[:2])} and {tuple(tags.shape)}')
 
         if mask is None:
-            return None, _nothing_to_check
+            return None, _NO_MASK
         if emissions.shape[:2] != mask.shape:
             raise ValueError('the first two dimensions of emissions and mask must match, '
                              f'got {tuple(emissions.shape[:2])} and {tuple(mask.shape)}')
@@ -341,20 +328,7 @@ class CRF(nn.Module):
             on = on.transpose(0, 1)
         # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading
         # (pytorch-crf would silently score a mixture of the two), so it is refused.
-        flags = torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()])
-        on_host, copied = flags, None
-        if flags.is_cuda:
-            on_host = torch.empty(2, dtype=torch.bool, pin_memory=True)
-            on_host.copy_(flags, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(flags.device))  # the stream the copy was queued on
-
-        def check_mask() -> None:
-            if copied is not None:
-                copied.synchronize()
-            _check_mask_flags(on_host)
-
-        return on.sum(1), check_mask
+        return on.sum(1), _MaskCheck(torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()]))
 
     def _batch_major(self, emissions: Tensor) -> Tensor:
         """The emissions as (batch_size, seq_length, num_tags)."""
@@ -372,18 +346,38 @@ class CRF(nn.Module):
         return self.allowed_transitions.to(device), self.allowed_start.to(device), self.allowed_end.to(device)
 
 
-def _nothing_to_check() -> None:
-    pass
+class _MaskCheck:
+    """A mask's values checked as the block it guards ends: pytorch-crf's error for a first timestep not all on,
+    Trellis' for a mask that is not a prefix, either one in place of an error the block raised. On a GPU the flags
+    cross to the host by a non-blocking copy queued before the block, and the check waits for that copy alone: the
+    block's own work (an operator call) is queued by then and keeps the GPU busy, where a transfer before the call
+    would leave it idle while the host queues the call."""
+
+    def __init__(self, flags: Optional[Tensor]):
+        """flags: (first timestep all on, some timestep on after one that is off); None: no mask."""
+        self._flags, self._copied = flags, None
+        if flags is not None and flags.is_cuda:
+            self._flags = torch.empty(2, dtype=torch.bool, pin_memory=True)
+            self._flags.copy_(flags, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(flags.device))  # the stream the copy was queued on
+
+    def __enter__(self) -> '_MaskCheck':
+        return self
+
+    def __exit__(self, *raised) -> None:
+        if self._flags is None:
+            return
+        if self._copied is not None:
+            self._copied.synchronize()
+        first_on, hole = self._flags.tolist()
+        if not first_on:
+            raise ValueError('mask of the first timestep must all be on')
+        if hole:
+            raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is off')
 
 
-def _check_mask_flags(flags: Tensor) -> None:
-    """pytorch-crf's error for a mask whose first timestep is not all on, Trellis' for one that is not a prefix;
-    flags: (first timestep all on, some timestep on after one that is off), on the host."""
-    first_on, hole = flags.tolist()
-    if not first_on:
-        raise ValueError('mask of the first timestep must all be on')
-    if hole:
-        raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is off')
+_NO_MASK = _MaskCheck(None)
 
 
 def _lengths_list(paths: Tensor, lengths: Optional[Tensor]) -> List[int]:
