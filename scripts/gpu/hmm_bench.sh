@@ -11,8 +11,8 @@
 # infer rows add the command's own split of its seconds (setup_seconds: the model put on the device and the output
 # made; read_, compute_ and write_seconds: the batches', posteriors_seconds the posteriors' share of compute_seconds;
 # finish_seconds: the writes still under way at the end and the flush to the disk), --posteriors rows the file
-# system written to (output_fs; the command's seconds include flushing the file to it). The forward kernel's rows ("hmm log-lik", `trellis bench
-# hmm`) come from that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py
+# system written to (output_fs; the command's seconds include flushing the file to it). The forward kernel's rows
+# ("hmm log-lik", `trellis bench hmm`) come from that command's --json file. hmmlearn's rate for the same work comes from tests/hmmlearn_compare.py
 # bench (hmmlearn is not on the GPU machine).
 # With TRELLIS_HMM_BENCH_LARGE=1, also the transition-read floor at K = 16384 (and the K listed in
 # TRELLIS_HMM_BENCH_LARGE_K, e.g. "16384 32768"): `hmm infer` over 16 sequences of 1000 (K >= 32768: 500)

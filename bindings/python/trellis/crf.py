@@ -371,10 +371,12 @@ class _MaskCheck:
         if self._copied is not None:
             self._copied.synchronize()
         first_on, hole = self._flags.tolist()
+        # `from None`: the block's own error (the call on a mask it cannot read) is not the one to show.
         if not first_on:
-            raise ValueError('mask of the first timestep must all be on')
+            raise ValueError('mask of the first timestep must all be on') from None
         if hole:
-            raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is off')
+            raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is '
+                             'off') from None
 
 
 _NO_MASK = _MaskCheck(None)

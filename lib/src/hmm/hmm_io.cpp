@@ -540,10 +540,8 @@ class Appendable {
     const hsize_t dims[2] = {0, width}, max[2] = {H5S_UNLIMITED, width};
     const bool direct = deflate == 0 && expected_rows > 0;
     const bool packed_here = deflate > 0 && expected_rows > 0 && width > 0;
-    const hsize_t chunk_rows = direct ? std::min(expected_rows, std::max<hsize_t>(1, kDirectChunkBytes / row_bytes_))
-                               : packed_here
-                                   ? std::min(expected_rows, std::max<hsize_t>(1, kCachedChunkBytes / row_bytes_))
-                                   : std::max<hsize_t>(1, kCachedChunkBytes / row_bytes_);
+    const hsize_t fitting = std::max<hsize_t>(1, (direct ? kDirectChunkBytes : kCachedChunkBytes) / row_bytes_);
+    const hsize_t chunk_rows = direct || packed_here ? std::min(expected_rows, fitting) : fitting;
     const hsize_t chunk[2] = {chunk_rows, width};
     H5::DSetCreatPropList props;
     props.setChunk(rank, chunk);
@@ -611,8 +609,8 @@ class Appendable {
       pending_rows_ += left;
     }
   }
-  // The next chunks of the dataset, in order, each compressed on a CPU thread of its own.
-  // Two chunks per thread at a time, so that the compressed chunks held before their write stay a few MiB.
+  // The next chunks of the dataset, in order, compressed on the CPU threads two chunks per thread at a time (so that
+  // the compressed chunks held before their write stay a few MiB).
   void write_chunks(const std::vector<const unsigned char*>& chunks) {
     const std::size_t bytes = chunk_rows_ * row_bytes_, element = file_type_.getSize();
     const std::size_t group = 2 * static_cast<std::size_t>(std::max(1, at::get_num_threads()));
@@ -1323,8 +1321,8 @@ at::Tensor read_posteriors(const std::string& path, int64_t first, int64_t count
     if (d.size() != 2 || ds.getTypeClass() != H5T_FLOAT)
       throw Error(path + ": '/posteriors' must be a 2-d array of floating-point numbers");
     if (first < 0 || count < 0 || first > static_cast<int64_t>(d[0]) || count > static_cast<int64_t>(d[0]) - first)
-      throw Error(path + ": '/posteriors' holds " + std::to_string(d[0]) + " rows, not rows " + std::to_string(first) +
-                  " to " + std::to_string(first + count));
+      throw Error(path + ": '/posteriors' holds " + std::to_string(d[0]) + " rows, not " + std::to_string(count) +
+                  " rows from row " + std::to_string(first));
     at::Tensor rows = at::empty({count, static_cast<int64_t>(d[1])}, at::kFloat);
     if (count == 0) return rows;
     const hsize_t start[2] = {static_cast<hsize_t>(first), 0}, size[2] = {static_cast<hsize_t>(count), d[1]};
