@@ -9,6 +9,7 @@
 #include "cuda/hmm_expectations.h"
 #include "cuda/kernels_built.h"
 #include "cuda/linear_head.h"
+#include "cuda/mask_summary.h"
 #include "cuda/semiring_kernels.h"
 #include "trellis/error.h"
 #include "trellis/semiring/semiring.h"
@@ -93,6 +94,9 @@ void many_label_infer(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
                       const at::Tensor&, double, at::Tensor&, at::Tensor&, at::Tensor&) {
   no_kernels("many_label_infer");
 }
+
+// cuda/mask_summary.h
+void mask_summary(const at::Tensor&, bool, at::Tensor&, at::Tensor&) { no_kernels("mask_summary"); }
 
 // cuda/hmm_expectations.h
 void hmm_posterior_rows(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

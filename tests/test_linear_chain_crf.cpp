@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "test_util.h"
+#include "trellis/crf/chain_inputs.h"
 #include "trellis/error.h"
 
 using namespace trellis;
@@ -694,4 +695,59 @@ TEST(LinearChainCRFCuda, ManyLabelViterbiFloat32LongSequences) {
   for (at::Tensor* t : {&g.emissions, &g.transitions, &g.start, &g.end}) *t = t->to(at::kCUDA, at::kFloat);
   g.lengths = p.lengths.to(at::kCUDA);
   expect_close(viterbi(g).score, viterbi(p).score, 1e-6, 0);
+}
+
+namespace {
+
+// summarize_mask against a loop over the host's copy of random masks: right-padded rows, rows whose first position is
+// off and rows with a hole (on again after an off position), each kind alone and mixed, as [B,T] or as the transposed
+// [T,B] view (not contiguous), bool and uint8, for T across the 32-position warp width and B across many blocks.
+void expect_mask_summaries_match_a_loop(const at::Device& device) {
+  at::manual_seed(41);
+  int checked = 0;
+  for (const int64_t B : {0, 1, 5, 3001})
+    for (const int64_t T : {0, 1, 2, 31, 33, 77})
+      for (int kind = 0; kind < 4; ++kind) {  // right-padded, + first off, + hole, + both
+        const at::Tensor lengths = at::randint(1, std::max<int64_t>(T, 1) + 1, {B}, at::kLong);
+        at::Tensor mask = at::arange(T, at::kLong).unsqueeze(0) < lengths.unsqueeze(1);
+        if (B > 0 && T > 0 && (kind & 1)) mask.index_put_({at::randint(B, {std::max<int64_t>(1, B / 7)}), 0}, false);
+        if (B > 0 && T > 2 && (kind & 2)) {  // off somewhere in [1, T-2], on at T-1
+          const at::Tensor rows = at::randint(B, {std::max<int64_t>(1, B / 5)});
+          mask.index_put_({rows, T - 1}, true);
+          mask.index_put_({rows, at::randint(1, T - 1, {rows.size(0)})}, false);
+        }
+        std::vector<int64_t> count(B, 0);
+        bool first_off = false, hole = false;
+        const auto on = mask.accessor<bool, 2>();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < T; ++t) {
+            count[b] += on[b][t];
+            first_off |= t == 0 && !on[b][t];
+            hole |= t > 0 && on[b][t] && !on[b][t - 1];
+          }
+        for (const bool batch_first : {true, false})
+          for (const at::ScalarType dtype : {at::kBool, at::kByte}) {
+            const at::Tensor given = (batch_first ? mask : mask.t()).to(device, dtype);
+            const MaskSummary s = summarize_mask(given, batch_first, {B, T}, device, "test");
+            ASSERT_EQ(s.lengths.device(), device);
+            ASSERT_EQ(s.lengths.scalar_type(), at::kLong);
+            ASSERT_EQ(s.flags.scalar_type(), at::kBool);
+            const at::Tensor lengths_got = s.lengths.cpu(), flags_got = s.flags.cpu();
+            ASSERT_EQ(lengths_got.size(0), B);
+            for (int64_t b = 0; b < B; ++b) ASSERT_EQ(lengths_got[b].item<int64_t>(), count[b]) << "row " << b;
+            EXPECT_EQ(flags_got[0].item<bool>(), first_off) << "B " << B << " T " << T << " kind " << kind;
+            EXPECT_EQ(flags_got[1].item<bool>(), hole) << "B " << B << " T " << T << " kind " << kind;
+            ++checked;
+          }
+      }
+  EXPECT_EQ(checked, 4 * 6 * 4 * 4);
+}
+
+}  // namespace
+
+TEST(LinearChainCRF, MaskSummaryMatchesALoop) { expect_mask_summaries_match_a_loop(at::kCPU); }
+
+TEST(LinearChainCRFCuda, MaskSummaryMatchesALoop) {
+  TRELLIS_REQUIRE_CUDA();
+  expect_mask_summaries_match_a_loop(at::Device(at::kCUDA, 0));
 }

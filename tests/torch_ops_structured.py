@@ -506,7 +506,8 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16):
                 opcheck(ops.crf_marginals.default, (ee, t_, s_, n_, m, None), dict(c, edges=edges, allowed=allowed))
             opcheck(ops.crf_viterbi.default, (ee, t_, s_, n_, None, lengths), dict(c, allowed_end=allowed_end))
             opcheck(ops.crf_kbest.default, (ee, t_, s_, n_, m, None, 3), c)
-            checked += 7
+            opcheck(ops._crf_mask_lengths.default, (m.to(torch.uint8), batch_first))
+            checked += 8
         a_, b_ = leaf(torch.randn(2, 3, 4, **f64)), leaf(torch.randn(4, 5, **f64))
         opcheck(ops.log_matmul.default, (a_, b_))
         opcheck(ops.max_matmul.default, (leaf(torch.randn(3, 1, 2, 4, **f64)), leaf(torch.randn(2, 4, 5, **f64))))

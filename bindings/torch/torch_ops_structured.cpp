@@ -451,6 +451,23 @@ Tensors2 crf_viterbi(const at::Tensor& emissions, const at::Tensor& transitions,
   return {r.path, r.score};
 }
 
+// A mask's lengths and validity flags (trellis::summarize_mask), for trellis.CRF: it checks the flags once the call
+// the mask is for is queued.
+Tensors2 crf_mask_lengths(const at::Tensor& mask, bool batch_first) {
+  if (mask.dim() != 2)
+    throw trellis::Error("trellis::_crf_mask_lengths: mask must be [B,T] or [T,B], got shape " +
+                         trellis::shape_string(mask.sizes()));
+  const trellis::MaskSummary summary =
+      trellis::summarize_mask(mask, batch_first, trellis::batch_shape(mask, batch_first), mask.device(),
+                              "trellis::_crf_mask_lengths");
+  return {summary.lengths, summary.flags};
+}
+
+Tensors2 crf_mask_lengths_meta(const at::Tensor& mask, bool batch_first) {
+  return {at::empty_symint({mask.sym_size(batch_first ? 0 : 1)}, mask.options().dtype(at::kLong)),
+          at::empty({2}, mask.options().dtype(at::kBool))};
+}
+
 Tensors2 crf_kbest(const at::Tensor& emissions, const at::Tensor& transitions, const OptionalTensor& start,
                    const OptionalTensor& end, const OptionalTensor& mask, const OptionalTensor& lengths, int64_t k,
                    bool batch_first, const OptionalTensor& allowed, const OptionalTensor& allowed_start,
@@ -1057,6 +1074,9 @@ TORCH_LIBRARY_FRAGMENT(trellis, m) {
       "crf_kbest(Tensor emissions, Tensor transitions, Tensor? start, Tensor? end, Tensor? mask, Tensor? lengths, "
       "int k, bool batch_first=True, Tensor? allowed=None, Tensor? allowed_start=None, "
       "Tensor? allowed_end=None) -> (Tensor, Tensor)");
+  // (lengths [B] int64, flags [2] bool: some first position off, some position on after an off one): see
+  // trellis::summarize_mask.
+  m.def("_crf_mask_lengths(Tensor mask, bool batch_first=True) -> (Tensor, Tensor)");
   m.def(
       "hmm_log_likelihood(Tensor observations, Tensor log_start, Tensor log_transitions, "
       "Tensor? log_emissions=None, Tensor? means=None, Tensor? variances=None, Tensor? mask=None, "
@@ -1098,6 +1118,7 @@ TORCH_LIBRARY_IMPL(trellis, CompositeExplicitAutograd, m) {
   m.impl("crf_marginals", &crf_marginals);
   m.impl("crf_viterbi", &crf_viterbi);
   m.impl("crf_kbest", &crf_kbest);
+  m.impl("_crf_mask_lengths", &crf_mask_lengths);
   m.impl("hmm_log_likelihood", &hmm_log_likelihood);
   m.impl("hmm_posteriors", &hmm_posteriors);
   m.impl("hmm_viterbi", &hmm_viterbi);
@@ -1115,6 +1136,7 @@ TORCH_LIBRARY_IMPL(trellis, Meta, m) {
   m.impl("crf_marginals", &crf_marginals_meta);
   m.impl("crf_viterbi", &crf_viterbi_meta);
   m.impl("crf_kbest", &crf_kbest_meta);
+  m.impl("_crf_mask_lengths", &crf_mask_lengths_meta);
   m.impl("hmm_log_likelihood", &hmm_log_likelihood_meta);
   m.impl("hmm_posteriors", &hmm_posteriors_meta);
   m.impl("hmm_viterbi", &hmm_viterbi_meta);

@@ -323,12 +323,13 @@ class CRF(nn.Module):
         if emissions.shape[:2] != mask.shape:
             raise ValueError('the first two dimensions of emissions and mask must match, '
                              f'got {tuple(emissions.shape[:2])} and {tuple(mask.shape)}')
-        on = mask if mask.dtype == torch.bool else mask != 0
-        if not self.batch_first:
-            on = on.transpose(0, 1)
+        if mask.dtype != torch.bool and mask.dtype != torch.uint8:
+            mask = mask != 0
         # Trellis' sequences are prefixes: a mask that turns on again after padding has no such reading
-        # (pytorch-crf would silently score a mixture of the two), so it is refused.
-        return on.sum(1), _MaskCheck(torch.stack([on[:, 0].all(), (on[:, 1:] > on[:, :-1]).any()]))
+        # (pytorch-crf would silently score a mixture of the two), so it is refused. One operator call (one kernel on
+        # a GPU) gives the lengths and both flags.
+        lengths, flags = torch.ops.trellis._crf_mask_lengths.default(mask, self.batch_first)
+        return lengths, _MaskCheck(flags)
 
     def _batch_major(self, emissions: Tensor) -> Tensor:
         """The emissions as (batch_size, seq_length, num_tags)."""
@@ -354,7 +355,7 @@ class _MaskCheck:
     would leave it idle while the host queues the call."""
 
     def __init__(self, flags: Optional[Tensor]):
-        """flags: (first timestep all on, some timestep on after one that is off); None: no mask."""
+        """flags: (some first timestep off, some timestep on after one that is off); None: no mask."""
         self._flags, self._copied = flags, None
         if flags is not None and flags.is_cuda:
             self._flags = torch.empty(2, dtype=torch.bool, pin_memory=True)
@@ -370,9 +371,9 @@ class _MaskCheck:
             return
         if self._copied is not None:
             self._copied.synchronize()
-        first_on, hole = self._flags.tolist()
+        first_off, hole = self._flags.tolist()
         # `from None`: the block's own error (the call on a mask it cannot read) is not the one to show.
-        if not first_on:
+        if first_off:
             raise ValueError('mask of the first timestep must all be on') from None
         if hole:
             raise ValueError('mask must be on for a prefix of each sequence: got a timestep on after one that is '

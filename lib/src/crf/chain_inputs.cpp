@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels_built.h"
+#include "cuda/mask_summary.h"
 #include "trellis/error.h"
 
 namespace trellis {
@@ -83,33 +85,45 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
     return shape.batch == 0 ? at::Tensor() : lengths.to(device, at::kLong);  // no sequences: nothing to bound
   }
   if (!mask.defined()) return {};
+  const MaskSummary summary = summarize_mask(mask, batch_first, shape, device, what);
+  if (shape.batch == 0) return {};
+  if (shape.steps == 0) return summary.lengths;  // the library rejects T = 0 by name
+  const at::Tensor flags = summary.flags.cpu();
+  if (!flags[0].item<bool>() && !flags[1].item<bool>()) return summary.lengths;
+  // An error: its position, found on the host (a mask is small).
+  at::Tensor on = mask.to(at::kCPU, at::kBool);
+  if (!batch_first) on = on.t();
+  if (flags[0].item<bool>()) {
+    const int64_t b = (~on.select(1, 0)).nonzero()[0][0].item<int64_t>();
+    throw Error(prefix + "mask of the first timestep must all be on (mask" + caller_index(b, 0, batch_first) +
+                " is off: every sequence needs at least one position)");
+  }
+  const at::Tensor where = (on.slice(1, 1) & ~on.slice(1, 0, -1)).nonzero()[0];
+  const int64_t b = where[0].item<int64_t>(), t = where[1].item<int64_t>() + 1;
+  throw Error(prefix + "mask" + caller_index(b, t, batch_first) +
+              " is on after an off position of the same sequence: masks must be right-padded (no holes)");
+}
+
+MaskSummary summarize_mask(const at::Tensor& mask, bool batch_first, BatchShape shape, const at::Device& device,
+                           const char* what) {
+  const std::string prefix = std::string(what) + ": ";
   if (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kByte)
     throw Error(prefix + "mask must be a bool or uint8 tensor, got " + type_name(mask));
   const std::vector<int64_t> expected = positions_shape(shape, batch_first);
   if (mask.sizes().vec() != expected)
     throw Error(prefix + "mask has shape " + shape_string(mask.sizes()) + ", expected " +
                 positions_layout(batch_first) + " = " + shape_string(expected));
+  if (device.is_cuda() && cuda::kernels_built()) {
+    MaskSummary summary{at::empty({shape.batch}, at::TensorOptions(device).dtype(at::kLong)),
+                        at::empty({2}, at::TensorOptions(device).dtype(at::kBool))};
+    cuda::mask_summary(mask.to(device), batch_first, summary.lengths, summary.flags);
+    return summary;
+  }
   at::Tensor on = mask.to(device, at::kBool);
   if (!batch_first) on = on.t();
-  if (shape.batch == 0) return {};
-  if (shape.steps == 0) return on.sum(1);  // the library rejects T = 0 by name
-  // A hole is a position that is on after an earlier one of its sequence was off.
-  const at::Tensor off_before = (~on).to(at::kInt).cumsum(1) > 0;
-  const at::Tensor hole = on & off_before;
-  const at::Tensor empty_first = ~on.select(1, 0);
-  const at::Tensor flags = at::stack({empty_first.any(), hole.any()}).cpu();
-  if (flags[0].item<bool>()) {
-    const int64_t b = empty_first.nonzero()[0][0].item<int64_t>();
-    throw Error(prefix + "mask of the first timestep must all be on (mask" + caller_index(b, 0, batch_first) +
-                " is off: every sequence needs at least one position)");
-  }
-  if (flags[1].item<bool>()) {
-    const at::Tensor where = hole.nonzero()[0].cpu();
-    const int64_t b = where[0].item<int64_t>(), t = where[1].item<int64_t>();
-    throw Error(prefix + "mask" + caller_index(b, t, batch_first) +
-                " is on after an off position of the same sequence: masks must be right-padded (no holes)");
-  }
-  return on.sum(1);
+  if (shape.steps == 0) return {on.sum(1), at::zeros({2}, on.options())};
+  const at::Tensor hole = on.slice(1, 1) & ~on.slice(1, 0, -1);
+  return {on.sum(1), at::stack({(~on.select(1, 0)).any(), hole.any()})};
 }
 
 ChainPotentials chain_potentials(const ChainInputs& in, const char* what) {

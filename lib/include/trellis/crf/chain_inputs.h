@@ -48,6 +48,17 @@ struct BatchShape {
 // See BatchShape.
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first);
 
+// A mask's lengths and validity, computed on `device` without waiting for it: lengths [B] int64 (the on positions of
+// each sequence) and flags [2] bool (flags[0]: some sequence's first position is off; flags[1]: some position is on
+// right after an off one of its sequence, a hole). A right-padded mask with every first position on has both flags
+// false. On a CUDA device of a build with the kernels this is one launch. The mask's dtype (bool or uint8) and shape
+// ([B,T] or [T,B], as `shape` and batch_first say) are checked here; `what` names the caller in messages.
+struct MaskSummary {
+  at::Tensor lengths, flags;
+};
+MaskSummary summarize_mask(const at::Tensor& mask, bool batch_first, BatchShape shape, const at::Device& device,
+                           const char* what);
+
 // The lengths [B] (int64, on `device`) that a mask or lengths describe, undefined when neither is given (or B = 0). A
 // mask's shape, dtype and right-padding are checked here (one transfer to the host): "mask of the first timestep must
 // all be on", and a hole (on after off) is an error naming its position. Lengths are checked for shape and integer
