@@ -1,4 +1,5 @@
 """A linear-chain conditional random field layer with pytorch-crf's interface, on Trellis' operators."""
+import threading
 from typing import Iterable, List, Literal, Optional, Tuple, Union, overload
 
 import torch
@@ -358,9 +359,8 @@ class _MaskCheck:
         """flags: (some first timestep off, some timestep on after one that is off); None: no mask."""
         self._flags, self._copied = flags, None
         if flags is not None and flags.is_cuda:
-            self._flags = torch.empty(2, dtype=torch.bool, pin_memory=True)
+            self._flags, self._copied = _pinned_flags(flags.device)
             self._flags.copy_(flags, non_blocking=True)
-            self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(flags.device))  # the stream the copy was queued on
 
     def __enter__(self) -> '_MaskCheck':
@@ -381,6 +381,17 @@ class _MaskCheck:
 
 
 _NO_MASK = _MaskCheck(None)
+_pinned = threading.local()
+
+
+def _pinned_flags(device: torch.device) -> Tuple[Tensor, 'torch.cuda.Event']:
+    """This thread's pinned pair of flags and its event for a device, made once: a check waits for its copy before the
+    thread can start the next one, so one pair per thread and device is never written while it is being read."""
+    buffers = _pinned.__dict__.setdefault('buffers', {})
+    pair = buffers.get(device)
+    if pair is None:
+        pair = buffers[device] = (torch.empty(2, dtype=torch.bool, pin_memory=True), torch.cuda.Event())
+    return pair
 
 
 def _lengths_list(paths: Tensor, lengths: Optional[Tensor]) -> List[int]:
