@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -12,11 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
+
 using trellis::ConllCorpus;
 using trellis::ConllReadOptions;
 using trellis::ConllSentence;
 using trellis::read_conll;
 using trellis::write_conll;
+using trellis::testing::TempDir;
 
 namespace {
 
@@ -38,34 +40,6 @@ std::pair<std::string, std::size_t> parse_error(const std::string& text, const C
   ADD_FAILURE() << "no ParseError for: " << text;
   return {"", 0};
 }
-
-// A fresh, empty directory for one test, removed when the test ends.
-// A fresh directory per test. POSIX calls rather than std::filesystem: libtorch.so exports its own copies of some
-// std::filesystem functions (remove_all among them) that crash when they interpose on the test's.
-struct TempDir {
-  TempDir() {
-    std::string pattern = ::testing::TempDir() + "trellis_conll_XXXXXX";
-    if (!::mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
-    path = pattern;
-  }
-  ~TempDir() {
-    for (const auto& name : list_dir(path)) std::remove((path + "/" + name).c_str());
-    ::rmdir(path.c_str());
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-  std::string path;
-
-  static std::vector<std::string> list_dir(const std::string& dir) {
-    std::vector<std::string> names;
-    if (DIR* d = ::opendir(dir.c_str())) {
-      while (const dirent* e = ::readdir(d))
-        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") names.push_back(e->d_name);
-      ::closedir(d);
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-};
 
 bool exists(const std::string& path) {
   struct stat st;
@@ -224,7 +198,7 @@ TEST(Conll, WriteRejectsWhatCannotBeReadBack) {
 }
 
 TEST(Conll, WriteThenReadRoundTripsThroughAFile) {
-  TempDir dir;
+  TempDir dir("trellis_conll_");
   const std::string path = dir / "out.txt";
   const std::vector<ConllSentence> sentences = {
       ConllSentence{{{"Confidence", "NN", "B-NP"}, {"#", "#", "O"}}, 1},
@@ -247,7 +221,7 @@ TEST(Conll, WriteThenReadRoundTripsThroughAFile) {
 }
 
 TEST(Conll, FailedWriteLeavesNothingBehind) {
-  TempDir dir;
+  TempDir dir("trellis_conll_");
   const std::string missing = dir / "missing";
   const std::vector<ConllSentence> sentences = {ConllSentence{{{"a", "A"}}, 1}};
   EXPECT_THROW(write_conll(missing + "/out.txt", sentences), trellis::Error);
@@ -261,7 +235,7 @@ TEST(Conll, FailedWriteLeavesNothingBehind) {
 }
 
 TEST(Conll, CannotOpenErrorNamesThePath) {
-  TempDir dir;
+  TempDir dir("trellis_conll_");
   const std::string path = dir / "no_such_file.txt";
   try {
     read_conll(path);
@@ -274,7 +248,7 @@ TEST(Conll, CannotOpenErrorNamesThePath) {
 }
 
 TEST(Conll, ReadingADirectoryIsAnError) {
-  TempDir dir;
+  TempDir dir("trellis_conll_");
   try {
     read_conll(dir.path);
     FAIL() << "no error";

@@ -1,10 +1,16 @@
 // Shared test helpers: random inputs, brute-force enumeration of label sequences, finite differences.
 #pragma once
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "trellis/error.h"
@@ -22,6 +28,40 @@ inline bool has_cuda() { return at::hasCUDA(); }
 
 #define TRELLIS_REQUIRE_CUDA() \
   if (!::trellis::testing::has_cuda()) GTEST_SKIP() << "no CUDA device"
+
+// A fresh, empty directory under GoogleTest's temporary directory, removed with the files in it when it goes out of
+// scope. POSIX calls rather than std::filesystem: libtorch.so exports its own copies of some std::filesystem functions
+// (remove_all among them) that crash when they interpose on a test's.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "trellis_") {
+    std::string pattern = ::testing::TempDir() + prefix + "XXXXXX";
+    if (!::mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp " + pattern + " failed");
+    path = pattern;
+  }
+  ~TempDir() {
+    for (const std::string& name : list_dir(path)) std::remove((path + "/" + name).c_str());
+    ::rmdir(path.c_str());
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+
+  // The names in `dir`, sorted, without "." and "..".
+  static std::vector<std::string> list_dir(const std::string& dir) {
+    std::vector<std::string> names;
+    if (DIR* d = ::opendir(dir.c_str())) {
+      while (const dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") names.push_back(e->d_name);
+      ::closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  std::string path;
+};
 
 // Random chain potentials in float64 with optional start/end and random lengths in [1, T].
 inline ChainPotentials random_chain(int64_t B, int64_t T, int64_t K, bool with_ends = true, bool ragged = true) {

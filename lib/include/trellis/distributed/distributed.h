@@ -97,8 +97,9 @@ class DistributedContext {
 };
 
 // A Gloo process group (CPU tensors) of `size` ranks meeting through `store`, for programs that build their groups
-// themselves instead of reading torchrun's environment (DistributedContext::from_environment does for --device cpu);
-// the ranks may be threads of one process sharing a c10d::HashStore. A build without Gloo's headers throws Error.
+// themselves instead of reading torchrun's environment (DistributedContext::from_environment does for --device cpu):
+// one rank per process, the processes sharing a store (a c10d::FileStore or TCPStore; a HashStore for a group of one).
+// A build without Gloo's headers throws Error.
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                                int size, std::chrono::milliseconds timeout);
 
