@@ -727,7 +727,9 @@ void expect_mask_summaries_match_a_loop(const at::Device& device) {
           }
         for (const bool batch_first : {true, false})
           for (const at::ScalarType dtype : {at::kBool, at::kByte}) {
-            const at::Tensor given = (batch_first ? mask : mask.t()).to(device, dtype);
+            at::Tensor given = (batch_first ? mask : mask.t()).to(device, dtype);
+            if (dtype == at::kByte)  // any nonzero byte is on
+              given = given * at::randint(1, 256, given.sizes(), at::TensorOptions(device).dtype(at::kByte));
             const MaskSummary s = summarize_mask(given, batch_first, {B, T}, device, "test");
             ASSERT_EQ(s.lengths.device(), device);
             ASSERT_EQ(s.lengths.scalar_type(), at::kLong);

@@ -1,8 +1,11 @@
 #include "trellis/crf/chain_inputs.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -104,6 +107,44 @@ at::Tensor sequence_lengths(const at::Tensor& mask, const at::Tensor& lengths, b
               " is on after an off position of the same sequence: masks must be right-padded (no holes)");
 }
 
+namespace {
+
+// summarize_mask on the host: one pass over the mask's bytes (bool or uint8: nonzero is on), the sequences split over
+// threads, where framework operations would take a dozen passes and allocations.
+MaskSummary summarize_mask_on_host(const at::Tensor& mask, bool batch_first, BatchShape shape) {
+  const at::Tensor bytes = mask.to(at::kCPU).contiguous();
+  const auto* on = static_cast<const uint8_t*>(bytes.data_ptr());
+  const int64_t B = shape.batch, T = shape.steps;
+  const int64_t sequence_stride = batch_first ? T : 1, step_stride = batch_first ? 1 : B;
+  at::Tensor lengths = at::empty({B}, at::kLong);
+  int64_t* length = lengths.data_ptr<int64_t>();
+  std::atomic<bool> first_off{false}, hole{false};
+  at::parallel_for(0, B, std::max<int64_t>(1, 32768 / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
+    bool some_first_off = false, some_hole = false;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* sequence = on + b * sequence_stride;
+      int64_t count = 0;
+      bool previous = true;  // the first position cannot follow an off one
+      for (int64_t t = 0; t < T; ++t) {
+        const bool here = sequence[t * step_stride] != 0;
+        count += here;
+        some_hole |= here && !previous;
+        previous = here;
+      }
+      some_first_off |= T > 0 && sequence[0] == 0;
+      length[b] = count;
+    }
+    if (some_first_off) first_off.store(true, std::memory_order_relaxed);
+    if (some_hole) hole.store(true, std::memory_order_relaxed);
+  });
+  at::Tensor flags = at::empty({2}, at::kBool);
+  flags.data_ptr<bool>()[0] = first_off.load();
+  flags.data_ptr<bool>()[1] = hole.load();
+  return {lengths, flags};
+}
+
+}  // namespace
+
 MaskSummary summarize_mask(const at::Tensor& mask, bool batch_first, BatchShape shape, const at::Device& device,
                            const char* what) {
   const std::string prefix = std::string(what) + ": ";
@@ -119,6 +160,7 @@ MaskSummary summarize_mask(const at::Tensor& mask, bool batch_first, BatchShape 
     cuda::mask_summary(mask.to(device), batch_first, summary.lengths, summary.flags);
     return summary;
   }
+  if (device.is_cpu()) return summarize_mask_on_host(mask, batch_first, shape);
   at::Tensor on = mask.to(device, at::kBool);
   if (!batch_first) on = on.t();
   if (shape.steps == 0) return {on.sum(1), at::zeros({2}, on.options())};
