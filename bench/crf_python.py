@@ -57,6 +57,9 @@ parser.add_argument("--repeats", type=int, default=50, help="most timed calls pe
 parser.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per implementation, about")
 parser.add_argument("--warmup", type=float, default=0.1, help="minimum seconds of untimed calls before the timed ones")
 parser.add_argument("--no-peers", action="store_true", help="Trellis rows only")
+parser.add_argument("--shapes", nargs="+", metavar="B,T,K",
+                    help="only the workloads of these shapes (e.g. leave out 256,128,256 on a CPU, where torch-struct's "
+                         "edge potentials alone take 8.5 GB)")
 parser.add_argument("--commit", default=os.environ.get("TRELLIS_COMMIT"), help="default: git rev-parse HEAD")
 args = parser.parse_args()
 
@@ -99,6 +102,10 @@ WORKLOADS = [
 if args.quick:
     WORKLOADS = [("log-likelihood fwd+bwd", 8, 12, 5, False), ("log-likelihood fwd+bwd, BERT-CRF", 4, 16, 9, True),
                  ("decode", 4, 16, 9, True), ("decode", 8, 12, 5, False)]
+if args.shapes:
+    WORKLOADS = [w for w in WORKLOADS if f"{w[1]},{w[2]},{w[3]}" in args.shapes]
+    if not WORKLOADS:
+        parser.error(f"no workload has the shapes {' '.join(args.shapes)}")
 # The C++ benchmark's names for the same workloads (full-length float32 sequences).
 CPP_WORKLOADS = {"log-likelihood fwd+bwd": "crf log-lik fwd+bwd", "decode": "crf viterbi"}
 
