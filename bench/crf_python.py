@@ -57,6 +57,9 @@ parser.add_argument("--repeats", type=int, default=50, help="most timed calls pe
 parser.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per implementation, about")
 parser.add_argument("--warmup", type=float, default=0.1, help="minimum seconds of untimed calls before the timed ones")
 parser.add_argument("--no-peers", action="store_true", help="Trellis rows only")
+parser.add_argument("--without", nargs="+", default=[], choices=["pytorch-crf", "torch-struct"],
+                    help="leave out these peers (torch-struct's parallel scan on a CPU takes seconds per call at "
+                         "512,64,23 and more memory than a small machine has at 64,512,50)")
 parser.add_argument("--shapes", nargs="+", metavar="B,T,K",
                     help="only the workloads of these shapes (e.g. leave out 256,128,256 on a CPU, where torch-struct's "
                          "edge potentials alone take 8.5 GB)")
@@ -76,8 +79,8 @@ if args.quick:
         torch.set_num_threads(1)  # a check of the script, often on a busy machine: no workers to wait for
 
 
-def optional_import(name):
-    if args.no_peers:
+def optional_import(name, peer):
+    if args.no_peers or peer in args.without:
         return None
     try:
         return __import__(name)
@@ -85,8 +88,8 @@ def optional_import(name):
         return None
 
 
-torchcrf = optional_import("torchcrf")
-torch_struct = optional_import("torch_struct")
+torchcrf = optional_import("torchcrf", "pytorch-crf")
+torch_struct = optional_import("torch_struct", "torch-struct")
 # torch-struct 0.5's distributions predate torch.distributions' argument checks, which warn about every one made.
 warnings.filterwarnings("ignore", message=".*does not define `arg_constraints`")
 
