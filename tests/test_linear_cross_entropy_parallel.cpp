@@ -148,8 +148,8 @@ TEST(VocabularyParallelHead, AutogradEqualsMaterialisedLogitsOnEveryRank) {
   if (const char* rank = std::getenv("TRELLIS_TEST_RANK")) {  // one rank of a group this test spawned
     const int world = std::atoi(std::getenv("TRELLIS_TEST_WORLD"));
     const auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("TRELLIS_TEST_STORE"), world);
-    run_rank(std::atoi(rank), world, trellis::make_gloo_process_group(store, std::atoi(rank), world,
-                                                                       std::chrono::seconds(60)));
+    run_rank(std::atoi(rank), world,
+             trellis::make_gloo_process_group(store, std::atoi(rank), world, std::chrono::seconds(60)));
     return;
   }
   try {
@@ -158,8 +158,8 @@ TEST(VocabularyParallelHead, AutogradEqualsMaterialisedLogitsOnEveryRank) {
     GTEST_SKIP() << e.what();  // a build without Gloo's headers has no CPU process group
   }
   // A group of one has no peers: that rank runs here.
-  run_rank(0, 1, trellis::make_gloo_process_group(c10::make_intrusive<c10d::HashStore>(), 0, 1,
-                                                  std::chrono::seconds(60)));
+  run_rank(0, 1,
+           trellis::make_gloo_process_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, std::chrono::seconds(60)));
   const trellis::testing::TempDir dir("trellis_vocab_parallel_");
   for (int world : {2, 3, 5}) {
     for (const Rank& rank : spawn_ranks(world, dir)) {
