@@ -3,6 +3,16 @@ passed=0 failed=0
 ok() { passed=$((passed + 1)); }
 fail() { echo "FAIL: $*"; failed=$((failed + 1)); }
 
+# prints PATTERN COMMAND...: COMMAND succeeds and a line of its standard output matches PATTERN (grep's basic regular
+# expression). The whole output is taken before matching: under pipefail `COMMAND | grep -q` fails whenever grep, done
+# at the first match, makes COMMAND's next write fail (SIGPIPE, or the error exit of a command that reports failed
+# writes) — a test failing by timing.
+prints() {
+  local pattern=$1 out
+  shift
+  out=$("$@") && grep -q -- "$pattern" <<<"$out"
+}
+
 # expect_error NAME NEEDLE OUTPUT_FILE COMMAND...: non-zero exit, NEEDLE in stderr, neither OUTPUT_FILE nor a
 # temporary file beside it left behind.
 expect_error() {

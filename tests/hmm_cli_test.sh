@@ -53,10 +53,10 @@ printf 'the DT\nbird NN\nsang VBD\n\n' >dev.txt
 "$trellis" hmm convert -i dev.txt -o dev.h5 --vocabulary-from train.h5 2>/dev/null && ok || fail "convert dev"
 "$trellis" hmm fit -d train.h5 -o pos.h5 --supervised --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m pos.h5 -d dev.h5 -o pred.h5 >/dev/null 2>&1 &&
-  "$trellis" hmm eval -d dev.h5 -p pred.h5 | grep -q "accuracy" && ok || fail "supervised POS round trip"
+  prints "accuracy" "$trellis" hmm eval -d dev.h5 -p pred.h5 && ok || fail "supervised POS round trip"
 "$trellis" hmm fit -d train.h5 -o pos2.h5 --supervised --order 2 --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m pos2.h5 -d train.h5 -o pred2.h5 >/dev/null 2>&1 &&
-  "$trellis" hmm eval -d train.h5 -p pred2.h5 | grep -q "accuracy 100.00%" && ok || fail "second-order model round trip"
+  prints "accuracy 100.00%" "$trellis" hmm eval -d train.h5 -p pred2.h5 && ok || fail "second-order model round trip"
 # Fine labels from two columns, scored on their first part; dev labels training never saw kept with --add-labels.
 printf 'the DT x\ncat NN y\nsat VBD z\n\nthe DT x\ndog NN y\nran VBD w\n\n' >fine.txt
 printf 'the DT x\ncat NN q\n\n' >finedev.txt
@@ -67,8 +67,8 @@ expect_error "unseen fine label" "finedev.txt:2: label 'NN|q'" fd.h5 \
 "$trellis" hmm convert -i finedev.txt -o fd.h5 --vocabulary-from fine.h5 --label-column 1,2 --add-labels 2>/dev/null &&
   "$trellis" hmm fit -d fine.h5 -o finem.h5 --supervised --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m finem.h5 -d fd.h5 -o finep.h5 >/dev/null 2>&1 &&
-  "$trellis" hmm eval -d fd.h5 -p finep.h5 | grep -q "accuracy 50.00%" &&
-  "$trellis" hmm eval -d fd.h5 -p finep.h5 --coarse | grep -q "accuracy 100.00%" && ok || fail "coarse scoring of fine labels"
+  prints "accuracy 50.00%" "$trellis" hmm eval -d fd.h5 -p finep.h5 &&
+  prints "accuracy 100.00%" "$trellis" hmm eval -d fd.h5 -p finep.h5 --coarse && ok || fail "coarse scoring of fine labels"
 expect_error "bad label column list" "--label-column '1,x' is not a comma-separated list" f2.h5 \
   "$trellis" hmm convert -i fine.txt -o f2.h5 --label-column 1,x
 expect_error "second order without labels" "--order must be 1, or 2 with --supervised" m.h5 \

@@ -85,8 +85,10 @@ done
 root="$work/root"
 dpkg -x "$deb" "$root"
 check_version "$root/usr/bin/trellis"
-clean ldd "$root/usr/bin/trellis" | grep -q "libtrellis.so.0 => $root/usr/bin/../lib/libtrellis.so.0" ||
-  fail "the unpacked command does not load the unpacked library: $(clean ldd "$root/usr/bin/trellis" | grep trellis)"
+# The output taken whole, then matched: under pipefail, `ldd | grep -q` fails when grep's early exit breaks ldd's pipe.
+linked=$(clean ldd "$root/usr/bin/trellis")
+grep -qF "libtrellis.so.0 => $root/usr/bin/../lib/libtrellis.so.0" <<<"$linked" ||
+  fail "the unpacked command does not load the unpacked library: $(grep trellis <<<"$linked")"
 data="$source/data/ud-en-ewt-sample"
 clean "$root/usr/bin/trellis" crf train --train "$data/train.txt" --model "$work/pos.crf" --max-iter 2 >/dev/null
 head -40 "$data/dev.txt" | clean "$root/usr/bin/trellis" crf tag --model "$work/pos.crf" - >"$work/tagged.txt"
@@ -94,10 +96,10 @@ head -40 "$data/dev.txt" | clean "$root/usr/bin/trellis" crf tag --model "$work/
 
 # --- each library a packaged binary needs directly: in the package, in its RUNPATH, or from a Depends package ---
 owner() {  # the Debian package owning a file, trying its /usr-merged aliases
-  local real candidate
+  local real candidate owners
   real=$(realpath "$1")
   for candidate in "$1" "$real" "${real#/usr}" "/usr$real"; do
-    dpkg-query -S "$candidate" 2>/dev/null | head -1 | cut -d: -f1 && return 0
+    owners=$(dpkg-query -S "$candidate" 2>/dev/null) && { head -1 <<<"$owners" | cut -d: -f1; return 0; }
   done
   return 1
 }
