@@ -160,12 +160,10 @@ MaskSummary summarize_mask(const at::Tensor& mask, bool batch_first, BatchShape 
     cuda::mask_summary(mask.to(device), batch_first, summary.lengths, summary.flags);
     return summary;
   }
-  if (device.is_cpu()) return summarize_mask_on_host(mask, batch_first, shape);
-  at::Tensor on = mask.to(device, at::kBool);
-  if (!batch_first) on = on.t();
-  if (shape.steps == 0) return {on.sum(1), at::zeros({2}, on.options())};
-  const at::Tensor hole = on.slice(1, 1) & ~on.slice(1, 0, -1);
-  return {on.sum(1), at::stack({(~on.select(1, 0)).any(), hole.any()})};
+  // Elsewhere on the host (a CUDA device of a build without the kernels: the results are copied there).
+  MaskSummary summary = summarize_mask_on_host(mask, batch_first, shape);
+  if (!device.is_cpu()) summary = {summary.lengths.to(device), summary.flags.to(device)};
+  return summary;
 }
 
 ChainPotentials chain_potentials(const ChainInputs& in, const char* what) {

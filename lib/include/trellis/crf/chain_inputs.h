@@ -48,11 +48,11 @@ struct BatchShape {
 // See BatchShape.
 BatchShape batch_shape(const at::Tensor& sequences, bool batch_first);
 
-// A mask's lengths and validity, computed on `device` without waiting for it: lengths [B] int64 (the on positions of
-// each sequence) and flags [2] bool (flags[0]: some sequence's first position is off; flags[1]: some position is on
-// right after an off one of its sequence, a hole). A right-padded mask with every first position on has both flags
-// false. On a CUDA device of a build with the kernels this is one launch, on the CPU one pass over the mask. The
-// mask's dtype (bool or uint8) and shape ([B,T] or [T,B], as `shape` and batch_first say) are checked here; `what`
+// A mask's lengths and validity, on `device`: lengths [B] int64 (the on positions of each sequence) and flags [2] bool
+// (flags[0]: some sequence's first position is off; flags[1]: some position is on right after an off one of its
+// sequence, a hole). A right-padded mask with every first position on has both flags false. On a CUDA device of a
+// build with the kernels this is one launch and does not wait for the device; else one pass over the mask on the host.
+// The mask's dtype (bool or uint8) and shape ([B,T] or [T,B], as `shape` and batch_first say) are checked here; `what`
 // names the caller in messages.
 struct MaskSummary {
   at::Tensor lengths, flags;
