@@ -3,6 +3,7 @@
 # tree: import, a CRF's log-likelihood, gradient and Viterbi paths against pytorch-crf's, the libraries' RUNPATH
 # ($ORIGIN alone), and the refusal of another torch release at import.
 #   tests/python/pip_install.sh SOURCE_DIR WORK_DIR PROJECT_PYTHON [pip install options]
+# TRELLIS_PIP_BUILD_DIR: where scikit-build-core builds (emptied first; default: a temporary folder of its own).
 # The scratch venv sees the project venv's packages (torch among them) through links in its site-packages, as if
 # installed there, so that nothing large is downloaded; pip fetches scikit-build-core for its isolated build.
 set -euo pipefail
@@ -25,6 +26,10 @@ done
 
 # A CUDA torch's CMake files need nvcc, which the machine has under /usr/local/cuda but not always on PATH (as build.sh).
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+if [ -n "${TRELLIS_PIP_BUILD_DIR:-}" ]; then
+  rm -rf "$TRELLIS_PIP_BUILD_DIR"  # a stale CMake cache keeps old paths
+  set -- --config-settings=build-dir="$TRELLIS_PIP_BUILD_DIR" "$@"
+fi
 start=$(date +%s)
 "$python" -m pip install --no-input --disable-pip-version-check -q "$@" "$source_dir"
 echo "pip install took $(($(date +%s) - start)) s"
