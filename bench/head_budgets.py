@@ -2,7 +2,7 @@
 its GEMM floors, Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy, on the output-layer shapes of models
 people train; one process, one GPU. Writes JSON rows and a Pareto plot (time against memory, one panel per shape).
 
-    python3 bench/head_budgets.py --library build/lib/libtrellis_ops.so --json head.json --plot head.png
+    python3 bench/head_budgets.py --library build/bindings/libtrellis_ops.so --json head.json --plot head.png
 
 Method (as bench/vocab_parallel_head.py): bf16 inputs; CUDA events around each call, a 256 MB buffer zeroed before
 every call to flush L2, one untimed warm-up, the median of up to 25 timed calls within about 400 ms (at least 3).

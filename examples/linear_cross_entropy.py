@@ -1,7 +1,7 @@
 """The Trellis LLM head from Python: load the operator library, compute the fused linear cross-entropy and its
 gradients, and compare them with PyTorch's materialised-logits version.
 
-    python examples/linear_cross_entropy.py --library build/lib/libtrellis_ops.so [--device cuda]
+    python examples/linear_cross_entropy.py --library build/bindings/libtrellis_ops.so [--device cuda]
 """
 import argparse
 

@@ -5,7 +5,7 @@ linear_cross_entropy at a temperature, values and gradients under each reduction
 finite numbers refused; the vocabulary-parallel operators at a temperature (one Gloo rank, CPU) against the
 single-device ones; torch.autograd.gradcheck on tiny cases.
 
-    python tests/head_ops_gradients.py --library build/lib/libtrellis_ops.so [--device cuda]
+    python tests/head_ops_gradients.py --library build/bindings/libtrellis_ops.so [--device cuda]
 """
 import argparse
 import itertools

@@ -2,7 +2,7 @@
 the real ones, autograd registration, and AOT dispatch with static and dynamic shapes), then a training step whose
 forward is compiled with fullgraph=True (operators among other work) against the same step run eagerly.
 
-    python tests/torch_ops_compile.py --library build/lib/libtrellis_ops.so [--device cuda] [--backend inductor]
+    python tests/torch_ops_compile.py --library build/bindings/libtrellis_ops.so [--device cuda] [--backend inductor]
 """
 import argparse
 

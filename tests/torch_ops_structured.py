@@ -5,7 +5,7 @@ time-first layouts); gradcheck on the differentiable ones; bfloat16 emissions, m
 torch.library.opcheck on every operator and a CRF loss whose forward is compiled with fullgraph=True and dynamic shapes,
 against the same loss run eagerly.
 
-    python tests/torch_ops_structured.py --library build/lib/libtrellis_ops.so [--device cuda] [--backend inductor]
+    python tests/torch_ops_structured.py --library build/bindings/libtrellis_ops.so [--device cuda] [--backend inductor]
 """
 import argparse
 import itertools

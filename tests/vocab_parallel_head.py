@@ -4,7 +4,7 @@ z-loss, soft-cap, ignored targets, recompute_logits: the loss, token log-probabi
 with its gradients (dx, each rank's dW and bias rows), and the log-probabilities under torch.compile. fp32 agrees within
 1e-5 relative.
 
-    python tests/vocab_parallel_head.py --library build/lib/libtrellis_ops.so
+    python tests/vocab_parallel_head.py --library build/bindings/libtrellis_ops.so
 """
 import argparse
 import os
