@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side check and benchmark of `trellis hmm` against hmmlearn.
 
-    tests/hmmlearn_compare.py --trellis build/trellis                 # check (default)
-    tests/hmmlearn_compare.py --trellis build/trellis bench --cuda --json bench.json
+    tests/hmmlearn_compare.py --trellis build/apps/trellis            # check (default)
+    tests/hmmlearn_compare.py --trellis build/apps/trellis bench --cuda --json bench.json
 
 check: for a categorical (K=5, V=12) and a diagonal-Gaussian (K=4, F=3) model, trellis
 init/sample/infer/fit results are compared with hmmlearn run on the same model and data
