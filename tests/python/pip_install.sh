@@ -3,7 +3,8 @@
 # tree: import, a CRF's log-likelihood, gradient and Viterbi paths against pytorch-crf's, the libraries' RUNPATH
 # ($ORIGIN alone), and the refusal of another torch release at import.
 #   tests/python/pip_install.sh SOURCE_DIR WORK_DIR PROJECT_PYTHON [pip install options]
-# TRELLIS_PIP_BUILD_DIR: where scikit-build-core builds (emptied first; default: a temporary folder of its own).
+# TRELLIS_PIP_BUILD_DIR: where scikit-build-core builds (emptied first, removed once the install succeeded; default: a
+# temporary folder of its own).
 # The scratch venv sees the project venv's packages (torch among them) through links in its site-packages, as if
 # installed there, so that nothing large is downloaded; pip fetches scikit-build-core for its isolated build.
 set -euo pipefail
@@ -33,6 +34,7 @@ fi
 start=$(date +%s)
 "$python" -m pip install --no-input --disable-pip-version-check -q "$@" "$source_dir"
 echo "pip install took $(($(date +%s) - start)) s"
+[ -z "${TRELLIS_PIP_BUILD_DIR:-}" ] || rm -rf "$TRELLIS_PIP_BUILD_DIR"  # a second build tree's worth of disk
 
 cd "$work"  # away from the source tree's bindings/python/
 "$python" - "$site" <<'PY'
