@@ -1,10 +1,16 @@
 #include "cli_util.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
+#include <limits>
 #include <map>
+#include <thread>
+
+#include <sys/stat.h>
 
 #include "trellis/io/atomic_file.h"
 #include "trellis/error.h"
@@ -87,7 +93,49 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& opti
 }
 
 po::typed_value<std::string>* device_value(c10::Device& device) {
-  return parsed_value(device, [](const std::string& text) { return parse_device(text); })->default_value("cpu");
+  return parsed_value(device, [](const std::string& text) {
+           const c10::Device d = parse_device(text);
+           check_device_available(d);
+           return d;
+         })
+      ->default_value("cpu");
+}
+
+namespace {
+
+// The whole of `text` as an integer in [low, high], else an Error naming `option` and what it takes.
+int64_t parse_integer(const std::string& text, const std::string& option, int64_t low, int64_t high,
+                      const std::string& takes) {
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || value < low || value > high)
+    throw Error(option + " '" + text + "': " + takes);
+  return value;
+}
+
+}  // namespace
+
+po::typed_value<std::string>* threads_value(int& threads) {
+  return parsed_value(threads, [](const std::string& text) {
+           const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+           return static_cast<int>(parse_integer(
+               text, "--threads", 0, cores,
+               "takes 0 (all) to " + std::to_string(cores) + ", the threads this machine runs at once"));
+         })
+      ->default_value("0");
+}
+
+po::typed_value<std::string>* seed_value(uint64_t& seed) {
+  return parsed_value(seed, [](const std::string& text) {
+           return static_cast<uint64_t>(
+               parse_integer(text, "--seed", 0, std::numeric_limits<int64_t>::max(), "takes an integer >= 0"));
+         })
+      ->default_value("0");
 }
 
 double parse_number(const std::string& text, const std::string& option) {
@@ -95,6 +143,19 @@ double parse_number(const std::string& text, const std::string& option) {
   const double value = leading_number(text, &used);
   if (used == 0 || used != text.size()) throw Error(option + " '" + text + "' is not a number");
   return value;
+}
+
+void check_output_is_not_an_input(const std::string& option, const std::string& output,
+                                  const std::vector<std::pair<std::string, std::string>>& inputs) {
+  struct stat out {};
+  if (output.empty() || output == "-" || ::stat(output.c_str(), &out) != 0 || !S_ISREG(out.st_mode)) return;
+  for (const auto& [input_option, path] : inputs) {
+    struct stat in {};
+    if (path.empty() || path == "-" || ::stat(path.c_str(), &in) != 0) continue;
+    if (in.st_dev == out.st_dev && in.st_ino == out.st_ino)
+      throw Error(option + " '" + output + "' is the " + input_option + " file" +
+                  (path == output ? "" : " ('" + path + "')") + ": writing it would destroy what the command reads");
+  }
 }
 
 ConllCorpus read_input(const std::string& path) {
@@ -120,8 +181,10 @@ std::vector<const TokenRows*> pointers(const std::vector<TokenRows>& sentences) 
 
 void write_output(const std::string& path, const std::function<void(std::ostream&)>& write) {
   if (path == "-") {
+    errno = 0;
     write(std::cout);
-    std::cout.flush();
+    if (!std::cout.flush() || std::fflush(stdout) != 0)
+      throw Error(std::string("cannot write standard output: ") + (errno ? std::strerror(errno) : "a write failed"));
   } else {
     write_file_atomically(path, write);
   }
@@ -150,7 +213,10 @@ int parse_tag_arguments(const std::vector<std::string>& args, const po::options_
     return rc;
   if (a.kbest < 0) throw Error("--kbest must be >= 0 (0: off), not " + std::to_string(a.kbest));
   if (a.kbest > 0 && a.with_marginals) throw Error("--kbest and --marginals cannot be combined");
+  if (a.kbest > 0 && a.with_probability)
+    throw Error("--kbest and --probability cannot be combined (--kbest prints each sequence's probability)");
   if (a.output != "-") check_writable_location(a.output);
+  check_output_is_not_an_input("--output", a.output, {{"--model", a.model_path}, {"input", a.input}});
   return -1;
 }
 
@@ -162,7 +228,9 @@ int parse_dump_arguments(const std::vector<std::string>& args, const std::string
   po::positional_options_description pos;
   pos.add("model", 1);
   po::variables_map vm;
-  return parse("crf", args, desc, vm, usage, &pos);
+  const int rc = parse("crf", args, desc, vm, usage, &pos);
+  if (rc < 0 && top < 0) throw Error("--top must be >= 0, not " + std::to_string(top));
+  return rc;
 }
 
 void write_tagged(const std::string& output, const ConllCorpus& corpus, const std::vector<TaggedSentence>& tagged,

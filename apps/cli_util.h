@@ -6,6 +6,7 @@
 #include <functional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trellis/io/chunk_eval.h"
@@ -33,8 +34,14 @@ boost::program_options::typed_value<std::string>* parsed_value(T& target, Parse 
   return boost::program_options::value<std::string>()->notifier(
       [&target, parse](const std::string& text) { target = parse(text); });
 }
-// --device: "cpu" by default, else cuda or cuda:N (parse_device).
+// --device: "cpu" by default, else cuda or cuda:N (parse_device) that this machine has (check_device_available).
 boost::program_options::typed_value<std::string>* device_value(c10::Device& device);
+
+// --threads: CPU threads, 0 (the default) for LibTorch's default, at most as many as the machine runs at once (more
+// only add threads that wait).
+boost::program_options::typed_value<std::string>* threads_value(int& threads);
+// --seed: a non-negative integer (a negative one is an error, not a seed wrapped around 2^64), 0 by default.
+boost::program_options::typed_value<std::string>* seed_value(uint64_t& seed);
 
 // "1,2" or "-1": a comma-separated list of integers; `option` names the option in the error.
 std::vector<int> parse_int_list(const std::string& text, const std::string& option);
@@ -42,6 +49,12 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& opti
 // A floating-point number, the whole of `text` (nan and inf too: the option's own check rejects them by name);
 // `option` names the option in the error.
 double parse_number(const std::string& text, const std::string& option);
+
+// Throws an Error when `output` (the file option `option` names) is one of `inputs` ({option, path}; empty paths and
+// "-" skipped), through links and other names alike: a command never replaces a file it reads. Devices and pipes
+// (/dev/null) may be both.
+void check_output_is_not_an_input(const std::string& option, const std::string& output,
+                                  const std::vector<std::pair<std::string, std::string>>& inputs);
 
 // A CoNLL file, or standard input for "-".
 ConllCorpus read_input(const std::string& path);

@@ -70,9 +70,9 @@ int train(const std::vector<std::string>& args) {
       "stop when the objective improves by less than this fraction over 10 iterations")(
       "early-stopping", po::value(&o.early_stopping)->default_value(0),
       "stop after N iterations without a better dev score (0: off)")(
-      "device", device_value(o.device), "cpu, cuda or cuda:N")("threads", po::value(&o.threads)->default_value(0),
+      "device", device_value(o.device), "cpu, cuda or cuda:N")("threads", threads_value(o.threads),
                                                                "CPU threads (0: all)")(
-      "seed", po::value(&o.seed)->default_value(0), "random seed")(
+      "seed", seed_value(o.seed), "random seed")(
       "encoder", po::value<std::string>()->default_value("none"),
       "none: this feature CRF; bilstm or cnn: a neural tagger (trellis crf train --encoder bilstm --help)");
   po::variables_map vm;
@@ -95,7 +95,11 @@ int train(const std::vector<std::string>& args) {
   std::optional<ColumnLayout> resolved;
   std::optional<LabeledSentences> training, dv;
   dist.check_all(failure_of([&] {
-    if (dist.rank() == 0) check_writable_location(model_path);  // before training, not after
+    if (dist.rank() == 0) {  // before training, not after
+      check_writable_location(model_path);
+      check_output_is_not_an_input("--model", model_path,
+                                   {{"--train", train_path}, {"--dev", dev_path}, {"--template", template_path}});
+    }
     extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
     const ConllCorpus train_corpus = read_conll(train_path);
     resolved = ColumnLayout::resolve(

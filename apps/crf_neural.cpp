@@ -109,8 +109,8 @@ int train(const std::vector<std::string>& args) {
                                                                                        "cpu, cuda or cuda:N")(
       "precision", parsed_value(o.precision, parse_encoder_precision)->default_value("auto"),
       "auto (bf16 encoder on CUDA, fp32 on the CPU), bf16 or fp32; the CRF is fp32")(
-      "threads", po::value(&o.threads)->default_value(0), "CPU threads (0: all)")(
-      "seed", po::value(&o.seed)->default_value(0), "random seed (the same seed on the CPU gives the same model)");
+      "threads", threads_value(o.threads), "CPU threads (0: all)")(
+      "seed", seed_value(o.seed), "random seed (the same seed on the CPU gives the same model)");
   po::variables_map vm;
   if (int rc = parse("crf", args, desc, vm,
                      "usage: trellis crf train --encoder bilstm|cnn --train FILE [--dev FILE] --model FILE [options]");
@@ -120,6 +120,11 @@ int train(const std::vector<std::string>& args) {
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
   o.batch_size = static_cast<std::size_t>(batch_size);
   check_writable_location(model_path);  // before training, not after
+  check_output_is_not_an_input("--model", model_path,
+                               {{"--train", train_path},
+                                {"--dev", dev_path},
+                                {"--template", template_path},
+                                {"--embeddings", o.pretrained_embeddings}});
   std::unique_ptr<FeatureExtractor> sparse;
   if (!template_path.empty()) sparse = load_crfpp_template(template_path);
   else if (hybrid) sparse = builtin_features();

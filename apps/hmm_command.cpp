@@ -39,7 +39,7 @@ struct RunFlags {
   std::string precision, budget;
   void add(po::options_description& desc) {
     desc.add_options()("device", device_value(run.device), "cpu, cuda or cuda:N")(
-        "threads", po::value(&run.threads)->default_value(0), "CPU threads (0: all)")(
+        "threads", threads_value(run.threads), "CPU threads (0: all)")(
         "precision", po::value(&precision)->default_value("float64"), "float64 or float32")(
         "memory-budget", po::value(&budget)->default_value("1G"),
         "working memory for one batch (e.g. 512M, 4G); larger datasets stream through in batches");
@@ -86,7 +86,7 @@ int init(const std::vector<std::string>& args) {
   desc.add_options()("help,h", "this message")("states,k", po::value(&K)->required(), "number of hidden states")(
       "symbols,v", po::value(&V), "categorical emissions over this many symbols")(
       "features,f", po::value(&F), "diagonal-Gaussian emissions of this many features")(
-      "seed", po::value(&seed)->default_value(0), "random seed")("output,o", po::value(&output)->required(),
+      "seed", seed_value(seed), "random seed")("output,o", po::value(&output)->required(),
                                                                  "model file to write");
   po::variables_map vm;
   const std::string usage = "usage: trellis hmm init --states K (--symbols V | --features F) --output MODEL.h5";
@@ -110,13 +110,14 @@ int sample_cmd(const std::vector<std::string>& args) {
       "sequences,n", po::value(&n)->required(), "number of sequences")("length,l", po::value(&length)->required(),
                                                                        "longest sequence length")(
       "min-length", po::value(&min_length)->default_value(0),
-      "shortest length (default: --length); lengths are uniform in between")("seed", po::value(&seed)->default_value(0),
+      "shortest length (default: --length); lengths are uniform in between")("seed", seed_value(seed),
                                                                              "random seed");
   po::variables_map vm;
   if (int rc = parse("hmm sample", args, desc, vm,
                      "usage: trellis hmm sample --model MODEL.h5 --output DATA.h5 --sequences N --length L");
       rc >= 0)
     return rc;
+  check_output_is_not_an_input("--output", output, {{"--model", model_path}});
   const HMMModelFile m = load_hmm(model_path);
   Progress progress("sample", n, "sequences");
   sample_dataset(m, output, n, min_length ? min_length : length, length, seed,
@@ -148,6 +149,7 @@ int infer(const std::vector<std::string>& args) {
   if (compression < 0 || compression > 9)
     throw Error("--compression must be a gzip level from 0 (none) to 9, not " + std::to_string(compression));
   run.posteriors_compression = compression;
+  check_output_is_not_an_input("--output", output, {{"--model", model_path}, {"--data", data_path}});
   const DistributedContext dist = DistributedContext::from_environment(run.device);
   run.distributed = &dist;
   // Every rank opens the files; one that cannot stops every rank with its message.
@@ -205,7 +207,7 @@ int fit(const std::vector<std::string>& args) {
       "supervised: 1 (bigram) or 2 (trigram: states are label pairs, transitions interpolated as in TnT)")(
       "init", po::value(&init_path), "EM from this model instead of random starts")(
       "restarts", po::value(&f.restarts)->default_value(1), "random starts; the highest final log-likelihood wins")(
-      "seed", po::value(&f.seed)->default_value(0), "random seed of the starts")(
+      "seed", seed_value(f.seed), "random seed of the starts")(
       "max-iterations", po::value(&f.em.max_iterations)->default_value(100), "EM iterations at most")(
       "tolerance", po::value(&f.em.tolerance)->default_value(1e-4),
       "stop when the log-likelihood per token gains less than this (0: run every iteration)")(
@@ -225,7 +227,10 @@ int fit(const std::vector<std::string>& args) {
   run.distributed = &dist;
   std::optional<HMMDataset> opened;
   dist.check_all(failure_of([&] {
-    if (dist.rank() == 0) check_writable_location(output);
+    if (dist.rank() == 0) {
+      check_writable_location(output, /*regular_only=*/true);
+      check_output_is_not_an_input("--output", output, {{"--data", data_path}, {"--init", init_path}});
+    }
     if (!init_path.empty()) f.initial = load_hmm(init_path);
     opened.emplace(data_path);
   }));
@@ -280,7 +285,8 @@ int convert(const std::vector<std::string>& args) {
     return rc;
   std::vector<int> label_columns;
   if (!no_labels) label_columns = parse_int_list(label_column, "--label-column");
-  check_writable_location(output);
+  check_writable_location(output, /*regular_only=*/true);
+  check_output_is_not_an_input("--output", output, {{"--input", input}, {"--vocabulary-from", from}});
   Vocabulary words;
   std::vector<std::string> labels;
   if (!from.empty()) {

@@ -1,6 +1,8 @@
 // trellis: structured prediction from the command line.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -59,16 +61,31 @@ int run(const std::vector<std::string>& args) {
   return 2;
 }
 
+// rc, or a failure where standard output could not be written (a full disk, a closed descriptor): what a command
+// printed there is its result, so a lost write fails the command, as a file's would.
+int with_standard_output_written(int rc) {
+  errno = 0;
+  std::cout.flush();
+  int cause = errno;
+  bool failed = std::cout.fail();
+  if (std::fflush(stdout) != 0) {
+    failed = true;
+    cause = errno;
+  }
+  if (!failed && !std::ferror(stdout)) return rc;
+  std::cerr << "trellis: error: cannot write standard output: " << (cause ? std::strerror(cause) : "a write failed")
+            << "\n";
+  return rc == 0 ? 1 : rc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   trellis::remove_temporaries_on_signals();
-  const int rc = run(std::vector<std::string>(argv + 1, argv + argc));
+  const int rc = with_standard_output_written(run(std::vector<std::string>(argv + 1, argv + argc)));
   // Every command has written and closed its files by now. What is left is LibTorch's static destructors
   // (unregistering thousands of operators) and freeing the run's memory, a quarter of a second after a training
   // run: leave without them, as compilers do.
-  std::cout.flush();
-  std::cerr.flush();
   std::fflush(nullptr);
   std::_Exit(rc);
 }

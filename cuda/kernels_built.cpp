@@ -3,6 +3,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 
 #include <cstddef>
 
@@ -16,6 +17,17 @@ c10::DeviceIndex index_of(c10::Device device) {
 }  // namespace
 
 bool kernels_built() { return true; }
+
+int device_count(std::string* why) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess) return count;
+  int driver = 0;  // 0: no driver installed, which the runtime reports as a driver too old for it
+  *why = cudaDriverGetVersion(&driver) == cudaSuccess && driver == 0 ? "no NVIDIA driver is installed"
+                                                                     : cudaGetErrorString(status);
+  cudaGetLastError();  // the error is reported here, not left for the next call to find
+  return 0;
+}
 
 DeviceMemory device_memory(c10::Device device) {
   if (!device.is_cuda()) return {};

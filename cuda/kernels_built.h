@@ -7,10 +7,15 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <string>
 
 namespace trellis::cuda {
 
 bool kernels_built();
+
+// CUDA devices the runtime sees: 0 with *why set to the runtime's reason where it sees none (no driver, no GPU); -1
+// in a build without the kernels (the CUDA runtime is not linked: the caller cannot tell).
+int device_count(std::string* why);
 
 // Bytes of tensors LibTorch's caching allocator holds on `device`: now, and at most since the last
 // reset_peak_device_memory. Zeros for a CPU device or a build without the kernels.

@@ -64,6 +64,36 @@ grep -q "^iter" stderr.txt && fail "train into a missing directory: trained firs
 mkdir -p adir
 expect_error "train onto a directory" "cannot write 'adir': it is a directory" none "$trellis" crf train --train train.txt --model adir
 
+# ---- outputs that are devices, pipes or links are written in place; an output never replaces an input ----
+# Device nodes of this folder's own (as root), never the system's /dev/full or /dev/null.
+if mknod -m 666 full c 1 7 2>/dev/null && mknod -m 666 null c 1 3 2>/dev/null; then
+  expect_error "tag -o a full device" "cannot write 'full': No space left on device" none \
+    "$trellis" crf tag --model model.crf train.txt -o full
+  "$trellis" crf tag --model model.crf train.txt -o null && [ -c null ] && [ -c full ] && ok ||
+    fail "a device output was replaced by a file"
+  expect_error "train --model a full device" "cannot write 'full': No space left on device" none \
+    "$trellis" crf train --train train.txt --model full --max-iter 1
+  [ -c full ] && ok || fail "train replaced a device by a file"
+fi
+mkfifo pipe && { cat pipe >from_pipe.txt & } &&
+  "$trellis" crf tag --model model.crf train.txt -o pipe && wait && [ -p pipe ] && [ -s from_pipe.txt ] && ok ||
+  fail "tag -o a FIFO: not written through it"
+echo old >target.txt && ln -s target.txt link.txt &&
+  "$trellis" crf tag --model model.crf train.txt -o link.txt && [ -L link.txt ] && grep -q "^cat" target.txt && ok ||
+  fail "tag -o a symbolic link: the link replaced, or its target not written"
+cp model.crf private.crf && chmod 600 private.crf &&
+  "$trellis" crf train --train train.txt --model private.crf --max-iter 2 2>/dev/null &&
+  [ "$(stat -c %a private.crf)" = 600 ] && ok || fail "a replaced model lost its permissions"
+"$trellis" crf tag --model model.crf train.txt >/dev/full 2>stderr.txt && fail "tag to a full standard output: exit 0" ||
+  { grep -q "cannot write standard output: No space left on device" stderr.txt && ok || fail "stdout error: $(cat stderr.txt)"; }
+"$trellis" crf dump model.crf >/dev/full 2>stderr.txt && fail "dump to a full standard output: exit 0" ||
+  { grep -q "cannot write standard output" stderr.txt && ok || fail "dump stdout error: $(cat stderr.txt)"; }
+cp train.txt same.txt && cp model.crf same.crf
+"$trellis" crf train --train same.txt --model same.txt --max-iter 1 2>stderr.txt && fail "--model the --train file: exit 0" ||
+  { grep -q "'same.txt' is the --train file" stderr.txt && cmp -s same.txt train.txt && ok || fail "--model the --train file"; }
+"$trellis" crf tag --model same.crf train.txt -o same.crf 2>stderr.txt && fail "tag -o the model: exit 0" ||
+  { grep -q "'same.crf' is the --model file" stderr.txt && cmp -s same.crf model.crf && ok || fail "tag -o the model"; }
+
 # ---- inputs that are not what they claim ----
 expect_error "directory as model" "cannot open model 'adir': it is a directory" out1.txt "$trellis" crf tag --model adir train.txt -o out1.txt
 expect_error "directory as data" "cannot open 'adir': it is a directory" m1.crf "$trellis" crf train --train adir --model m1.crf
@@ -117,6 +147,16 @@ expect_error "--kbest 1000000" "ask for fewer" o7.txt \
 for flag in "--batch-size -1 --algorithm sgd" "--c2 nan" "--c2 inf" "--c2 -1" "--c1 nan" "--max-iter 0" "--max-iter -5" "--learning-rate nan --algorithm adam"; do
   expect_error "train $flag" "${flag%% *}" m6.crf "$trellis" crf train --train train.txt --model m6.crf $flag
 done
+expect_error "--threads beyond the machine" "--threads '100000': takes 0 (all) to" m6.crf \
+  "$trellis" crf train --train train.txt --model m6.crf --threads 100000
+expect_error "--seed -1" "--seed '-1': takes an integer >= 0" m6.crf "$trellis" crf train --train train.txt --model m6.crf --seed -1
+expect_error "--device cuda:99" "--device cuda:99: this machine has" m6.crf \
+  "$trellis" crf train --train train.txt --model m6.crf --device cuda:99
+grep -q "^train:" stderr.txt && fail "--device cuda:99: read the data first" || ok
+expect_error "--kbest with --probability" "--kbest and --probability cannot be combined" o6.txt \
+  "$trellis" crf tag --model model.crf train.txt --kbest 2 --probability -o o6.txt
+"$trellis" crf dump model.crf --top -1 >stdout.txt 2>stderr.txt && fail "dump --top -1: exit 0" ||
+  { grep -q -- "--top must be >= 0, not -1" stderr.txt && [ ! -s stdout.txt ] && ok || fail "dump --top -1: $(cat stderr.txt)"; }
 expect_error "--label-column 7" "--label-column 7 is out of range: 'train.txt' has 4 columns" m7.crf \
   "$trellis" crf train --train train.txt --model m7.crf --label-column 7
 expect_error "--input-columns naming the label" "--input-columns names the label column 1" m8.crf \

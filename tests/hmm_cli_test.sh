@@ -194,7 +194,7 @@ expect_error "states in exponent notation" "the argument ('1e10') for option '--
 expect_error "states beyond memory" "a model of 10000000000 states and 6 symbols (8 copies of its parameters) needs about" m.h5 \
   fit --states 10000000000
 expect_error "negative symbols" "--symbols must be >= 1, not -4" m.h5 fit --states 3 --symbols -4
-expect_error "negative threads" "--threads must be >= 0 (0: LibTorch's default), not -2" m.h5 fit --states 3 --threads -2
+expect_error "negative threads" "--threads '-2': takes 0 (all) to" m.h5 fit --states 3 --threads -2
 expect_error "init: negative states" "a model needs at least 1 state, not -1" m.h5 "$trellis" hmm init --states -1 --symbols 3 -o m.h5
 expect_error "init: no symbols" "a model needs at least 1 symbol, not 0" m.h5 "$trellis" hmm init --states 2 --symbols 0 -o m.h5
 expect_error "init: negative features" "a model needs at least 1 feature, not -3" m.h5 \
@@ -210,7 +210,7 @@ expect_error "sample beyond memory" "sampling 1 sequences of up to 1000000000000
   "$trellis" hmm sample -m cat.h5 -o d.h5 -n 1 -l 1000000000000
 expect_error "sample beyond a dataset" "are more than a dataset can hold" d.h5 \
   "$trellis" hmm sample -m cat.h5 -o d.h5 -n 9000000000000000000 -l 1000
-expect_error "infer: negative threads" "--threads must be >= 0" out.h5 \
+expect_error "infer: negative threads" "--threads '-1': takes 0 (all) to" out.h5 \
   "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --threads -1
 
 # Model files whose values are out of range: the file, dataset and index.

@@ -345,7 +345,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
   at::TensorOptions opt;
   int64_t max_tokens = 0;
   on_every_rank(group, [&] {
-    if (rank == 0) check_writable_location(output);
+    if (rank == 0) check_writable_location(output, /*regular_only=*/true);
     opt = run_options(o);
     check_fits(model, data);
     max_tokens = batch_tokens(model, data.num_features(), with_posteriors, o);
@@ -803,7 +803,7 @@ ConllVocabulary conll_words_and_labels(const std::string& conll_path, int word_c
 ConversionSummary convert_conll(const std::string& conll_path, const std::string& output, const Vocabulary& words,
                                 int word_column, const std::vector<std::string>* labels,
                                 const std::vector<int>& label_columns, const std::string& comment_prefix) {
-  check_writable_location(output);
+  check_writable_location(output, /*regular_only=*/true);
   ConllReadOptions ro;
   ro.comment_prefix = comment_prefix;
   const ConllCorpus corpus = read_conll(conll_path, ro);

@@ -68,6 +68,29 @@ std::string directory_of(const std::string& path) {
 
 std::string cause() { return std::strerror(errno); }
 
+// The file a write of `path` reaches: `path` with its symbolic links followed (a redirection in a shell writes through
+// a link, and so does a write here, instead of replacing the link by a file), `path` itself when it is no link.
+std::string followed(const std::string& path) {
+  std::string at = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    struct stat st {};
+    if (::lstat(at.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return at;
+    std::string link(PATH_MAX, '\0');
+    const ssize_t n = ::readlink(at.c_str(), link.data(), link.size());
+    if (n < 0) throw Error("cannot write '" + path + "': " + cause());
+    link.resize(static_cast<std::size_t>(n));
+    at = !link.empty() && link.front() == '/' ? link : directory_of(at) + "/" + link;
+  }
+  throw Error("cannot write '" + path + "': too many levels of symbolic links");
+}
+
+// Whether `target` exists and is neither a regular file nor a directory: a device, a pipe or a socket, which a write
+// reaches in place (a rename would replace it by a regular file).
+bool is_special(const std::string& target) {
+  struct stat st {};
+  return ::stat(target.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
+}
+
 // "<name>.tmp.<pid>" of `path` whose process no longer runs.
 void remove_stale_temporaries(const std::string& path) {
   const std::string dir = directory_of(path);
@@ -123,21 +146,33 @@ class FdBuffer : public std::streambuf {
 
 }  // namespace
 
-void check_writable_location(const std::string& path) {
-  const std::string dir = directory_of(path);
+void check_writable_location(const std::string& path, bool regular_only) {
+  if (path.empty()) throw Error("cannot write '': an empty file name");
+  const std::string target = followed(path);
+  const std::string dir = directory_of(target);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) throw Error("cannot write '" + path + "': directory '" + dir + "': " + cause());
   if (!S_ISDIR(st.st_mode)) throw Error("cannot write '" + path + "': '" + dir + "' is not a directory");
+  if (::stat(target.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) throw Error("cannot write '" + path + "': it is a directory");
+    // What is there is replaced only where the user could write it in place (as a shell's redirection could).
+    if (::access(target.c_str(), W_OK) != 0) throw Error("cannot write '" + path + "': " + cause());
+    if (!S_ISREG(st.st_mode)) {
+      if (regular_only)
+        throw Error("cannot write '" + path + "': it is not a regular file (a device, pipe or socket), and this " +
+                    "output must be one");
+      return;  // written in place: the directory is not written
+    }
+  }
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw Error("cannot write '" + path + "': directory '" + dir + "': " + cause());
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
-    throw Error("cannot write '" + path + "': it is a directory");
 }
 
-TemporaryFile::TemporaryFile(std::string path)
-    : path_(std::move(path)), temporary_(path_ + ".tmp." + std::to_string(::getpid())) {
-  check_writable_location(path_);
-  remove_stale_temporaries(path_);
+TemporaryFile::TemporaryFile(std::string path) : path_(std::move(path)) {
+  check_writable_location(path_, /*regular_only=*/true);
+  target_ = followed(path_);
+  temporary_ = target_ + ".tmp." + std::to_string(::getpid());
+  remove_stale_temporaries(target_);
   slot_ = register_temporary(temporary_);
 }
 
@@ -147,6 +182,14 @@ TemporaryFile::~TemporaryFile() {
 }
 
 void TemporaryFile::commit() {
+  // A file replaced keeps its permissions and, where this process may set them, its owner and group (a user who does
+  // not own the file gets the new one as theirs, as with a copy).
+  struct stat old {};
+  if (::stat(target_.c_str(), &old) == 0 && S_ISREG(old.st_mode)) {
+    if (::chmod(temporary_.c_str(), old.st_mode & 07777) != 0) throw Error("cannot write '" + path_ + "': " + cause());
+    const int owner_kept = ::chown(temporary_.c_str(), old.st_uid, old.st_gid);
+    static_cast<void>(owner_kept);
+  }
   const int fd = ::open(temporary_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0 || ::fsync(fd) != 0) {
     const std::string why = cause();
@@ -154,21 +197,21 @@ void TemporaryFile::commit() {
     throw Error("cannot write '" + path_ + "': " + why);
   }
   ::close(fd);
-  if (std::rename(temporary_.c_str(), path_.c_str()) != 0) throw Error("cannot write '" + path_ + "': " + cause());
+  if (std::rename(temporary_.c_str(), target_.c_str()) != 0) throw Error("cannot write '" + path_ + "': " + cause());
   committed_ = true;
   // The rename itself is durable once the directory is flushed; a failure here leaves a complete file, so it is not
   // reported.
-  const int dir = ::open(directory_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dir = ::open(directory_of(target_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
     ::fsync(dir);
     ::close(dir);
   }
 }
 
-void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write) {
-  TemporaryFile tmp(path);
-  const int fd = ::open(tmp.temporary().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) throw Error("cannot write '" + path + "': " + cause());
+namespace {
+
+// Calls write(stream) on `fd` and closes it; an error names `path` with the cause of the first failed write or close.
+void write_and_close(int fd, const std::string& path, const std::function<void(std::ostream&)>& write) {
   FdBuffer buffer(fd);
   std::ostream out(&buffer);
   try {
@@ -185,6 +228,23 @@ void write_file_atomically(const std::string& path, const std::function<void(std
                 std::strerror(write_error   ? write_error
                               : close_error ? close_error
                                             : EIO));
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write) {
+  check_writable_location(path);
+  const std::string target = followed(path);
+  if (is_special(target)) {  // a device or a pipe: written in place
+    const int fd = ::open(target.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) throw Error("cannot write '" + path + "': " + cause());
+    write_and_close(fd, path, write);
+    return;
+  }
+  TemporaryFile tmp(path);
+  const int fd = ::open(tmp.temporary().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) throw Error("cannot write '" + path + "': " + cause());
+  write_and_close(fd, path, write);
   tmp.commit();
 }
 
