@@ -57,6 +57,24 @@ printf 'the DT\nbird NN\nsang VBD\n\n' >dev.txt
 "$trellis" hmm fit -d train.h5 -o pos2.h5 --supervised --order 2 --smoothing 0.1 2>/dev/null &&
   "$trellis" hmm infer -m pos2.h5 -d train.h5 -o pred2.h5 >/dev/null 2>&1 &&
   prints "accuracy 100.00%" "$trellis" hmm eval -d train.h5 -p pred2.h5 && ok || fail "second-order model round trip"
+# No smoothing: a label never followed by another (sentence-final punctuation) keeps uniform transitions, a state no
+# label reaches uniform rows; the model is written and valid.
+printf 'hello X\nworld X\n. P\n\nbye X\n. P\n\n' >punct.txt
+"$trellis" hmm convert -i punct.txt -o punct.h5 --min-count 1 2>/dev/null &&
+  "$trellis" hmm fit -d punct.h5 -o punct_model.h5 --supervised 2>/dev/null &&
+  "$trellis" hmm fit -d punct.h5 -o punct4.h5 --supervised --states 4 2>/dev/null &&
+  "$trellis" hmm fit -d punct.h5 -o punct_o2.h5 --supervised --order 2 --states 5 2>/dev/null &&
+  "$py" - <<'EOF' && ok || fail "supervised fit without smoothing: rows without counts"
+import h5py, numpy as np
+with h5py.File("punct_model.h5") as f:
+    names = [n.decode() if isinstance(n, bytes) else n for n in f["state_names"][:]]
+    t = f["transmat"][:]
+    assert np.allclose(t[names.index("P")], 0.5), t  # P ends every sentence: no counts, uniform
+    x, p = names.index("X"), names.index("P")
+    assert np.allclose([t[x, x], t[x, p]], [1 / 3, 2 / 3]), t  # X -> X once, X -> P twice
+with h5py.File("punct4.h5") as f:
+    assert np.allclose(f["transmat"][:][3], 0.25) and np.allclose(f["emissionprob"][:][3], 1 / f["emissionprob"].shape[1])
+EOF
 # Fine labels from two columns, scored on their first part; dev labels training never saw kept with --add-labels.
 printf 'the DT x\ncat NN y\nsat VBD z\n\nthe DT x\ndog NN y\nran VBD w\n\n' >fine.txt
 printf 'the DT x\ncat NN q\n\n' >finedev.txt

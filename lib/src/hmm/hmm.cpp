@@ -630,8 +630,12 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
 CategoricalHMM fit_supervised(const at::Tensor& observations, const at::Tensor& states, const at::Tensor& lengths,
                               int64_t K, int64_t V, double smoothing) {
   MStepOptions{smoothing}.check();
-  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble),
-                             at::zeros({K, V}, at::kDouble)};
+  // Uniform rows: what a state keeps where the labels give it no counts (a label never followed by another, such as
+  // sentence-final punctuation, or one that never occurs) and no smoothing gives it mass.
+  const auto uniform = [](int64_t rows, int64_t cols) {
+    return at::full({rows, cols}, -std::log(static_cast<double>(cols)), at::kDouble);
+  };
+  const CategoricalHMM shape{uniform(1, K).squeeze(0), uniform(K, K), uniform(K, V)};
   return shape.maximise(labelled_statistics(shape, observations, states, lengths), {smoothing});
 }
 
@@ -646,8 +650,12 @@ TrigramCounts& TrigramCounts::operator+=(const TrigramCounts& o) {
 
 TrigramCounts trigram_counts(const at::Tensor& observations, const at::Tensor& labels, const at::Tensor& lengths,
                              int64_t K, int64_t V) {
-  const CategoricalHMM shape{at::zeros({K}, at::kDouble), at::zeros({K, K}, at::kDouble),
-                             at::zeros({K, V}, at::kDouble)};
+  // Uniform rows: what a state keeps where the labels give it no counts (a label never followed by another, such as
+  // sentence-final punctuation, or one that never occurs) and no smoothing gives it mass.
+  const auto uniform = [](int64_t rows, int64_t cols) {
+    return at::full({rows, cols}, -std::log(static_cast<double>(cols)), at::kDouble);
+  };
+  const CategoricalHMM shape{uniform(1, K).squeeze(0), uniform(K, K), uniform(K, V)};
   const CategoricalHMM::Statistics s = labelled_statistics(shape, observations, labels, lengths);  // validates
   const at::Tensor l = labels.cpu().to(at::kLong);
   const at::Tensor mask = valid_mask(l, lengths.defined() ? lengths.cpu() : lengths);

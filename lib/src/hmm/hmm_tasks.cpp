@@ -515,12 +515,17 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
   if (int64_t(out.state_names.size()) != K) out.state_names.clear();
   if (int64_t(out.vocabulary.size()) != V) out.vocabulary.clear();
   const int64_t F = data.num_features();
+  // Uniform rows: what a supervised fit keeps for a state that its labels give no counts (a label never followed by
+  // another, such as sentence-final punctuation, or one that never occurs) and no smoothing gives mass.
+  const auto uniform = [&](int64_t rows, int64_t cols) {
+    return at::full({rows, cols}, -std::log(static_cast<double>(cols)), f64);
+  };
   HMMModelFile shape_file;
   if (data.categorical())
-    shape_file.model = CategoricalHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, V}, f64)};
+    shape_file.model = CategoricalHMM{uniform(1, K).squeeze(0), uniform(K, K), uniform(K, V)};
   else
     shape_file.model =
-        GaussianHMM{at::zeros({K}, f64), at::zeros({K, K}, f64), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
+        GaussianHMM{uniform(1, K).squeeze(0), uniform(K, K), at::zeros({K, F}, f64), at::ones({K, F}, f64)};
   const auto ranges = share_batches(data, dataset_share(data, group),
                                     batch_tokens(shape_file, F, /*with_posteriors=*/true, o, /*written_out=*/false));
   // Sums this rank's statistics over the ranks (a no-op for one process), extra numbers alongside.
@@ -672,6 +677,15 @@ void sample_dataset(const HMMModelFile& model, const std::string& output, int64_
       model.model);
 }
 
+namespace {
+
+// Rows of probabilities as log-probabilities, a row with no mass (a tag with no tokens, no smoothing) uniform.
+at::Tensor log_rows_or_uniform(const at::Tensor& probs) {
+  return at::where(probs.sum(1, true) > 0, probs, 1.0 / static_cast<double>(probs.size(1))).log();
+}
+
+}  // namespace
+
 at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std::string>& symbols, double smoothing) {
   const int64_t K = counts.size(0), V = counts.size(1);
   if (int64_t(symbols.size()) != V)
@@ -680,7 +694,7 @@ at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std:
   const at::Tensor C = counts.to(at::kDouble).contiguous();
   if (Vocabulary::from_symbols(symbols).unknown() != Vocabulary::Unknown::signatures) {
     const at::Tensor e = C + smoothing;
-    return (e / e.sum(1, true).clamp_min(1e-300)).log();
+    return log_rows_or_uniform(e / e.sum(1, true).clamp_min(1e-300));
   }
   std::vector<uint8_t> is_class(V);
   for (int64_t v = 0; v < V; ++v) is_class[v] = Vocabulary::is_unknown_class(symbols[v]);
@@ -750,7 +764,7 @@ at::Tensor tagger_log_emissions(const at::Tensor& counts, const std::vector<std:
   const at::Tensor words = at::where(word_mask, C + smoothing, at::zeros_like(C));
   const at::Tensor e =
       (1 - u) * words / words.sum(1, true).clamp_min(1e-300) + u * novel / novel.sum(1, true).clamp_min(1e-300);
-  return e.log();
+  return log_rows_or_uniform(e);
 }
 
 namespace {
