@@ -24,7 +24,9 @@ int parse(const std::string& command, const std::vector<std::string>& args, cons
   try {
     po::command_line_parser parser(args);
     parser.options(desc);
-    if (positional) parser.positional(*positional);
+    // No positional arguments unless the command names some: a stray word is an error, not silently dropped.
+    const po::positional_options_description none;
+    parser.positional(positional ? *positional : none);
     po::store(parser.run(), vm);
     if (vm.count("help")) {
       std::cout << usage << "\n" << desc;

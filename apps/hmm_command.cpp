@@ -172,7 +172,8 @@ int infer(const std::vector<std::string>& args) {
       infer_dataset(m, data, output, with_posteriors, run, [&](int64_t, int64_t tokens) { progress.update(tokens); });
   if (dist.rank() != 0) return 0;  // rank 0 reports the whole dataset
   std::cout << "sequences " << s.sequences << "  tokens " << s.tokens << "  log-likelihood "
-            << fixed(s.log_likelihood, 4) << " (" << fixed(s.log_likelihood / s.tokens, 6) << " per token)  "
+            << fixed(s.log_likelihood, 4) << " (" << fixed(s.tokens ? s.log_likelihood / s.tokens : 0.0, 6)
+            << " per token)  "
             << fixed(s.seconds, 3) << " s  " << fixed(s.tokens / s.seconds, 0) << " tokens/s  (set-up "
             << fixed(s.setup_seconds, 3) << ", reading " << fixed(s.read_seconds, 3) << ", computing "
             << fixed(s.compute_seconds, 3);
@@ -187,6 +188,10 @@ int infer(const std::vector<std::string>& args) {
     std::cout << "  batches' device memory at most " << fixed(s.batch_peak_bytes / 1e9, 2) << " GB (budget "
               << fixed(run.memory_budget / 1e9, 2) << " GB)";
   std::cout << "\n";
+  if (s.impossible > 0)
+    std::cerr << "warning: " << s.impossible << " of " << s.sequences << " sequences have probability 0 under the model "
+              << "(log-likelihood -inf: an observation no state emits, or no allowed state path); their states are "
+              << "written as -1 and their posteriors as 0\n";
   std::cerr << "wrote " << output << "\n";
   return 0;
 }

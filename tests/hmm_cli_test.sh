@@ -306,6 +306,25 @@ expect_error "convert into a missing directory" "cannot write 'nodir/c.h5': dire
   "$trellis" hmm convert -i train.txt -o nodir/c.h5
 expect_error "output onto a directory" "cannot write 'adir': it is a directory" none \
   "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o adir
+expect_error "a stray argument" "too many positional options" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 junk
+expect_error "output onto its model" "--output 'cat.h5' is the --model file" none \
+  "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o cat.h5
+expect_error "a dataset as predictions" "cat_data.h5: no '/states': not an output of trellis hmm infer" none \
+  "$trellis" hmm eval -d cat_data.h5 -p cat_data.h5
+
+# Sequences of probability 0: exit 0, states -1, and a warning that counts them.
+"$py" - <<'EOF' || fail "writing the impossible model"
+import h5py, numpy as np
+with h5py.File("zero.h5", "w") as f:
+    f.attrs["format"] = "trellis-hmm"; f.attrs["version"] = 1; f.attrs["emission"] = "categorical"
+    f["startprob"] = [1.0, 0.0]; f["transmat"] = [[0.5, 0.5], [0.5, 0.5]]; f["emissionprob"] = [[0.5, 0.5, 0], [0.5, 0.5, 0]]
+with h5py.File("zero_data.h5", "w") as f:
+    f["observations"] = np.array([0, 1, 1, 2, 1, 0], np.int32); f["offsets"] = np.array([0, 3, 6], np.int64)
+EOF
+"$trellis" hmm infer -m zero.h5 -d zero_data.h5 -o zero_out.h5 >/dev/null 2>zero.err &&
+  grep -q "warning: 1 of 2 sequences have probability 0" zero.err &&
+  "$py" -c 'import h5py; f = h5py.File("zero_out.h5"); assert list(f["states"][3:]) == [-1] * 3 and min(f["states"][:3]) >= 0' &&
+  ok || fail "a sequence of probability 0: $(cat zero.err)"
 
 echo "hmm cli: $passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -1347,8 +1347,11 @@ LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions
   }
   return h5(predictions, [&] {
     const H5::H5File f = open_readonly(predictions);
+    if (!exists(f, "states")) throw Error(predictions + ": no '/states': not an output of trellis hmm infer");
     const std::string predicted = exists(f, "labels") ? "labels" : "states";
     const H5::DataSet off = open_dataset(f, predictions, "offsets"), states = open_dataset(f, predictions, predicted);
+    if (states.getTypeClass() != H5T_INTEGER)
+      throw Error(predictions + ": '/" + predicted + "' must hold integers (state ids)");
     const auto od = dims_of(off), sd = dims_of(states);
     if (od.size() != 1 || od[0] != data.offsets().size())
       throw Error(predictions + ": its '/offsets' differ from those of " + data.path() +
@@ -1373,6 +1376,13 @@ LabelAccuracy score_predictions(HMMDataset& data, const std::string& predictions
       states.read(a.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sa);
       labels.read(b.data(), H5::PredType::NATIVE_INT64, H5::DataSpace(1, &count), sb);
       for (hsize_t i = 0; i < count; ++i) {
+        // -1: a sequence no state path can produce (infer's path there); anything below is no state.
+        if (a[i] < -1)
+          throw Error(predictions + ": '/" + predicted + "'[" + std::to_string(begin + i) + "] = " +
+                      std::to_string(a[i]) + " is not a state id");
+        if (b[i] < 0)
+          throw Error(data.path() + ": '/labels'[" + std::to_string(begin + i) + "] = " + std::to_string(b[i]) +
+                      " is not a label id");
         if (coarse && (a[i] < 0 || b[i] < 0 || a[i] >= int64_t(klass.size()) || b[i] >= int64_t(klass.size())))
           throw Error(predictions + ": label id out of range of " + data.path() + "'s label names at token " +
                       std::to_string(begin + i));

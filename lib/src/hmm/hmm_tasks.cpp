@@ -403,6 +403,7 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
             // Waits for the batch's kernels: the compute time ends here.
             if (with_posteriors) v.score.sum().item<double>();
             else log_likelihood += ll.sum().item<double>();
+            if (std::isinf(log_likelihood) && log_likelihood < 0) sum.impossible += ll.isneginf().sum().item<int64_t>();
             sum.compute_seconds += since(phase);
             phase = Clock::now();
             if (rank == 0) out->append(ll, v.score, v.path, b.lengths, nodes);
@@ -461,12 +462,14 @@ InferSummary infer_dataset(const HMMModelFile& model, HMMDataset& data, const st
           out.reset();            // without commit() its temporary file is removed
           group->wait_for_all();  // the ranks done sending wait for rank 0 to write the rest
           group->check_all(write_failure);
-          at::Tensor totals = at::tensor(
-              {static_cast<double>(sum.sequences), static_cast<double>(sum.tokens), log_likelihood}, at::kDouble);
+          at::Tensor totals = at::tensor({static_cast<double>(sum.sequences), static_cast<double>(sum.tokens),
+                                          log_likelihood, static_cast<double>(sum.impossible)},
+                                         at::kDouble);
           group->all_reduce_sum({totals});
           sum.sequences = static_cast<int64_t>(totals[0].item<double>());
           sum.tokens = static_cast<int64_t>(totals[1].item<double>());
           log_likelihood = totals[2].item<double>();
+          sum.impossible = static_cast<int64_t>(totals[3].item<double>());
         }
         sum.log_likelihood = log_likelihood;
       },

@@ -53,7 +53,10 @@ struct InferSummary {
   int64_t sequences = 0;        // sequences inferred
   int64_t tokens = 0;           // their observations
   double log_likelihood = 0;    // total over the dataset
-  double seconds = 0;           // wall time of the whole call
+  // Sequences the model gives probability 0 (log-likelihood -inf: an observation no state can emit, or no allowed
+  // state path); their states are written as -1 and their posteriors as 0.
+  int64_t impossible = 0;
+  double seconds = 0;  // wall time of the whole call
   double assembly_seconds = 0;  // of `seconds`, rank 0 receiving and writing the other ranks' results (and the commit)
   // Of `seconds`, this rank's time in each stage:
   double setup_seconds = 0;       // the model put on the device and the output file made
