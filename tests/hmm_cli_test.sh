@@ -306,6 +306,10 @@ expect_error "convert into a missing directory" "cannot write 'nodir/c.h5': dire
   "$trellis" hmm convert -i train.txt -o nodir/c.h5
 expect_error "output onto a directory" "cannot write 'adir': it is a directory" none \
   "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o adir
+printf 'a DT\ndog NN\nsat VBD\n\nthe DT\ncat NN\nran VBD\n\nthe DT\ncat NN\n\n' >other.txt
+"$trellis" hmm convert -i other.txt -o other.h5 --min-count 1 2>/dev/null && ok || fail "convert with its own vocabulary"
+expect_error "data of another vocabulary" "other.h5: its '/vocabulary' is not the model's" pred_other.h5 \
+  "$trellis" hmm infer -m pos.h5 -d other.h5 -o pred_other.h5
 expect_error "a stray argument" "too many positional options" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 junk
 expect_error "output onto its model" "--output 'cat.h5' is the --model file" none \
   "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o cat.h5

@@ -55,6 +55,20 @@ void check_fits(const HMMModelFile& file, HMMDataset& data) {
             throw Error(data.path() + ": holds feature vectors (F = " + std::to_string(data.num_features()) +
                         "), but the model has categorical emissions");
           data.expect_symbols(m.num_symbols());
+          // Ids mean words only through a vocabulary: data converted with another one would be scored as nonsense.
+          if (!file.vocabulary.empty()) {
+            const std::vector<std::string> words = data.vocabulary();
+            const auto differ = std::mismatch(words.begin(), words.end(), file.vocabulary.begin(), file.vocabulary.end());
+            if (!words.empty() && (differ.first != words.end() || differ.second != file.vocabulary.end())) {
+              const std::size_t i = differ.first - words.begin();
+              const auto word = [&](const std::vector<std::string>& v) {
+                return i < v.size() ? "'" + v[i] + "'" : std::string("none");
+              };
+              throw Error(data.path() + ": its '/vocabulary' is not the model's (id " + std::to_string(i) + ": " +
+                          word(words) + " here, " + word(file.vocabulary) +
+                          " in the model); convert the data with `trellis hmm convert --vocabulary-from MODEL`");
+            }
+          }
         } else {
           if (data.categorical())
             throw Error(data.path() + ": holds categorical ids, but the model has Gaussian emissions");
