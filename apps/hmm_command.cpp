@@ -162,10 +162,10 @@ int infer(const std::vector<std::string>& args) {
   const HMMModelFile& m = *model;
   HMMDataset& data = *opened;
   const DatasetShare share = dataset_share(data, &dist);
+  const int64_t batch = batch_tokens(m, data.num_features(), with_posteriors, run);
   if (dist.rank() == 0)
     std::cerr << "model: " << describe(m) << "; data: " << data.num_sequences() << " sequences, " << data.num_tokens()
-              << " tokens; batches of up to " << batch_tokens(m, data.num_features(), with_posteriors, run)
-              << " positions on " << run.device << "\n";
+              << " tokens; batches of up to " << batch << " positions on " << run.device << "\n";
   print_share(dist, data, share);
   Progress progress(dist.distributed() ? "infer, " + dist.describe() : "infer", share.tokens, "tokens");
   const InferSummary s =
@@ -288,6 +288,9 @@ int convert(const std::vector<std::string>& args) {
           parse("hmm convert", args, desc, vm, "usage: trellis hmm convert --input FILE --output DATA.h5 [options]");
       rc >= 0)
     return rc;
+  if (min_count < 1) throw Error("--min-count must be >= 1, not " + std::to_string(min_count));
+  if (no_labels && !vm["label-column"].defaulted()) throw Error("--no-labels and --label-column cannot be combined");
+  if (add_labels && from.empty()) throw Error("--add-labels extends the labels of --vocabulary-from: give that file");
   std::vector<int> label_columns;
   if (!no_labels) label_columns = parse_int_list(label_column, "--label-column");
   check_writable_location(output, /*regular_only=*/true);

@@ -310,6 +310,16 @@ printf 'a DT\ndog NN\nsat VBD\n\nthe DT\ncat NN\nran VBD\n\nthe DT\ncat NN\n\n' 
 "$trellis" hmm convert -i other.txt -o other.h5 --min-count 1 2>/dev/null && ok || fail "convert with its own vocabulary"
 expect_error "data of another vocabulary" "other.h5: its '/vocabulary' is not the model's" pred_other.h5 \
   "$trellis" hmm infer -m pos.h5 -d other.h5 -o pred_other.h5
+printf 'the\ncat\n\n' >one_column.txt
+expect_error "a one-column file with labels" "one_column.txt: column 0 would be both the word and a label" oc.h5 \
+  "$trellis" hmm convert -i one_column.txt -o oc.h5
+expect_error "a label column twice" "label column 1 is named twice" lc.h5 \
+  "$trellis" hmm convert -i train.txt -o lc.h5 --label-column 1,1
+expect_error "--min-count 0" "--min-count must be >= 1, not 0" mc.h5 "$trellis" hmm convert -i train.txt -o mc.h5 --min-count 0
+expect_error "--init with --supervised" "--init and --supervised cannot be combined" is.h5 \
+  "$trellis" hmm fit -d cat_data.h5 --init cat.h5 --supervised -o is.h5
+expect_error "--init with another --symbols" "--symbols 10 differs from the initial model's 6 symbols" iv.h5 \
+  "$trellis" hmm fit -d cat_data.h5 --init cat.h5 --symbols 10 -o iv.h5
 expect_error "a stray argument" "too many positional options" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 junk
 expect_error "output onto its model" "--output 'cat.h5' is the --model file" none \
   "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o cat.h5

@@ -110,6 +110,10 @@ void check_fit_options(const HMMFitOptions& f) {
   if (f.order != 1 && (f.order != 2 || !f.supervised))
     throw Error("--order must be 1, or 2 with --supervised (second-order models are estimated from labels)");
   if (f.restarts < 1) throw Error("--restarts must be >= 1, not " + std::to_string(f.restarts));
+  if (f.initial && f.supervised)
+    throw Error("--init and --supervised cannot be combined (a supervised fit counts the labels; it has no start)");
+  if (f.initial && f.restarts > 1)
+    throw Error("--init and --restarts cannot be combined (EM from a given model has one start)");
   if (f.em.max_iterations < 1) throw Error("--max-iterations must be >= 1, not " + std::to_string(f.em.max_iterations));
   if (!std::isfinite(f.em.tolerance) || f.em.tolerance < 0)
     throw Error("--tolerance must be a finite number >= 0, not " + c10::str(f.em.tolerance));
@@ -512,7 +516,12 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
       throw Error("--states " + std::to_string(K) + " differs from the initial model's " +
                   std::to_string(states_of(*fit.initial)) + " states");
     K = states_of(*fit.initial);
-    if (const auto* c = std::get_if<CategoricalHMM>(&fit.initial->model)) V = c->num_symbols();
+    if (const auto* c = std::get_if<CategoricalHMM>(&fit.initial->model)) {
+      if (V && V != c->num_symbols())
+        throw Error("--symbols " + std::to_string(V) + " differs from the initial model's " +
+                    std::to_string(c->num_symbols()) + " symbols");
+      V = c->num_symbols();
+    }
     if (out.state_names.empty()) out.state_names = fit.initial->state_names;
   }
   if (fit.supervised) {
@@ -522,6 +531,8 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     data.expect_labels(K);
   }
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
+  if (!data.categorical() && V)
+    throw Error("--symbols is for categorical data: " + data.path() + " holds feature vectors");
   if (data.categorical() && !V)
     V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens, group) + 1 : int64_t(out.vocabulary.size());
   // Second-order models have a state per label pair.
@@ -802,7 +813,15 @@ struct ConllColumns {
       return i;
     };
     word = resolve(word_column, "word");
-    for (int c : label_columns) label.push_back(resolve(c, "label"));
+    for (int c : label_columns) {
+      const int i = resolve(c, "label");
+      if (i == word)
+        throw Error(path + ": column " + std::to_string(i) + " would be both the word and a label (" +
+                    std::to_string(ncol) + " columns; --no-labels for a file without labels)");
+      if (std::find(label.begin(), label.end(), i) != label.end())
+        throw Error(path + ": label column " + std::to_string(i) + " is named twice");
+      label.push_back(i);
+    }
   }
   std::string label_of(const std::vector<std::string>& row) const {
     std::string l;
