@@ -84,6 +84,11 @@ int train(const std::vector<std::string>& args) {
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
   o.feature_pairs = parse_feature_pairs(feature_pairs);
   o.algorithm = parse_crf_algorithm(algorithm);
+  const auto given = [&](const char* option) { return vm.count(option) && !vm[option].defaulted(); };
+  if (o.algorithm == CrfAlgorithm::Lbfgs && (given("batch-size") || given("learning-rate")))
+    throw Error("--batch-size and --learning-rate are for --algorithm sgd, adagrad or adam (lbfgs uses every sentence "
+                "and finds its own step)");
+  if (given("early-stopping") && dev_path.empty()) throw Error("--early-stopping stops on the dev score: it needs --dev");
   const bool c2_auto = c2_text == "auto";
   if (c2_auto && dev_path.empty()) throw Error("--c2 auto chooses c2 by the dev score: it needs --dev");
   if (!c2_auto) o.c2 = parse_number(c2_text, "--c2 (a number, or auto)");

@@ -119,6 +119,12 @@ int train(const std::vector<std::string>& args) {
 
   if (batch_size < 1) throw Error("--batch-size must be at least 1, not " + std::to_string(batch_size));
   o.batch_size = static_cast<std::size_t>(batch_size);
+  const auto given = [&](const char* option) { return vm.count(option) && !vm[option].defaulted(); };
+  if (!template_path.empty() && given("hybrid") && !hybrid)
+    throw Error("--template adds its sparse features to the emissions: it cannot be combined with --hybrid=false");
+  if (template_path.empty() && !hybrid && (given("c2") || given("min-freq")))
+    throw Error("--c2 and --min-freq concern the sparse features: with --hybrid=false there are none");
+  if (given("patience") && dev_path.empty()) throw Error("--patience stops on the dev score: it needs --dev");
   check_writable_location(model_path);  // before training, not after
   check_output_is_not_an_input("--model", model_path,
                                {{"--train", train_path},

@@ -339,6 +339,9 @@ EOF
   grep -q "warning: 1 of 2 sequences have probability 0" zero.err &&
   "$py" -c 'import h5py; f = h5py.File("zero_out.h5"); assert list(f["states"][3:]) == [-1] * 3 and min(f["states"][:3]) >= 0' &&
   ok || fail "a sequence of probability 0: $(cat zero.err)"
+expect_error "EM from a model that gives the data probability 0" \
+  "zero_data.h5: some sequences have probability 0 under the --init model" zero_fit.h5 \
+  "$trellis" hmm fit --init zero.h5 -d zero_data.h5 -o zero_fit.h5 --max-iterations 3
 
 echo "hmm cli: $passed passed, $failed failed"
 [ "$failed" = 0 ]

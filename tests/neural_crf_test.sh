@@ -96,6 +96,13 @@ expect_error "neural option without --encoder" "unrecognised option '--hidden'" 
   "$trellis" crf train --train train.txt -m m6.crf --hidden 10
 expect_error "precision on the CPU" "--precision bf16 needs --device cuda" m7.ncrf \
   "$trellis" crf train --encoder bilstm --train train.txt -m m7.ncrf --precision bf16
+expect_error "a width beyond any tagger's" "--hidden must be at most 16384, not 100000000" m9.ncrf \
+  "$trellis" crf train --encoder bilstm --train train.txt -m m9.ncrf --hidden 100000000
+printf 'U00:%%x[0,0]\n' >words.tpl
+expect_error "--template with --hybrid=false" "it cannot be combined with --hybrid=false" m10.ncrf \
+  "$trellis" crf train --encoder bilstm --train train.txt -m m10.ncrf -t words.tpl --hybrid=false
+expect_error "--patience without --dev" "--patience stops on the dev score: it needs --dev" m11.ncrf \
+  "$trellis" crf train --encoder bilstm --train train.txt -m m11.ncrf --patience 3
 expect_error "missing embeddings" "cannot open embeddings 'no-such.vec'" m8.ncrf \
   "$trellis" crf train --encoder bilstm --train train.txt -m m8.ncrf --embeddings no-such.vec
 expect_error "kbest with marginals" "--kbest and --marginals cannot be combined" out0.txt \

@@ -656,6 +656,12 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
             });
             sum_over_ranks(tensors_of(total), failure, {&total.log_likelihood, &tokens});
             if (on_iteration) on_iteration({r, it, total.log_likelihood, static_cast<int64_t>(tokens), since(t0)});
+            // A sequence of probability 0 gives no expected counts (0/0): the next model would be undefined.
+            if (std::isnan(total.log_likelihood) || total.log_likelihood == -std::numeric_limits<double>::infinity())
+              throw Error(data.path() + ": some sequences have probability 0 under the " +
+                          (it == 0 && fit.initial ? std::string("--init model") :
+                                                    "model of EM iteration " + std::to_string(it)) +
+                          " (an observation no state emits, or no allowed state path): EM cannot go on");
             const bool converged =
                 !history.empty() && total.log_likelihood - history.back() < fit.em.tolerance * tokens;
             history.push_back(total.log_likelihood);

@@ -1106,11 +1106,18 @@ void check_options(const NeuralTaggerOptions& o) {
   const auto probability = [](double v, const char* flag) {
     if (!std::isfinite(v) || v < 0 || v >= 1) throw Error(std::string(flag) + " must be in [0, 1), not " + show(v));
   };
-  at_least(o.word_dim, 0, "--embedding-dim");
-  at_least(o.char_dim, 0, "--char-dim");
-  if (o.char_dim > 0) at_least(o.char_filters, 1, "--char-filters");
-  at_least(o.feature_dim, 1, "--feature-dim");
-  at_least(o.hidden, 1, "--hidden");
+  // Widths beyond any tagger's (and beyond memory long before): refused by name, not by the allocator's message.
+  const auto in_range = [&](int64_t v, int64_t least, const char* flag) {
+    at_least(v, least, flag);
+    constexpr int64_t kWidest = 16384;
+    if (v > kWidest)
+      throw Error(std::string(flag) + " must be at most " + std::to_string(kWidest) + ", not " + std::to_string(v));
+  };
+  in_range(o.word_dim, 0, "--embedding-dim");
+  in_range(o.char_dim, 0, "--char-dim");
+  if (o.char_dim > 0) in_range(o.char_filters, 1, "--char-filters");
+  in_range(o.feature_dim, 1, "--feature-dim");
+  in_range(o.hidden, 1, "--hidden");
   at_least(o.layers, 1, "--layers");
   if (o.encoder == SentenceEncoder::BiLstm && o.layers > 8)
     throw Error("--layers must be at most 8, not " + std::to_string(o.layers));
