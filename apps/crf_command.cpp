@@ -110,6 +110,7 @@ int train(const std::vector<std::string>& args) {
     resolved = ColumnLayout::resolve(
         train_corpus.num_columns, label_column,
         input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"), train_path);
+    extractor->validate(resolved->inputs.size(), train_path);  // here, where the template's file is known
     const auto labelled = [&](const ConllCorpus& c) {
       bool has_labels = false;
       ConllCorpus projected = resolved->project(c, &has_labels);

@@ -25,8 +25,14 @@ printf 'U00:%%x[0]\n' >bad.tpl
 expect_error "template syntax" "bad.tpl:1: malformed macro" m4.crf \
   "$trellis" crf train --train train.txt --model m4.crf --template bad.tpl
 printf 'U00:%%x[0,0]\nU01:%%x[0,5]\n' >wide.tpl
-expect_error "template column" "template line 2: column 5 is out of range" m5.crf \
+expect_error "template column" "wide.tpl:2: column 5 is out of range" m5.crf \
   "$trellis" crf train --train train.txt --model m5.crf --template wide.tpl
+printf '\xef\xbb\xbfU00:%%x[0,0]\n' >bom.tpl
+"$trellis" crf train --train train.txt --model bom.crf --template bom.tpl --max-iter 2 2>/dev/null && ok ||
+  fail "a template starting with a UTF-8 byte order mark"
+printf 'U00:%%x[0,0]\nU01:\xff%%x[0,0]\n' >latin1.tpl
+expect_error "template in Latin-1" "latin1.tpl:2: invalid UTF-8 byte at column 5" m5.crf \
+  "$trellis" crf train --train train.txt --model m5.crf --template latin1.tpl
 printf 'the DT B-NP\nc\xffat NN I-NP\n\n' >latin1.txt
 expect_error "non-UTF-8" "latin1.txt:2: invalid UTF-8" m6.crf "$trellis" crf train --train latin1.txt --model m6.crf
 expect_error "tag: wrong columns" "ragged.txt:2" out.txt "$trellis" crf tag --model model.crf ragged.txt -o out.txt

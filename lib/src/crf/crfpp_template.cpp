@@ -76,11 +76,14 @@ UnigramTemplate parse_unigram(const std::string& text, const std::string& source
 
 class TemplateFeatures final : public FeatureExtractor {
  public:
-  TemplateFeatures(const std::string& text, const std::string& source) : text_(text) {
-    std::istringstream in(text);
+  TemplateFeatures(const std::string& text, const std::string& source)
+      : text_(text.compare(0, kBom.size(), kBom) == 0 ? text.substr(kBom.size()) : text), source_(source) {
+    std::istringstream in(text_);
     std::string raw;
     for (std::size_t line = 1; std::getline(in, raw); ++line) {
       if (!raw.empty() && raw.back() == '\r') raw.pop_back();
+      if (const std::size_t bad = invalid_utf8_offset(raw); bad != std::string::npos)
+        throw ParseError(source, line, "invalid UTF-8 byte at column " + std::to_string(bad + 1));
       const std::size_t first = raw.find_first_not_of(" \t");
       if (first == std::string::npos || raw[first] == '#') continue;
       const std::string t = raw.substr(first, raw.find_last_not_of(" \t") - first + 1);
@@ -102,7 +105,7 @@ class TemplateFeatures final : public FeatureExtractor {
     for (const auto& u : units_)
       for (const Piece& p : u)
         if (p.macro && p.column >= input_columns)
-          throw Error("template line " + std::to_string(p.line) + ": column " + std::to_string(p.column) +
+          throw Error(source_ + ":" + std::to_string(p.line) + ": column " + std::to_string(p.column) +
                       " is out of range: '" + source + "' has " + std::to_string(input_columns) +
                       " input columns (numbered from 0, the label column not counted)");
   }
@@ -128,6 +131,7 @@ class TemplateFeatures final : public FeatureExtractor {
  private:
   std::string text_;
   std::vector<UnigramTemplate> units_;
+  std::string source_;  // the template's file, for errors found once the data is known
 };
 
 }  // namespace

@@ -15,7 +15,6 @@ namespace trellis {
 namespace {
 
 constexpr std::string_view kBlanks = " \t";
-constexpr std::string_view kBom = "\xEF\xBB\xBF";
 // Far beyond any real token line; they keep a binary or hostile file from taking the memory with one line, or the
 // feature extractors from expanding millions of columns.
 constexpr std::size_t kMaxLineBytes = 1 << 20;
@@ -37,42 +36,6 @@ bool read_line(std::istream& in, std::string& line, const std::string& source, s
                        "line longer than " + std::to_string(kMaxLineBytes) + " bytes (not a CoNLL file?)");
     line.push_back(static_cast<char>(c));
   }
-}
-
-// Offset of the first byte of the first ill-formed UTF-8 sequence in `s`, or npos. Strict (RFC 3629): overlong
-// forms, surrogates and code points above U+10FFFF are rejected.
-std::size_t invalid_utf8_offset(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const std::size_t n = s.size();
-  std::size_t i = 0;
-  while (i < n) {
-    const unsigned char c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    // Allowed range of the second byte; later continuation bytes are always 0x80..0xBF.
-    std::size_t len = 0;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0) lo = 0xA0;       // overlong
-      else if (c == 0xED) hi = 0x9F;  // surrogates
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0) lo = 0x90;       // overlong
-      else if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
-    } else {
-      return i;
-    }
-    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return i;
-    for (std::size_t k = 2; k < len; ++k)
-      if ((p[i + k] & 0xC0) != 0x80) return i;
-    i += len;
-  }
-  return std::string_view::npos;
 }
 
 bool has_blank(const std::string& field) { return field.find_first_of(" \t\r\n\v\f") != std::string::npos; }

@@ -1201,6 +1201,9 @@ std::vector<std::pair<std::string, std::vector<float>>> read_embeddings(const st
   while (std::getline(in, line)) {
     ++number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (const std::size_t bad = invalid_utf8_offset(line); bad != std::string::npos)
+      throw ParseError(path, number, "invalid UTF-8 byte at column " + std::to_string(bad + 1));
+    if (number == 1 && line.compare(0, kBom.size(), kBom) == 0) line.erase(0, kBom.size());
     std::istringstream fields(line);
     std::string word;
     if (!(fields >> word)) continue;
