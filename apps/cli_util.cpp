@@ -66,11 +66,12 @@ int64_t parse_bytes(const std::string& text) {
   const std::string unit = text.substr(used);
   const double scale = unit.empty()                 ? 1
                        : unit == "k" || unit == "K" ? 1e3
-                       : unit == "M"                ? 1 << 20
-                       : unit == "G"                ? 1 << 30
+                       : unit == "m" || unit == "M" ? 0x1p20
+                       : unit == "g" || unit == "G" ? 0x1p30
+                       : unit == "t" || unit == "T" ? 0x1p40
                                                     : -1;
   if (used == 0 || scale < 0 || !(v > 0) || !std::isfinite(v))
-    throw Error("'" + text + "' is not a size (examples: 512M, 2G, 100000)");
+    throw Error("'" + text + "' is not a size (examples: 512M, 2G, 1T, 100000)");
   if (v * scale >= 9.2e18) throw Error("'" + text + "' is larger than any memory");
   return static_cast<int64_t>(v * scale);
 }

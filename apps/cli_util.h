@@ -24,7 +24,7 @@ int parse(const std::string& command, const std::vector<std::string>& args,
 
 std::string fixed(double v, int digits);
 
-// "512M", "2G", "100k" or a plain byte count.
+// "512M", "2G", "1T" (binary units; m, g, t too), "100k" (1000s) or a plain byte count.
 int64_t parse_bytes(const std::string& text);
 
 // An option read as text that `parse` (a library parse_* function, whose Error names the option) turns into `target`

@@ -295,7 +295,7 @@ int crf_main(const std::vector<std::string>& args) {
   static const std::map<std::string, std::function<int(const std::vector<std::string>&)>> commands{
       {"train", train}, {"tag", tag}, {"eval", eval}, {"dump", dump}};
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
-    std::cout << kCrfUsage;
+    (args.empty() ? std::cerr : std::cout) << kCrfUsage;  // without a command: a usage error
     return args.empty() ? 2 : 0;
   }
   if (const auto neural = neural_crf_main(args)) return *neural;  // train --encoder bilstm|cnn, neural model files

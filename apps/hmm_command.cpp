@@ -353,7 +353,7 @@ int eval(const std::vector<std::string>& args) {
 
 int hmm_main(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
-    std::cout << kHmmUsage;
+    (args.empty() ? std::cerr : std::cout) << kHmmUsage;  // without a command: a usage error
     return args.empty() ? 2 : 0;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());

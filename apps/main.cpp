@@ -32,7 +32,7 @@ options:
 
 int run(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
-    std::cout << kUsage;
+    (args.empty() ? std::cerr : std::cout) << kUsage;  // without a command: a usage error
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "--version") {

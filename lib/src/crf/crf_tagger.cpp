@@ -43,7 +43,8 @@ ColumnLayout ColumnLayout::resolve(std::size_t columns, int label_column, const 
     const long resolved = c < 0 ? static_cast<long>(columns) + c : c;
     if (resolved < 0 || resolved >= static_cast<long>(columns))
       throw Error(std::string(option) + " " + std::to_string(c) + " is out of range: '" + source + "' has " +
-                  std::to_string(columns) + " columns (0.." + std::to_string(columns) + "-1, or -1 for the last)");
+                  std::to_string(columns) + " columns (0.." + std::to_string(static_cast<long>(columns) - 1) +
+                  ", or -1 for the last)");
     return static_cast<std::size_t>(resolved);
   };
   if (columns < 2)
