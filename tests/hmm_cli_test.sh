@@ -136,6 +136,8 @@ with h5py.File("foreign.h5", "w") as f:
     f["startprob"] = [1.0]
 with h5py.File("version.h5", "w") as f:
     f.attrs["format"] = "trellis-hmm"; f.attrs["version"] = 7; f.attrs["emission"] = "categorical"
+with h5py.File("no_version.h5", "w") as f:
+    f.attrs["format"] = "trellis-hmm"; f.attrs["emission"] = "categorical"
 with h5py.File("no_covars.h5", "w") as f:
     f.attrs["format"] = "trellis-hmm"; f.attrs["version"] = 1; f.attrs["emission"] = "gaussian"
     f["startprob"] = [1.0]; f["transmat"] = [[1.0]]; f["means"] = [[0.0, 1.0]]
@@ -179,6 +181,7 @@ expect_error "labels length" "short_labels.h5: '/labels' must be a 1-d integer d
 expect_error "transition row" "rows.h5: transmat row 1 is not a probability distribution" out.h5 infer rows.h5 cat_data.h5
 expect_error "foreign model" "foreign.h5: not a Trellis HMM model" out.h5 infer foreign.h5 cat_data.h5
 expect_error "model version" "version.h5: model format version 7 is not supported" out.h5 infer version.h5 cat_data.h5
+expect_error "model without a version" "no_version.h5: no attribute 'version'" out.h5 infer no_version.h5 cat_data.h5
 expect_error "unwritten 16 GB dataset" "unwritten.h5: dataset 'means' claims 17.2 GB of numbers but the file stores only 0 bytes of them" \
   out.h5 infer unwritten.h5 gauss_data.h5
 expect_error "missing covars" "no_covars.h5: missing dataset '/covars'" out.h5 infer no_covars.h5 gauss_data.h5

@@ -729,13 +729,14 @@ HMMModelFile load_hmm(const std::string& path) {
     const H5::H5File f = open_readonly(path);
     if (read_string_attribute(f, path, "format") != "trellis-hmm")
       throw Error(path + ": not a Trellis HMM model (attribute 'format' is not \"trellis-hmm\")");
+    if (!f.attrExists("version"))
+      throw Error(path + ": no attribute 'version' (a Trellis HMM model has version " + std::to_string(kModelVersion) +
+                  ")");
     int64_t version = 0;
-    if (f.attrExists("version")) {
-      const H5::Attribute a = f.openAttribute("version");
-      if (a.getTypeClass() != H5T_INTEGER || a.getSpace().getSimpleExtentNpoints() != 1)
-        throw Error(path + ": attribute 'version' must be one integer");
-      a.read(H5::PredType::NATIVE_INT64, &version);
-    }
+    const H5::Attribute a = f.openAttribute("version");
+    if (a.getTypeClass() != H5T_INTEGER || a.getSpace().getSimpleExtentNpoints() != 1)
+      throw Error(path + ": attribute 'version' must be one integer");
+    a.read(H5::PredType::NATIVE_INT64, &version);
     if (version != kModelVersion)
       throw Error(path + ": model format version " + std::to_string(version) + " is not supported (expected " +
                   std::to_string(kModelVersion) + ")");
