@@ -33,6 +33,8 @@ printf '\xef\xbb\xbfU00:%%x[0,0]\n' >bom.tpl
 printf 'U00:%%x[0,0]\nU01:\xff%%x[0,0]\n' >latin1.tpl
 expect_error "template in Latin-1" "latin1.tpl:2: invalid UTF-8 byte at column 5" m5.crf \
   "$trellis" crf train --train train.txt --model m5.crf --template latin1.tpl
+printf 'the DT B-NP\nc\000at NN I-NP\n\n' >nul.txt
+expect_error "a NUL byte in a token" "nul.txt:2: NUL byte at column 2" m5.crf "$trellis" crf train --train nul.txt --model m5.crf
 printf 'the DT B-NP\nc\xffat NN I-NP\n\n' >latin1.txt
 expect_error "non-UTF-8" "latin1.txt:2: invalid UTF-8" m6.crf "$trellis" crf train --train latin1.txt --model m6.crf
 expect_error "tag: wrong columns" "ragged.txt:2" out.txt "$trellis" crf tag --model model.crf ragged.txt -o out.txt

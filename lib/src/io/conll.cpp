@@ -102,6 +102,9 @@ ConllCorpus read_conll(std::istream& in, const std::string& source_name, const C
       if (bad != std::string_view::npos)
         throw ParseError(source_name, line_no, "invalid UTF-8 byte at column " + std::to_string(bad + 1));
     }
+    // A NUL is valid UTF-8 but no text: tokens holding one would not survive the files that store them (C strings).
+    if (const std::size_t nul = line.find('\0'); nul != std::string_view::npos)
+      throw ParseError(source_name, line_no, "NUL byte at column " + std::to_string(nul + 1));
     if (line_no == 1 && line.substr(0, kBom.size()) == kBom) line.remove_prefix(kBom.size());
 
     std::size_t pos = line.find_first_not_of(kBlanks);
