@@ -101,6 +101,7 @@ int train(const std::vector<std::string>& args) {
   std::optional<LabeledSentences> training, dv;
   dist.check_all(failure_of([&] {
     if (dist.rank() == 0) {  // before training, not after
+      if (model_path == "-") throw Error("--model '-': a model is written to a file, not to standard output");
       check_writable_location(model_path);
       check_output_is_not_an_input("--model", model_path,
                                    {{"--train", train_path}, {"--dev", dev_path}, {"--template", template_path}});

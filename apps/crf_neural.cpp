@@ -125,6 +125,7 @@ int train(const std::vector<std::string>& args) {
   if (template_path.empty() && !hybrid && (given("c2") || given("min-freq")))
     throw Error("--c2 and --min-freq concern the sparse features: with --hybrid=false there are none");
   if (given("patience") && dev_path.empty()) throw Error("--patience stops on the dev score: it needs --dev");
+  if (model_path == "-") throw Error("--model '-': a model is written to a file, not to standard output");
   check_writable_location(model_path);  // before training, not after
   check_output_is_not_an_input("--model", model_path,
                                {{"--train", train_path},

@@ -147,6 +147,8 @@ expect_error "--kbest 1000000" "ask for fewer" o7.txt \
 for flag in "--batch-size -1 --algorithm sgd" "--c2 nan" "--c2 inf" "--c2 -1" "--c1 nan" "--max-iter 0" "--max-iter -5" "--learning-rate nan --algorithm adam"; do
   expect_error "train $flag" "${flag%% *}" m6.crf "$trellis" crf train --train train.txt --model m6.crf $flag
 done
+expect_error "--model -" "--model '-': a model is written to a file" - \
+  "$trellis" crf train --train train.txt --model -
 expect_error "--batch-size with lbfgs" "--batch-size and --learning-rate are for --algorithm sgd" m6.crf \
   "$trellis" crf train --train train.txt --model m6.crf --batch-size 5
 expect_error "--early-stopping without --dev" "--early-stopping stops on the dev score: it needs --dev" m6.crf \
