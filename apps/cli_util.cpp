@@ -186,8 +186,12 @@ void write_output(const std::string& path, const std::function<void(std::ostream
   if (path == "-") {
     errno = 0;
     write(std::cout);
-    if (!std::cout.flush() || std::fflush(stdout) != 0)
-      throw Error(std::string("cannot write standard output: ") + (errno ? std::strerror(errno) : "a write failed"));
+    if (!std::cout.flush() || std::fflush(stdout) != 0) {
+      const std::string cause = errno ? std::strerror(errno) : "a write failed";
+      std::cout.clear();  // reported here: main's own check of standard output finds nothing left to report
+      std::clearerr(stdout);
+      throw Error("cannot write standard output: " + cause);
+    }
   } else {
     write_file_atomically(path, write);
   }

@@ -8,9 +8,10 @@ namespace trellis {
 
 // A temporary file "<path>.tmp.<pid>" beside `path` that becomes `path` only through commit(). Until then `path` is
 // untouched. A symbolic link is followed: the file it leads to is replaced, the link stays; a file replaced keeps its
-// permissions (and its owner, where the process may set it). `path` must be, or become, a regular file. The destructor removes the temporary unless it was committed, and so does a SIGINT, SIGTERM or SIGHUP in
-// a program that called remove_temporaries_on_signals(). Creating one also removes temporaries of `path` left by
-// processes that no longer run (killed by SIGKILL, say). Errors name `path`, never the temporary, with the cause.
+// permissions (and its owner, where the process may set it). `path` must be, or become, a regular file. The
+// destructor removes the temporary unless it was committed, and so does a SIGINT, SIGTERM or SIGHUP in a program
+// that called remove_temporaries_on_signals(). Creating one also removes temporaries of `path` left by processes that
+// no longer run (killed by SIGKILL, say). Errors name `path`, never the temporary, with the cause.
 class TemporaryFile {
  public:
   // Throws an Error naming `path` as check_writable_location(path, /*regular_only=*/true) does.
