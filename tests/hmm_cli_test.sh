@@ -126,6 +126,7 @@ data("inf.h5", y, [0, 3, 6])
 data("two_features.h5", x[:, :2], [0, 3, 6])
 data("bad_labels.h5", ids, [0, 3, 6], labels=np.array([0, 1, 2, 7, 0, 1], np.int32))
 data("short_labels.h5", ids, [0, 3, 6], labels=np.array([0, 1], np.int32))
+data("huge_label.h5", ids, [0, 3, 6], labels=np.array([0, 1, 2, 1000000000, 0, 1], np.int32))
 # 4000 good sequences, then a bad id: the error comes after many batches were written.
 late = np.zeros(8000, np.int32); late[7999] = 9
 data("late_error.h5", late, np.arange(0, 8001, 2))
@@ -148,6 +149,7 @@ with h5py.File("unwritten.h5", "w") as f:
     f.create_dataset("means", shape=(1, 2**31), dtype="f8", chunks=(1, 2**16))
 EOF
 echo "not hdf5" >text.h5
+head -c 1000 cat_data.h5 >cut.h5  # an interrupted copy
 
 infer() { "$trellis" hmm infer -m "$1" -d "$2" -o out.h5; }
 expect_error "missing observations" "no_obs.h5: missing dataset '/observations'" out.h5 infer cat.h5 no_obs.h5
@@ -186,6 +188,7 @@ expect_error "unwritten 16 GB dataset" "unwritten.h5: dataset 'means' claims 17.
   out.h5 infer unwritten.h5 gauss_data.h5
 expect_error "missing covars" "no_covars.h5: missing dataset '/covars'" out.h5 infer no_covars.h5 gauss_data.h5
 expect_error "not HDF5" "text.h5: not an HDF5 file" out.h5 infer cat.h5 text.h5
+expect_error "truncated" "cut.h5: the HDF5 file is truncated: it holds 1000 bytes" out.h5 infer cat.h5 cut.h5
 expect_error "missing file" "cannot open 'nowhere.h5'" out.h5 infer cat.h5 nowhere.h5
 expect_error "memory budget" "'12Q' is not a size" out.h5 "$trellis" hmm infer -m cat.h5 -d cat_data.h5 -o out.h5 --memory-budget 12Q
 for budget in nan inf -1G; do
@@ -210,6 +213,8 @@ expect_error "NaN tolerance" "--tolerance must be a finite number >= 0, not nan"
 expect_error "negative tolerance" "--tolerance must be a finite number >= 0, not -1" m.h5 fit --states 3 --tolerance -1
 expect_error "no restarts" "--restarts must be >= 1, not 0" m.h5 fit --states 3 --restarts 0
 expect_error "order 3" "--order must be 1, or 2 with --supervised" m.h5 fit --supervised --order 3
+expect_error "absurd label id" "(huge_label.h5's largest label id is 1000000000" m.h5 \
+  "$trellis" hmm fit --supervised -d huge_label.h5 -o m.h5
 expect_error "negative states" "--states must be >= 1, not -1" m.h5 fit --states -1
 expect_error "states in exponent notation" "the argument ('1e10') for option '--states' is invalid" m.h5 fit --states 1e10
 expect_error "states beyond memory" "a model of 10000000000 states and 6 symbols (8 copies of its parameters) needs about" m.h5 \

@@ -87,7 +87,16 @@ H5::H5File open_readonly(const std::string& path) {
     throw Error("cannot open '" + path + "': " + std::strerror(errno));
   if (S_ISDIR(st.st_mode)) throw Error("cannot open '" + path + "': it is a directory, not an HDF5 file");
   if (H5::H5File::isHdf5(path.c_str()) <= 0) throw Error(path + ": not an HDF5 file");
-  return H5::H5File(path, H5F_ACC_RDONLY);
+  try {
+    return H5::H5File(path, H5F_ACC_RDONLY);
+  } catch (const H5::Exception& e) {
+    // HDF5 reports a file cut short (an interrupted copy or download) as "truncated file: eof = ..., stored_eof = ...".
+    const std::string cause = hdf5_cause();
+    if (cause.find("truncated file") == std::string::npos)
+      throw Error(path + ": HDF5 error in " + e.getFuncName() + ": " + (cause.empty() ? e.getDetailMsg() : cause));
+    throw Error(path + ": the HDF5 file is truncated: it holds " + std::to_string(st.st_size) +
+                " bytes, fewer than its header records (an interrupted copy or write?)");
+  }
 }
 
 // ---- the writers' file driver ----

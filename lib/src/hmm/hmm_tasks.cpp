@@ -524,21 +524,33 @@ HMMModelFile fit_dataset(HMMDataset& data, const HMMFitOptions& fit, const HMMRu
     }
     if (out.state_names.empty()) out.state_names = fit.initial->state_names;
   }
+  // Where a size is the data's largest id plus one, an absurd id (a corrupt or foreign dataset) is named as the cause
+  // of an oversized model.
+  std::string sizes_from_ids;
+  const auto from_largest_id = [&](bool labels) {
+    const int64_t top = largest_id(data, labels, scan_tokens, group);
+    sizes_from_ids += (sizes_from_ids.empty() ? "" : "; ") + data.path() + "'s largest " +
+                      (labels ? "label" : "observation") + " id is " + std::to_string(top);
+    return top + 1;
+  };
   if (fit.supervised) {
     if (!data.has_labels()) throw Error(data.path() + ": supervised training needs a '/labels' dataset");
-    if (!K)
-      K = out.state_names.empty() ? largest_id(data, true, scan_tokens, group) + 1 : int64_t(out.state_names.size());
+    if (!K) K = out.state_names.empty() ? from_largest_id(true) : int64_t(out.state_names.size());
     data.expect_labels(K);
   }
   if (!K) throw Error("the number of states is needed: give --states or an initial model");
   if (!data.categorical() && V)
     throw Error("--symbols is for categorical data: " + data.path() + " holds feature vectors");
-  if (data.categorical() && !V)
-    V = out.vocabulary.empty() ? largest_id(data, false, scan_tokens, group) + 1 : int64_t(out.vocabulary.size());
+  if (data.categorical() && !V) V = out.vocabulary.empty() ? from_largest_id(false) : int64_t(out.vocabulary.size());
   // Second-order models have a state per label pair.
   const int64_t model_states = fit.order == 2 ? (K + 1) * K : K;
-  check_model_shape(model_states, data.categorical() ? V : data.num_features(),
-                    data.categorical() ? "symbols" : "features", kTrainingCopies);
+  try {
+    check_model_shape(model_states, data.categorical() ? V : data.num_features(),
+                      data.categorical() ? "symbols" : "features", kTrainingCopies);
+  } catch (const Error& e) {
+    if (sizes_from_ids.empty()) throw;
+    throw Error(std::string(e.what()) + " (" + sizes_from_ids + ")");
+  }
   if (data.categorical()) data.expect_symbols(V);
   if (int64_t(out.state_names.size()) != K) out.state_names.clear();
   if (int64_t(out.vocabulary.size()) != V) out.vocabulary.clear();
