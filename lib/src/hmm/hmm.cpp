@@ -602,24 +602,35 @@ HMMSample sample(const HMM& hmm, int64_t num_sequences, int64_t min_length, int6
   hmm.check();
   if (num_sequences < 1 || min_length < 1 || max_length < min_length)
     throw Error("HMM sample: need at least one sequence and 1 <= min_length <= max_length");
-  // Per position: the state, observation (or feature vector), mask and their temporaries.
+  // Per position: the state and its uniform, the emission draw's temporaries (about ten 8-byte numbers per position;
+  // eight per feature for a Gaussian's), the mask and the observation (or feature vector).
   int64_t width = 1;
   if constexpr (std::is_same_v<HMM, GaussianHMM>) width = hmm.num_features();
   check_fits_in_memory(
-      static_cast<double>(num_sequences) * static_cast<double>(max_length) * (48.0 + 24.0 * width),
+      static_cast<double>(num_sequences) * static_cast<double>(max_length) * (128.0 + 64.0 * width),
       "sampling " + std::to_string(num_sequences) + " sequences of up to " + std::to_string(max_length) + " positions");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::Tensor lengths = at::randint(min_length, max_length + 1, {num_sequences}, gen, at::kLong);
   const int64_t K = hmm.num_states();
+  // The state chain in a plain loop (each step depends on the last, and a framework call per step would cost more
+  // than the step), from one block of uniforms drawn in the order draw() would use them, step by step.
   const at::Tensor start = flat_cdf(hmm.log_start.unsqueeze(0)), trans = flat_cdf(hmm.log_transitions);
-  std::vector<at::Tensor> states;
-  at::Tensor s = draw(start, K, at::zeros({num_sequences}, at::kLong), gen);
-  for (int64_t t = 0; t < max_length; ++t) {
-    if (t > 0) s = draw(trans, K, s, gen);
-    states.push_back(s);
+  const at::Tensor u = at::empty({max_length, num_sequences}, at::kDouble).uniform_(0.0, 1.0, gen);
+  at::Tensor st = at::empty({num_sequences, max_length}, at::kLong);
+  {
+    const auto U = u.accessor<double, 2>();
+    auto S = st.accessor<int64_t, 2>();
+    const double *c0 = start.data_ptr<double>(), *c = trans.data_ptr<double>();
+    // The first value of a row r's shifted distribution above u + r (draw()'s search), clamped as there.
+    const auto pick = [K](const double* cdf, int64_t r, double x) {
+      const double* row = cdf + r * K;
+      return std::min<int64_t>(std::upper_bound(row, row + K, x + static_cast<double>(r)) - row, K - 1);
+    };
+    for (int64_t n = 0; n < num_sequences; ++n) S[n][0] = pick(c0, 0, U[0][n]);
+    for (int64_t t = 1; t < max_length; ++t)
+      for (int64_t n = 0; n < num_sequences; ++n) S[n][t] = pick(c, S[n][t - 1], U[t][n]);
   }
   const at::Tensor mask = at::arange(max_length, at::kLong).unsqueeze(0) < lengths.unsqueeze(1);
-  const at::Tensor st = at::stack(states, 1);
   at::Tensor obs = hmm.sample_emissions(st.flatten(), gen);
   obs = obs.view(obs.dim() == 1 ? at::IntArrayRef{num_sequences, max_length}
                                 : at::IntArrayRef{num_sequences, max_length, obs.size(1)});
