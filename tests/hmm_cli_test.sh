@@ -123,6 +123,8 @@ y = x.copy(); y[4, 1] = np.nan
 data("nan.h5", y, [0, 3, 6])
 y = x.copy(); y[2, 0] = np.inf
 data("inf.h5", y, [0, 3, 6])
+y = x.copy(); y[5, 2] = 3e20  # finite in float32, its square is not
+data("huge_feature.h5", y, [0, 3, 6])
 data("two_features.h5", x[:, :2], [0, 3, 6])
 data("bad_labels.h5", ids, [0, 3, 6], labels=np.array([0, 1, 2, 7, 0, 1], np.int32))
 data("short_labels.h5", ids, [0, 3, 6], labels=np.array([0, 1], np.int32))
@@ -168,6 +170,8 @@ expect_error "id outside vocabulary" "big_id.h5: /observations[4] = 99 is outsid
 expect_error "negative id" "neg_id.h5: /observations[1] = -1 is outside the vocabulary" out.h5 infer cat.h5 neg_id.h5
 expect_error "NaN feature" "nan.h5: /observations[4][1] is NaN" out.h5 infer gauss.h5 nan.h5
 expect_error "inf feature" "inf.h5: /observations[2][0] is infinite" out.h5 infer gauss.h5 inf.h5
+expect_error "huge feature" "huge_feature.h5: /observations[5][2] is 3e+20, too large: its square overflows float32" \
+  out.h5 infer gauss.h5 huge_feature.h5
 expect_error "feature count" "two_features.h5: observations have F = 2 features, the model has 3" out.h5 \
   infer gauss.h5 two_features.h5
 expect_error "emission kind" "nan.h5: holds feature vectors (F = 3), but the model has categorical emissions" out.h5 \

@@ -1030,11 +1030,18 @@ SequenceBatch HMMDataset::Impl::read_batch(int64_t first, int64_t count, bool wi
     } else {
       const at::ScalarType type = d.float64 ? at::kDouble : at::kFloat;
       const at::Tensor x = d.read_rows(d.observations, begin, n, type, d.features, native_type(type));
-      const at::Tensor bad = ~at::isfinite(x);
+      // A Gaussian's log-density squares each feature: a square beyond the type's range would read as probability 0
+      // under every state, blamed on the model.
+      const at::Tensor bad = ~at::isfinite(x * x);
       if (bad.any().item<bool>()) {
         const at::Tensor i = bad.nonzero()[0];
+        const double v = x[i[0]][i[1]].item<double>();
         throw Error(d.where("observations", begin + i[0].item<int64_t>()) + "[" + std::to_string(i[1].item<int64_t>()) +
-                    "] is " + (std::isnan(x[i[0]][i[1]].item<double>()) ? "NaN" : "infinite"));
+                    "] is " +
+                    (std::isnan(v)   ? std::string("NaN")
+                     : std::isinf(v) ? std::string("infinite")
+                                     : message::text(v) + ", too large: its square overflows " +
+                                           (d.float64 ? "float64" : "float32")));
       }
       b.observations =
           at::zeros({count * T, d.features}, x.options()).index_copy_(0, target, x).view({count, T, d.features});
