@@ -165,6 +165,15 @@ ConllCorpus read_input(const std::string& path) {
   return path == "-" ? read_conll(std::cin, "<stdin>") : read_conll(path);
 }
 
+void check_standard_input_read_once(const std::vector<std::pair<std::string, std::string>>& inputs) {
+  const std::string* first = nullptr;
+  for (const auto& [option, path] : inputs) {
+    if (path != "-") continue;
+    if (first) throw Error(*first + " and " + option + " are both '-': standard input can be read only once");
+    first = &option;
+  }
+}
+
 std::vector<TokenRows> model_inputs(const ConllCorpus& projected, std::size_t input_columns) {
   std::vector<TokenRows> rows;
   rows.reserve(projected.sentences.size());

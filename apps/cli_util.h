@@ -58,6 +58,8 @@ void check_output_is_not_an_input(const std::string& option, const std::string& 
 
 // A CoNLL file, or standard input for "-".
 ConllCorpus read_input(const std::string& path);
+// Throws an Error when more than one of `inputs` ({option, path}) is "-": standard input can be read once.
+void check_standard_input_read_once(const std::vector<std::pair<std::string, std::string>>& inputs);
 // A file's input columns as a model reads them (the file projected onto the model's layout, with or without its
 // label): each row cut to the model's `input_columns`.
 std::vector<TokenRows> model_inputs(const ConllCorpus& projected, std::size_t input_columns);

@@ -44,8 +44,8 @@ int train(const std::vector<std::string>& args) {
   std::string feature_pairs, c2_text, algorithm;
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")("train", po::value(&train_path)->required(),
-                                               "training data: CoNLL columns, a blank line between sentences")(
-      "dev", po::value(&dev_path), "development data, scored after every iteration")(
+                                               "training data: CoNLL columns, a blank line between sentences (- for stdin)")(
+      "dev", po::value(&dev_path), "development data, scored after every iteration (- for stdin)")(
       "model,m", po::value(&model_path)->required(), "where to write the model")(
       "label-column", po::value(&label_column)->default_value(-1), "label column (negative counts from the end)")(
       "input-columns", po::value(&input_columns),
@@ -106,8 +106,11 @@ int train(const std::vector<std::string>& args) {
       check_output_is_not_an_input("--model", model_path,
                                    {{"--train", train_path}, {"--dev", dev_path}, {"--template", template_path}});
     }
+    check_standard_input_read_once({{"--train", train_path}, {"--dev", dev_path}});
+    if (dist.distributed() && (train_path == "-" || dev_path == "-"))
+      throw Error("under torchrun every rank reads the data: give --train and --dev as files, not '-'");
     extractor = template_path.empty() ? builtin_features() : load_crfpp_template(template_path);
-    const ConllCorpus train_corpus = read_conll(train_path);
+    const ConllCorpus train_corpus = read_input(train_path);
     resolved = ColumnLayout::resolve(
         train_corpus.num_columns, label_column,
         input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"), train_path);
@@ -120,7 +123,7 @@ int train(const std::vector<std::string>& args) {
       return split_labels(projected, -1);
     };
     training = labelled(train_corpus);
-    if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
+    if (!dev_path.empty()) dv = labelled(read_input(dev_path));
   }));
   const ColumnLayout& layout = *resolved;
   const LabeledSentences& tr = *training;

@@ -56,8 +56,9 @@ int train(const std::vector<std::string>& args) {
       static_cast<int64_t>(o.batch_size);  // signed: Boost would read -1 into an unsigned option as its largest value
   po::options_description desc("options");
   desc.add_options()("help,h", "this message")("train", po::value(&train_path)->required(),
-                                               "training data: CoNLL columns, a blank line between sentences")(
-      "dev", po::value(&dev_path), "development data, scored after every epoch (early stopping, best model kept)")(
+                                               "training data: CoNLL columns, a blank line between sentences (- for stdin)")(
+      "dev", po::value(&dev_path),
+      "development data, scored after every epoch (early stopping, best model kept; - for stdin)")(
       "model,m", po::value(&model_path)->required(), "where to write the model")(
       "encoder", parsed_value(o.encoder, parse_sentence_encoder)->required(),
       "bilstm, cnn (stacked dilated convolutions), or none (the feature CRF)")(
@@ -135,7 +136,8 @@ int train(const std::vector<std::string>& args) {
   std::unique_ptr<FeatureExtractor> sparse;
   if (!template_path.empty()) sparse = load_crfpp_template(template_path);
   else if (hybrid) sparse = builtin_features();
-  const ConllCorpus train_corpus = read_conll(train_path);
+  check_standard_input_read_once({{"--train", train_path}, {"--dev", dev_path}});
+  const ConllCorpus train_corpus = read_input(train_path);
   const ColumnLayout layout = ColumnLayout::resolve(
       train_corpus.num_columns, label_column,
       input_columns.empty() ? std::vector<int>{} : parse_int_list(input_columns, "--input-columns"), train_path);
@@ -148,7 +150,7 @@ int train(const std::vector<std::string>& args) {
   };
   const LabeledSentences tr = labelled(train_corpus);
   std::optional<LabeledSentences> dv;
-  if (!dev_path.empty()) dv = labelled(read_conll(dev_path));
+  if (!dev_path.empty()) dv = labelled(read_input(dev_path));
   std::cerr << "columns: " << layout.describe();
   if (!layout.ignored().empty() && input_columns.empty())
     std::cerr << " (columns after the label are not inputs unless --input-columns names them)";

@@ -150,6 +150,14 @@ for flag in "--batch-size -1 --algorithm sgd" "--c2 nan" "--c2 inf" "--c2 -1" "-
 done
 expect_error "--model -" "--model '-': a model is written to a file" - \
   "$trellis" crf train --train train.txt --model -
+# Training data from standard input: the same model as from the file (CRFsuite and Wapiti read it so too).
+"$trellis" crf train --train - --model stdin.crf --max-iter 5 <train.txt 2>/dev/null &&
+  "$trellis" crf train --train train.txt --model file.crf --max-iter 5 2>/dev/null && cmp -s stdin.crf file.crf && ok ||
+  fail "--train - (standard input) gives another model than the file"
+expect_error "--train - --dev -" "--train and --dev are both '-': standard input can be read only once" m6.crf \
+  "$trellis" crf train --train - --dev - --model m6.crf
+expect_error "neural --train - --dev -" "--train and --dev are both '-'" m6.ncrf \
+  "$trellis" crf train --encoder bilstm --train - --dev - --model m6.ncrf
 expect_error "--batch-size with lbfgs" "--batch-size and --learning-rate are for --algorithm sgd" m6.crf \
   "$trellis" crf train --train train.txt --model m6.crf --batch-size 5
 expect_error "--early-stopping without --dev" "--early-stopping stops on the dev score: it needs --dev" m6.crf \
