@@ -273,27 +273,33 @@ TEST(NeuralTagger, CorruptTruncatedOrForeignModelFilesAreClearErrors) {
   what = error_of([&] { NeuralTagger::load(bad); });
   EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (truncated"), std::string::npos) << what;
 
-  // A word_dim past what the file holds, checksum and all: an error before the tables are allocated.
-  {
+  // Hyper-parameters whose network is larger than the file, checksum and all (a crafted file): an error before the
+  // network is allocated (65536 hidden units over 16 layers would be over 2 TB).
+  const auto with_hyper_parameter = [&](const std::string& key, const std::string& value) {
     std::string big = bytes;
-    const std::string key = "word_dim=16\n";
-    const std::size_t at = big.find(key);
-    ASSERT_NE(at, std::string::npos);
-    big.replace(at, key.size(), "word_dim=60000\n");  // the hyper-parameter text's stored length changes too
-    const std::size_t length_at = big.rfind("encoder=", at) - sizeof(uint64_t);
-    uint64_t length;
+    const std::size_t found = big.find("\n" + key + "=");
+    EXPECT_NE(found, std::string::npos) << key;
+    const std::size_t begin = found + 1, end = big.find('\n', begin);
+    const std::size_t length_at = big.find("encoder=") - sizeof(uint64_t);  // the text's first line
+    const std::string line = key + "=" + value;
+    uint64_t length;  // the hyper-parameter text's stored length changes too
     std::memcpy(&length, big.data() + length_at, sizeof length);
-    length += std::string("word_dim=60000\n").size() - key.size();
+    length = length + line.size() - (end - begin);
     std::memcpy(big.data() + length_at, &length, sizeof length);
+    big.replace(begin, end - begin, line);
     uint64_t h = 1469598103934665603ull;
     for (std::size_t i = 0; i + sizeof(uint64_t) < big.size(); ++i)
       h = (h ^ static_cast<unsigned char>(big[i])) * 1099511628211ull;
     std::memcpy(big.data() + big.size() - sizeof h, &h, sizeof h);
-    write_bytes(bad, big);
+    return big;
+  };
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"word_dim", "60000"}, {"hidden", "65536"}, {"layers", "16"}, {"char_filters", "65536"}}) {
+    write_bytes(bad, with_hyper_parameter(key, value));
     what = error_of([&] { NeuralTagger::load(bad); });
     EXPECT_NE(what.find("'" + bad + "': corrupt neural CRF model file (the parameters exceed the file)"),
               std::string::npos)
-        << what;
+        << key << "=" << value << ": " << what;
   }
 
   write_bytes(bad, "word POS label\n");

@@ -152,6 +152,36 @@ struct Architecture {
   bool sentence_masks = false;
 };
 
+// How many numbers NetworkImpl(a) holds (a double: hyper-parameters read from a file may imply more than int64_t
+// can count), so that a model file's architecture is checked against the file's size before any of it is allocated.
+// NeuralTagger::load checks it against the network it builds, so the two cannot drift apart.
+double parameter_count(const Architecture& a) {
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  // A bidirectional LSTM layer: per direction, input and recurrent weights of 4h gates and their two biases.
+  const auto bilstm_layer = [&](double input, double h) { return 2 * (4 * h * input + 4 * h * h + 8 * h); };
+  double n = d(a.words) * d(a.word_dim) + d(a.shapes) * d(a.feature_dim);
+  for (int64_t v : a.extra) n += d(v) * d(a.feature_dim);
+  double input = d(a.word_dim) + d(a.feature_dim) * d(1 + static_cast<int64_t>(a.extra.size()));
+  if (a.char_dim > 0) {
+    n += d(a.chars) * d(a.char_dim);
+    if (a.char_encoder == CharEncoder::BiLstm) {
+      n += bilstm_layer(d(a.char_dim), d(a.char_filters));
+      input += 2 * d(a.char_filters);
+    } else {
+      n += d(a.char_filters) * d(a.char_dim) * 3 + d(a.char_filters);
+      input += d(a.char_filters);
+    }
+  }
+  const double encoded = 2 * d(a.hidden);
+  if (a.encoder == SentenceEncoder::BiLstm) {
+    n += bilstm_layer(input, d(a.hidden)) + d(a.layers - 1) * bilstm_layer(encoded, d(a.hidden));
+  } else {
+    n += input * encoded * 3 + encoded + d(a.layers) * (encoded * encoded * 3 + encoded);
+  }
+  n += encoded * d(a.labels) + d(a.labels) + d(a.features) * d(a.labels);
+  return n + d(a.labels) * d(a.labels) + 2 * d(a.labels);  // the CRF's transitions, start and end
+}
+
 // A batch on the model's device, its rows sorted by length, longest first (as packing the BiLSTM's input needs).
 // Token-level tensors list the real tokens row after row; positions maps them into the padded [B,T] layout.
 struct Batch {
@@ -1501,16 +1531,19 @@ NeuralTagger NeuralTagger::load(const std::string& path) {
     m->features = Vocabulary(r.strings("feature"));
     if (!m->features.unique()) r.corrupt("feature list repeats an entry");
   }
-  {
-    // The embedding tables alone must fit the rest of the file before anything is allocated for them.
-    const double table_bytes = sizeof(float) * (static_cast<double>(m->words.size()) * static_cast<double>(o.word_dim) +
-                                                static_cast<double>(m->chars.size()) * static_cast<double>(o.char_dim) +
-                                                static_cast<double>(m->hybrid ? m->features.size() : 0) *
-                                                    static_cast<double>(m->labels.size()));
-    if (table_bytes > static_cast<double>(r.remaining())) r.corrupt("the parameters exceed the file");
-  }
+  // Every parameter is stored in the file: an architecture larger than the rest of it (a crafted or corrupt file
+  // claiming 65536 hidden units) is an error before anything is allocated for it.
+  const double parameters = parameter_count(m->architecture());
+  if (sizeof(float) * parameters > static_cast<double>(r.remaining())) r.corrupt("the parameters exceed the file");
   m->build_network();
   auto named = m->net->named_parameters(/*recurse=*/true);
+  {
+    double built = 0;
+    for (const auto& p : named) built += static_cast<double>(p.value().numel());
+    if (built != parameters)
+      throw Error("internal error: the network holds " + std::to_string(built) + " parameters, parameter_count() " +
+                  std::to_string(parameters));
+  }
   const uint64_t stored_parameters = r.pod<uint64_t>();
   if (stored_parameters != named.size())
     r.corrupt(std::to_string(stored_parameters) + " parameter tensors, the architecture has " +
