@@ -119,4 +119,11 @@ class FuzzInput {
 std::string scratch_path(const std::string& name);
 void write_file(const std::string& path, const std::string& contents);
 
+// A model file (CRF and neural CRF models) from the input. Their checksum would stop almost every mutation at the first
+// check, so the first byte chooses: even, the rest of the input with a correct checksum (the formats' FNV-1a, 64-bit,
+// over everything before it) appended, so that mutations reach the parser behind it; odd, the rest as it is.
+std::string model_file(FuzzInput& in);
+// A sentence of three tokens with `columns` input columns each (for tagging with a model that loaded).
+std::vector<std::vector<std::string>> sentence_of(std::size_t columns);
+
 }  // namespace trellis_fuzz

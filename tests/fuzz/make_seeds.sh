@@ -10,7 +10,7 @@ corpus="$here/corpus"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 rm -rf "$corpus"
-mkdir -p "$corpus"/{conll,crfpp_template,crf_model,hmm_dataset,hmm_model}
+mkdir -p "$corpus"/{conll,crfpp_template,crf_model,neural_model,hmm_dataset,hmm_model}
 
 # ---- conll: mode byte (bit 0: '#' comments, bit 1: no UTF-8 check, bit 2: empty allowed), then the text ----
 sample="$root/data/ud-en-ewt-sample/train.txt"
@@ -67,6 +67,19 @@ body += struct.pack("<Q", K) + b"".join(map(text, labels)) + struct.pack("<Q", F
 body += struct.pack(f"<{F * K + K * K + 2 * K}f", *[(i % 7 - 3) / 4 for i in range(F * K + K * K + 2 * K)])
 open(sys.argv[1], "wb").write(b"\x00" + body)
 EOF_V1
+
+# ---- neural_model: as crf_model, small networks of each kind (BiLSTM with a character BiLSTM and the built-in
+# ---- sparse features; dilated CNN with a character CNN, a template and an extra input column) ----
+small=(--epochs 1 --embedding-dim 4 --char-dim 4 --char-filters 4 --feature-dim 2 --hidden 4 --layers 2)
+"$trellis" crf train --encoder bilstm --train "$work/train.txt" --input-columns 0 --model "$work/bilstm.ncrf" \
+  "${small[@]}" > /dev/null 2>&1
+"$trellis" crf train --encoder cnn --char-encoder cnn --train "$work/train.txt" --template "$work/template" \
+  --model "$work/cnn.ncrf" "${small[@]}" > /dev/null 2>&1
+for model in bilstm cnn; do
+  size=$(stat -c %s "$work/$model.ncrf")
+  { printf '\x00'; head -c $((size - 8)) "$work/$model.ncrf"; } > "$corpus/neural_model/$model"
+done
+{ printf '\x01'; cat "$work/cnn.ncrf"; } > "$corpus/neural_model/cnn_as_saved"
 
 # ---- hmm_dataset / hmm_model: hdf5_builder.h's encoding; zero bytes keep the natural (well-formed) contents ----
 python3 - "$corpus" <<'EOF'
