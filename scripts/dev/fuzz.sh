@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz: clang, ASan, UBSan) into build-fuzz/ and fuzzes each in turn, one at a
 # time on one core. Usage: scripts/dev/fuzz.sh [SECONDS_PER_TARGET (default 600)] [TARGET...]
-# Targets: conll crfpp_template crf_model hmm_dataset hmm_model (default: all). Runs continue past a finding
+# Targets: conll crfpp_template crf_model neural_model hmm_dataset hmm_model (default: all). Runs continue past a finding
 # (libFuzzer -fork=1 -ignore_crashes=1); every failing input is kept in tests/fuzz/findings/<target>/ and the new ones
 # are listed at the end. Set FUZZ_FLAGS for other libFuzzer flags (e.g. FUZZ_FLAGS= to stop at the first finding instead).
 set -euo pipefail
@@ -10,7 +10,7 @@ cd "$root"
 seconds="${1:-600}"
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(conll crfpp_template crf_model hmm_dataset hmm_model)
+((${#targets[@]})) || targets=(conll crfpp_template crf_model neural_model hmm_dataset hmm_model)
 
 bash scripts/setup.sh  # the venv's LibTorch, HDF5 and the other packages the library needs
 if ! command -v clang++ >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
