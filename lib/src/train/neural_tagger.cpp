@@ -1039,6 +1039,11 @@ struct NeuralTagger::Impl {
       if (with_marginals) chosen = d.chosen.cpu(), probability = d.probability.cpu();
       for (std::size_t i = 0; i < d.sentence.size(); ++i) {
         TaggedSentence& s = out[d.sentence[i]];
+        // -1: decoding under the model's chunk scheme found no allowed path (labels such as I-X alone, which only a
+        // crafted or corrupt model file holds; a trained model has O or B- labels to start with).
+        if (P[i][0] < 0)
+          throw Error("sentence " + std::to_string(d.sentence[i]) + ": the model allows no label sequence (its labels " +
+                      "under the " + scheme + " chunk scheme forbid every path)");
         for (std::size_t t = 0; t < input.sentence(d.sentence[i]).size(); ++t) {
           s.labels.push_back(labels[P[i][t]]);
           if (with_marginals) s.marginals.push_back(chosen.accessor<double, 2>()[i][t]);
