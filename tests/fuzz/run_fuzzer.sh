@@ -11,7 +11,7 @@ target="$(basename "$fuzzer")"
 target="${target#fuzz_}"
 findings="$here/findings/$target"
 mkdir -p "$work/corpus" "$work/tmp" "$findings"
-rm -f "$work/tmp"/*
+rm -rf "$work/tmp"/*  # a killed fork-mode run leaves its temporary folder
 
 dict=()
 [ -f "$here/$target.dict" ] && dict=("-dict=$here/$target.dict")
