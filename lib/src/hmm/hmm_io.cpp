@@ -448,6 +448,21 @@ void write_attribute(H5::Group& root, const std::string& name, const std::string
   root.createAttribute(name, type, H5::DataSpace(H5S_SCALAR)).write(type, &raw);
 }
 
+// A chunked dataset whose chunks were never written (or a contiguous one never written) reads as its fill value: 16 GB
+// of them fit in a file of a few kilobytes. Compressed numbers shrink far less than ten-thousandfold (deflate at most
+// about a thousandfold), so a dataset of over 256 MB stored in less than a ten-thousandth of that is damaged.
+// element_bytes: the size of one number as it will be held in memory.
+void check_stored(const std::string& path, const std::string& name, const H5::DataSet& ds, double element_bytes) {
+  double logical = element_bytes;
+  for (hsize_t n : dims_of(ds)) logical *= static_cast<double>(n);
+  const double stored = static_cast<double>(ds.getStorageSize());
+  if (logical > 256.0 * (1 << 20) && stored * 1e4 < logical) {
+    char sizes[96];
+    std::snprintf(sizes, sizeof sizes, "%.3g GB of numbers but the file stores only %.0f bytes", logical / 1e9, stored);
+    throw Error(path + ": dataset '" + name + "' claims " + sizes + " of them (a damaged file)");
+  }
+}
+
 // A float64 dataset of exactly `shape` (read whole, small).
 at::Tensor read_doubles(const H5::Group& file, const std::string& path, const std::string& name,
                         std::vector<int64_t> shape) {
@@ -462,16 +477,7 @@ at::Tensor read_doubles(const H5::Group& file, const std::string& path, const st
     throw Error(path + ": dataset '" + name + "' has shape " + message::text(at::IntArrayRef(got)) + ", expected " +
                 message::text(at::IntArrayRef(shape)) + " (-1: any size)");
   check_readable(path, name, d, sizeof(double));
-  // A chunked dataset whose chunks were never written reads as its fill value: 16 GB of them fit in a file of a few
-  // kilobytes. Compressed parameters shrink far less than ten-thousandfold.
-  double logical = sizeof(double);
-  for (hsize_t n : d) logical *= static_cast<double>(n);
-  const double stored = static_cast<double>(ds.getStorageSize());
-  if (logical > 256.0 * (1 << 20) && stored * 1e4 < logical) {
-    char sizes[96];
-    std::snprintf(sizes, sizeof sizes, "%.3g GB of numbers but the file stores only %.0f bytes", logical / 1e9, stored);
-    throw Error(path + ": dataset '" + name + "' claims " + sizes + " of them (a damaged file)");
-  }
+  check_stored(path, name, ds, sizeof(double));
   at::Tensor t = at::empty(got, at::kDouble);
   ds.read(t.data_ptr<double>(), H5::PredType::NATIVE_DOUBLE);
   return t;
@@ -937,6 +943,8 @@ HMMDataset::HMMDataset(const std::string& path) : impl_(std::make_unique<Impl>()
     } else {
       throw Error(path + ": '/observations' must hold integers (symbol ids) or floats (feature vectors)");
     }
+    // Read a batch at a time, but a batch of unwritten numbers is as large as the file claims.
+    check_stored(path, "observations", d.observations, d.categorical ? sizeof(int64_t) : (d.float64 ? 8.0 : 4.0));
     const int64_t rows = dims[0];
     if (d.offsets[0] != 0)
       throw Error(d.where("offsets", 0) + " = " + stored_value(d.offsets[0], offsets_unsigned64) + ", expected 0");
@@ -956,6 +964,7 @@ HMMDataset::HMMDataset(const std::string& path) : impl_(std::make_unique<Impl>()
       if (d.labels.getTypeClass() != H5T_INTEGER || ld.size() != 1 || static_cast<int64_t>(ld[0]) != rows)
         throw Error(path + ": '/labels' must be a 1-d integer dataset with one entry per observation row (" +
                     std::to_string(rows) + ")");
+      check_stored(path, "labels", d.labels, sizeof(int64_t));
       d.labels_unsigned64 = unsigned64(d.labels);
       d.has_labels = true;
     }
