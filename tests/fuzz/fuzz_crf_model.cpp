@@ -15,20 +15,7 @@ void check_loaded_model(const trellis::CrfTagger& model) {
       model.start.sizes() != at::IntArrayRef{K} || model.end.sizes() != at::IntArrayRef{K})
     trellis_fuzz::finding("a loaded model's parameters do not match its labels and features");
 
-  // Tagging a sentence of the model's own column count (the command line's next step after load).
-  const std::size_t columns = model.input_columns();
-  if (columns >= 1 && columns <= 8) {
-    const trellis::TokenRows sentence = trellis_fuzz::sentence_of(columns);
-    const std::vector<const trellis::TokenRows*> sentences = {&sentence};
-    trellis_fuzz::succeeds_or_throws_error("CrfTagger::tag", [&] { model.tag(sentences, true); });
-    trellis_fuzz::succeeds_or_throws_error("CrfTagger::tag_kbest", [&] { model.tag_kbest(sentences, 2); });
-  }
-
-  const std::string copy = trellis_fuzz::scratch_path("crf_model_resaved");
-  if (!trellis_fuzz::succeeds_or_throws_error("CrfTagger::save", [&] { model.save(copy); })) return;
-  if (!trellis_fuzz::succeeds_or_throws_error("CrfTagger::load of a saved model",
-                                              [&] { trellis::CrfTagger::load(copy); }))
-    trellis_fuzz::finding("a model that loaded, saved again, does not load");
+  trellis_fuzz::check_tagging_and_reload(model, "CrfTagger");
 }
 
 }  // namespace

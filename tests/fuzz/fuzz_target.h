@@ -126,4 +126,21 @@ std::string model_file(FuzzInput& in);
 // A sentence of three tokens with `columns` input columns each (for tagging with a model that loaded).
 std::vector<std::vector<std::string>> sentence_of(std::size_t columns);
 
+// What the command line does with a tagger after loading it (CrfTagger, NeuralTagger): tag a sentence of the model's
+// own column count, with marginals and k-best, and save it to a file that loads again. `name` names the type.
+template <class Tagger>
+void check_tagging_and_reload(const Tagger& model, const std::string& name) {
+  const std::size_t columns = model.input_columns();
+  if (columns >= 1 && columns <= 8) {
+    const std::vector<std::vector<std::string>> sentence = sentence_of(columns);
+    const std::vector<const std::vector<std::vector<std::string>>*> sentences = {&sentence};
+    succeeds_or_throws_error((name + "::tag").c_str(), [&] { model.tag(sentences, true); });
+    succeeds_or_throws_error((name + "::tag_kbest").c_str(), [&] { model.tag_kbest(sentences, 2); });
+  }
+  const std::string copy = scratch_path(name + "_resaved");
+  if (!succeeds_or_throws_error((name + "::save").c_str(), [&] { model.save(copy); })) return;
+  if (!succeeds_or_throws_error((name + "::load of a saved model").c_str(), [&] { Tagger::load(copy); }))
+    finding("a " + name + " model that loaded, saved again, does not load");
+}
+
 }  // namespace trellis_fuzz

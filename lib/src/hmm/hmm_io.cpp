@@ -67,6 +67,12 @@ std::string hdf5_cause() {
   return found.system.empty() ? found.innermost : found.system;
 }
 
+// The Error for HDF5's exception e on the file `path`, given hdf5_cause() (taken first: any further HDF5 call clears
+// the error stack).
+Error hdf5_error(const std::string& path, const H5::Exception& e, const std::string& cause) {
+  return Error(path + ": HDF5 error in " + e.getFuncName() + ": " + (cause.empty() ? e.getDetailMsg() : cause));
+}
+
 // Runs f, turning HDF5's exceptions (which are not std::exceptions) into Errors that name the file.
 template <class F>
 auto h5(const std::string& path, F&& f) {
@@ -74,8 +80,7 @@ auto h5(const std::string& path, F&& f) {
   try {
     return f();
   } catch (const H5::Exception& e) {
-    const std::string cause = hdf5_cause();  // first: any further HDF5 call clears the error stack
-    throw Error(path + ": HDF5 error in " + e.getFuncName() + ": " + (cause.empty() ? e.getDetailMsg() : cause));
+    throw hdf5_error(path, e, hdf5_cause());
   }
 }
 
@@ -92,8 +97,7 @@ H5::H5File open_readonly(const std::string& path) {
   } catch (const H5::Exception& e) {
     // HDF5 reports a file cut short (an interrupted copy or download) as "truncated file: eof = ..., stored_eof = ...".
     const std::string cause = hdf5_cause();
-    if (cause.find("truncated file") == std::string::npos)
-      throw Error(path + ": HDF5 error in " + e.getFuncName() + ": " + (cause.empty() ? e.getDetailMsg() : cause));
+    if (cause.find("truncated file") == std::string::npos) throw hdf5_error(path, e, cause);
     throw Error(path + ": the HDF5 file is truncated: it holds " + std::to_string(st.st_size) +
                 " bytes, fewer than its header records (an interrupted copy or write?)");
   }
